@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import constants
 from .errors import ConfigError
@@ -26,6 +26,18 @@ SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # usable as a directory / Trit
 _SAFE_NAME_RE = re.compile(SAFE_NAME)
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def _safe_name(v: str) -> str:
+    if not _SAFE_NAME_RE.match(v):
+        raise ValueError(
+            "must be a plain name usable as a directory: letters, digits, '.', '_', '-', starting with a "
+            "letter or digit, at most 64 characters (no '/', no '..')"
+        )
+    return v
+
+
+SafeName = Annotated[str, AfterValidator(_safe_name)]
 
 WeightFormat = Literal["none", "int8_sq", "int8_wo", "fp8", "int4_awq", "w4a8_awq"]
 SensitivityFormat = Literal["int8_w8a8", "int8_sq", "int8_wo", "fp8", "int4_awq"]
@@ -291,7 +303,7 @@ class BuildSection(Strict):
 
 
 class TritonSection(Strict):
-    model_name: str = Field("llm", pattern=SAFE_NAME)
+    model_name: SafeName = "llm"
     instance_count: int = Field(1, ge=1, le=64)
     max_queue_delay_us: int = Field(100, ge=0)
     decoupled: bool = True  # streaming responses (gRPC streams, generate_stream)
@@ -323,7 +335,7 @@ class ImageSection(Strict):
 
 
 class PipelineConfig(Strict):
-    name: str = Field(pattern=SAFE_NAME)
+    name: SafeName
     description: str = ""
     model: ModelSection
     text: TextSection
@@ -500,15 +512,15 @@ def _format_validation_error(e: ValidationError, raw: dict, origins: dict[str, s
             key = yaml_path.rsplit(".", 1)[-1]
             valid = sorted(parent_model.model_fields) if parent_model else []
             guess = difflib.get_close_matches(key, valid, n=1)
-            msg = f"unknown key '{key}'"
+            msg = f": unknown key '{key}'"
             msg += f" (did you mean '{guess[0]}'?)" if guess else ""
             msg += f"; valid keys here: {', '.join(valid)}" if valid else ""
         elif kind == "missing":
-            msg = "is required but missing"
+            msg = ": is required but missing"
         else:
             text = err["msg"].removeprefix("Value error, ")
-            msg = f"= {_short(value)}: {text}" if present else text
-        lines.append(f"  {where}: {yaml_path or '<top level>'} {msg}")
+            msg = f" = {_short(value)}: {text}" if present and not isinstance(value, dict) else f": {text}"
+        lines.append(f"  {where}: {yaml_path or '<top level>'}{msg}")
     lines.append("Fix the value(s) above; `invoke plan --config FILE` re-checks a config without running anything.")
     return "\n".join(lines)
 
@@ -619,7 +631,10 @@ def _check_sources_exist(cfg: PipelineConfig, origins: dict[str, str]) -> None:
         if src.path.suffix != ".gguf" or not src.path.is_file():
             raise ConfigError(f"{where}: model.source.path = {str(src.path)!r}: no such .gguf file")
     elif isinstance(src, GGUFPackageSource):
-        gguf_package_file(src)
+        try:
+            gguf_package_file(src)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
     text = cfg.text.source
     if isinstance(text, FilesText):
         missing = [str(p) for p in text.paths if not p.is_file()]

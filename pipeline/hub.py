@@ -49,9 +49,10 @@ def _hub_error(e: Exception, src: HubSource, revision: str) -> Exception:
             f"Hub repo {repo} was not found, or it is private and no valid token was given "
             f"(export {constants.HF_TOKEN_ENV}). Check model.source.repo_id."
         )
-    if isinstance(e, hf_errors.EntryNotFoundError):
+    # LocalEntryNotFoundError subclasses EntryNotFoundError: "not in the cache" is not "missing on the server"
+    if isinstance(e, hf_errors.EntryNotFoundError) and not isinstance(e, hf_errors.LocalEntryNotFoundError):
         return InputError(f"Hub repo {repo}@{revision}: a listed file is missing on the server: {e}")
-    if isinstance(e, (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled)):
+    if isinstance(e, (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled)) and offline():
         return InputError(
             f"{repo}@{revision} is not in the local Hugging Face cache and {constants.HF_OFFLINE_ENV} is set. "
             f"Download it once with network access, or unset {constants.HF_OFFLINE_ENV}."
@@ -62,12 +63,33 @@ def _hub_error(e: Exception, src: HubSource, revision: str) -> Exception:
     )
 
 
-def _cached_ref(src: HubSource) -> Optional[str]:
+def _ref_path(src: HubSource) -> Path:
     from huggingface_hub import constants as hf_constants
 
     cache = Path(src.cache_dir) if src.cache_dir else Path(hf_constants.HF_HUB_CACHE)
-    ref = cache / f"models--{src.repo_id.replace('/', '--')}" / "refs" / src.revision
+    return cache / f"models--{src.repo_id.replace('/', '--')}" / "refs" / src.revision
+
+
+def _cached_ref(src: HubSource) -> Optional[str]:
+    ref = _ref_path(src)
     return ref.read_text().strip() if ref.is_file() else None
+
+
+def _record_ref(src: HubSource, sha: str) -> None:
+    """Remember branch/tag -> sha in the cache, as huggingface_hub does, so the branch resolves offline later.
+
+    Files are always fetched by sha (so the client itself never writes refs/<branch>); without this an
+    offline run of a config that names a branch could never resolve it."""
+    if src.pinned:
+        return
+    ref = _ref_path(src)
+    try:
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+        tmp.write_text(sha)
+        os.replace(tmp, ref)
+    except OSError as e:
+        log.warning("could not record %s -> %s in the Hub cache: %s", src.revision, sha, e)
 
 
 def resolve_revision(src: HubSource) -> str:
@@ -169,4 +191,6 @@ def fetch_snapshot(src: HubSource, sha: str, dest: Path) -> dict:
             )
         link_or_copy(blob, dest / name)
         files[name] = digest
+    if not is_offline:
+        _record_ref(src, sha)  # only once every file is fetched and verified
     return {"repo_id": src.repo_id, "revision": sha, "files": files, "verified_against_hub": not is_offline}

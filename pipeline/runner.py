@@ -293,8 +293,12 @@ class Runner:
         staging.mkdir(parents=True)
         handler = logging.FileHandler(staging / constants.STAGE_LOG_FILE, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setLevel(logging.INFO)
         root_logger = logging.getLogger()
         root_logger.addHandler(handler)
+        saved_level = log.level
+        if log.getEffectiveLevel() > logging.INFO:
+            log.setLevel(logging.INFO)  # the stage log keeps the pipeline's INFO lines whatever the console shows
         started = datetime.now(timezone.utc)
         try:
             ctx = StageContext(self.loaded, staging, {d: self.stage_dir(d) for d in stage.needs}, self.hash_cache)
@@ -304,8 +308,11 @@ class Runner:
                 changed = "; ".join(_describe_changes(inputs, after)) or "inputs changed"
                 raise InputError(f"{stage.name}: an input changed while the stage ran ({changed}). Run again.")
         except BaseException as e:
+            if not isinstance(e, KeyboardInterrupt):
+                log.error("%s failed", stage.name, exc_info=True)
             root_logger.removeHandler(handler)
             handler.close()
+            log.setLevel(saved_level)
             kept = self._keep_failed_log(stage.name, staging)
             remove_tree(staging)
             if isinstance(e, KeyboardInterrupt):
@@ -319,9 +326,11 @@ class Runner:
             ) from e
         root_logger.removeHandler(handler)
         handler.close()
+        log.setLevel(saved_level)
 
         files = {}
-        for rel in list_files(staging, exclude=[constants.MANIFEST_FILE]):
+        # the log is kept beside the artifacts but is not one: its timestamps differ on every run
+        for rel in list_files(staging, exclude=[constants.MANIFEST_FILE, constants.STAGE_LOG_FILE]):
             p = staging / rel
             st_ = p.stat()
             files[rel] = {"sha256": sha256_file(p), "size_bytes": st_.st_size, "mtime_ns": st_.st_mtime_ns}

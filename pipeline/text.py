@@ -109,8 +109,9 @@ def prepare_text(section: TextSection, tokenizer_dir: Path, out_dir: Path) -> di
         ("calibration", cal_stream, cal_docs, cal, constants.CALIBRATION_TOKENS_FILE, constants.CALIBRATION_TEXT_FILE),
     ):
         ids = np.asarray(stream[: ts.num_samples * ts.seq_len], dtype=np.int64).reshape(ts.num_samples, ts.seq_len)
-        save_file({constants.TOKENS_KEY: ids}, str(out_dir / tensor_file),
-                  metadata={"documents": json.dumps(used), "seed": str(section.seed)})
+        # no safetensors metadata: a multi-key metadata map is written in a different order from run to run,
+        # which would make identical token sets hash differently (which documents were used is in the manifest)
+        save_file({constants.TOKENS_KEY: ids}, str(out_dir / tensor_file))
         with open(out_dir / text_file, "w", encoding="utf-8") as f:
             for i, row in enumerate(ids):
                 f.write(json.dumps({"index": i, "text": tok.decode(row.tolist())}, ensure_ascii=False) + "\n")

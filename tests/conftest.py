@@ -1,0 +1,78 @@
+"""Shared fixtures: a tiny real Llama model (random weights, real tokenizer) and helpers to run invoke."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO / "engine_configs" / "smollm2-135m-cpu.yaml"
+
+
+def run_invoke(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path = REPO):
+    """Run `invoke ARGS` as a user would (a fresh process), capturing its output."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+def tree_snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of every file and folder under root: equal snapshots mean nothing was touched."""
+    if not root.exists():
+        return {}
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.stat()
+        out[p.relative_to(root).as_posix()] = (st.st_size if p.is_file() else 0, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """A real byte-level BPE tokenizer trained on standard-library prose (a second or so)."""
+    from pydoc_data import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(topics.topics.values())[:20], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>", clean_up_tokenization_spaces=False)
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """A 2-layer Llama with random weights saved as a normal HF folder (safetensors + tokenizer)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    out = tmp_path_factory.mktemp("tiny_model")
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy2(f, out / f.name)
+    return out
