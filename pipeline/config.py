@@ -361,6 +361,13 @@ class PipelineConfig(Strict):
                     "build.target: pytorch serves the HF unified checkpoint: set "
                     "quantization.export_hf_checkpoint: true"
                 )
+        decision = {"int8_sq": "int8_sq", "int8_wo": "int8_wo", "fp8": "fp8", "int4_awq": "int4_awq",
+                    "w4a8_awq": "int4_awq"}.get(q.weight_format)
+        if decision is not None and decision not in self.sensitivity.formats:
+            raise ValueError(
+                f"quantization.weight_format {q.weight_format} is decided on the sensitivity column {decision}: "
+                f"add {decision} to sensitivity.formats (now {list(self.sensitivity.formats)})"
+            )
         if max(self.bench.concurrency) > b.max_batch_size * self.triton.instance_count * 4:
             raise ValueError(
                 f"bench.concurrency goes up to {max(self.bench.concurrency)}, far beyond what "

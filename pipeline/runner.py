@@ -78,6 +78,10 @@ class StageDef:
     run: Optional[Callable[[StageContext], dict]] = None  # returns the summary figures; None: not built
     issue: Optional[int] = None  # the issue building it, while run is None
     version: int = 1  # bump when the stage's logic changes in a way that changes its outputs
+    # outputs a person may edit by hand (the plan): an edit is validated by accept_edit(stage_dir), which
+    # returns summary figures to record, and then used as it is instead of being overwritten
+    editable: tuple[str, ...] = ()
+    accept_edit: Optional[Callable[[Path], dict]] = None
 
     @property
     def built(self) -> bool:
@@ -90,6 +94,9 @@ class StageStatus:
     up_to_date: bool
     reasons: list[str] = field(default_factory=list)
     manifest: Optional[dict] = None
+    inputs_changed: bool = False
+    output_problems: list[str] = field(default_factory=list)
+    edited: list[str] = field(default_factory=list)  # editable outputs changed by hand
 
 
 def tool_versions() -> dict[str, str]:
@@ -203,14 +210,17 @@ class Runner:
         if inputs is None:
             inputs = self.compute_inputs(stage)
         reasons = []
-        if hash_json(inputs) != manifest.get("input_hash"):
+        changed = hash_json(inputs) != manifest.get("input_hash")
+        if changed:
             reasons = _describe_changes(manifest.get("inputs", {}), inputs) or ["inputs changed"]
-        reasons += self._check_outputs(name, manifest)
-        return StageStatus(name, not reasons, reasons, manifest)
+        problems, edited = self._check_outputs(name, manifest, stage.editable)
+        reasons += problems
+        reasons += [f"{name}/{rel} was edited by hand: it will be checked and used as it is" for rel in edited]
+        return StageStatus(name, not reasons, reasons, manifest, changed, problems, edited)
 
-    def _check_outputs(self, name: str, manifest: dict) -> list[str]:
+    def _check_outputs(self, name: str, manifest: dict, editable: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
         root = self.stage_dir(name)
-        problems = []
+        problems, edited = [], []
         for rel, rec in manifest["outputs"]["files"].items():
             p = root / rel
             try:
@@ -218,11 +228,15 @@ class Runner:
             except OSError:
                 problems.append(f"output {name}/{rel} is missing")
                 continue
-            if st.st_size != rec["size_bytes"]:
+            modified = st.st_size != rec["size_bytes"] or (
+                st.st_mtime_ns != rec["mtime_ns"] and sha256_file(p) != rec["sha256"])
+            if modified and rel in editable:
+                edited.append(rel)
+            elif st.st_size != rec["size_bytes"]:
                 problems.append(f"output {name}/{rel} changed size")
-            elif st.st_mtime_ns != rec["mtime_ns"] and sha256_file(p) != rec["sha256"]:
+            elif modified:
                 problems.append(f"output {name}/{rel} was modified")
-        return problems
+        return problems, edited
 
     def explain(self, targets: list[str]) -> list[StageStatus]:
         """What `run` would do, without doing it: used by `invoke plan`."""
@@ -286,6 +300,8 @@ class Runner:
         if st.up_to_date and not force:
             echo(f"{stage.name}: up to date (inputs unchanged, outputs intact) [{time.monotonic() - t0:.1f} s]")
             return st.manifest
+        if st.edited and not force:
+            return self._accept_edit(stage, st, echo)
         why = "forced (--force)" if force else "; ".join(st.reasons)
         echo(f"{stage.name}: running ({why})")
 
@@ -359,6 +375,34 @@ class Runner:
         fsync_tree(staging)
         self._swap_into_place(stage.name, staging)
         echo(f"{stage.name}: done in {manifest['duration_s']:.1f} s -> {self.stage_dir(stage.name)}")
+        return manifest
+
+    def _accept_edit(self, stage: StageDef, st: StageStatus, echo: Callable[[str], None]) -> dict:
+        """A person edited an editable output: check it and record it, never overwrite it silently."""
+        files = ", ".join(st.edited)
+        if st.inputs_changed or st.output_problems:
+            other = "; ".join(r for r in st.reasons if "edited by hand" not in r)
+            raise InputError(
+                f"{stage.name}: {files} was edited by hand, and {other}. Rerunning the stage would overwrite "
+                f"your edit: copy it somewhere safe, then rerun with --force (or undo the other change)."
+            )
+        root = self.stage_dir(stage.name)
+        figures = stage.accept_edit(root) if stage.accept_edit else {}
+        manifest = dict(st.manifest)
+        files_rec = dict(manifest["outputs"]["files"])
+        for rel in st.edited:
+            p = root / rel
+            stat = p.stat()
+            files_rec[rel] = {"sha256": sha256_file(p), "size_bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        manifest["outputs"] = {
+            "digest": digest_of_files({k: v["sha256"] for k, v in files_rec.items()}),
+            "total_bytes": sum(v["size_bytes"] for v in files_rec.values()),
+            "files": files_rec,
+        }
+        manifest["hand_edited"] = sorted(set(manifest.get("hand_edited", [])) | set(st.edited))
+        manifest["summary"] = {**manifest.get("summary", {}), **figures, "hand_edited": True}
+        atomic_write_json(root / constants.MANIFEST_FILE, manifest)
+        echo(f"{stage.name}: using the hand-edited {files} (checked; stages after it will rerun)")
         return manifest
 
     def _swap_into_place(self, name: str, staging: Path) -> None:

@@ -22,6 +22,49 @@ def _run_text(ctx: StageContext) -> dict:
     return prepare_text(ctx.config.text, ctx.upstream("model") / constants.MODEL_DIR, ctx.out_dir)
 
 
+def _run_sensitivity(ctx: StageContext) -> dict:
+    from .child import run_in_child
+    from .plan import decision_format
+    from .sensitivity import run_analysis
+
+    cfg = ctx.config
+    summary, peak_rss = run_in_child(
+        run_analysis, ctx.upstream("model") / constants.MODEL_DIR,
+        ctx.upstream("text") / constants.CALIBRATION_TOKENS_FILE, cfg.sensitivity, cfg.quantization, ctx.out_dir,
+        decision_format(cfg.quantization), log_path=ctx.out_dir / constants.STAGE_LOG_FILE,
+    )
+    return {**summary, "peak_rss_bytes": peak_rss}
+
+
+def _run_plan(ctx: StageContext) -> dict:
+    import json
+
+    from .plan import decision_format, make_plan, plan_markdown, write_plan
+    from .sensitivity import TABLE_JSON
+    from .sensitivity_report import error_bars_png
+
+    cfg = ctx.config
+    table = json.loads((ctx.upstream("sensitivity") / TABLE_JSON).read_text())
+    doc = make_plan(table, cfg.plan, cfg.sensitivity, cfg.quantization)
+    write_plan(doc, ctx.out_dir, cfg.name)
+    (ctx.out_dir / "plan.md").write_text(plan_markdown(doc))
+    col = decision_format(cfg.quantization) or cfg.sensitivity.formats[0]
+    error_bars_png(table, doc, col, doc["threshold"], ctx.out_dir / "sensitivity_errors.png")
+    return {**doc["summary"], "budget": doc["budget"], "mode": doc["mode"]}
+
+
+def _check_edited_plan(stage_dir) -> dict:
+    import json
+
+    from .plan import PLAN_FILE, read_plan
+    from .sensitivity import TABLE_JSON
+
+    layers = [l["name"] for l in json.loads((stage_dir.parent / "sensitivity" / TABLE_JSON).read_text())["layers"]]
+    doc = read_plan(stage_dir / PLAN_FILE, layers)
+    kept = [n for n, e in doc["layers"].items() if e["format"] == "high_precision"]
+    return {"kept_high_precision": len(kept), "kept_high_precision_layers": kept}
+
+
 def _model_fingerprint(loaded, hash_cache):
     from .download import model_fingerprint
 
@@ -40,9 +83,12 @@ STAGES: list[StageDef] = [
     StageDef("text", "calibration and evaluation token sets", needs=("model",), sections=("text",),
              external_inputs=_text_fingerprint, run=_run_text),
     StageDef("sensitivity", "per-layer INT8 sensitivity table", needs=("model", "text"),
-             sections=("sensitivity",), issue=3),
-    StageDef("plan", "mixed-precision plan", needs=("sensitivity",), sections=("plan", "sensitivity.threshold"),
-             issue=3),
+             sections=("sensitivity", "quantization.weight_format", "quantization.smoothquant_alpha",
+                       "quantization.awq_group_size"), run=_run_sensitivity),
+    StageDef("plan", "mixed-precision plan", needs=("sensitivity",),
+             sections=("plan", "sensitivity.threshold", "quantization.weight_format", "quantization.kv_cache",
+                       "quantization.awq_group_size"),
+             run=_run_plan, editable=("plan.yaml",), accept_edit=_check_edited_plan),
     StageDef("quantize", "ModelOpt quantization, TensorRT-LLM checkpoint export, accuracy gate",
              needs=("model", "text", "plan"), sections=("quantization",), issue=4),
     StageDef("build", "engine / LLM-API options / CPU runtime bundle", needs=("quantize",), sections=("build",),

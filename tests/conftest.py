@@ -76,3 +76,13 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     for f in tiny_tokenizer_dir.iterdir():
         shutil.copy2(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="session")
+def default_work_root(tmp_path_factory) -> Path:
+    """`invoke download` on the embedded default config, once per test session (about 40 s)."""
+    work_root = tmp_path_factory.mktemp("default_work")
+    proc = run_invoke("download", "--work-root", str(work_root), timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "model: done" in proc.stdout and "text: done" in proc.stdout
+    return work_root

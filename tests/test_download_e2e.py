@@ -24,12 +24,8 @@ def manifest(work_root: Path, stage: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def downloaded(tmp_path_factory) -> Path:
-    work_root = tmp_path_factory.mktemp("work")
-    proc = run_invoke("download", "--work-root", str(work_root), timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "model: done" in proc.stdout and "text: done" in proc.stdout
-    return work_root
+def downloaded(default_work_root) -> Path:
+    return default_work_root
 
 
 def test_hf_folder_is_complete_and_readable_by_transformers_4_57(downloaded):

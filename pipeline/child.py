@@ -1,0 +1,78 @@
+"""Run heavy work (analysis, quantization, builds) in a child process, with its log kept beside the artifact.
+
+A crash in the child (segfault, out-of-memory kill) becomes a StageFailed carrying the log's tail instead
+of taking the pipeline down or hanging; a PipelineError raised in the child is re-raised in the parent as
+the same class with the same message. The child is a fresh interpreter (spawn), so its peak RSS is its
+own work's, not whatever the parent loaded before.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import resource
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from . import errors
+from .errors import PipelineError, StageFailed
+
+LOG_TAIL_LINES = 30
+
+
+def _child_main(fn: Callable, args: tuple, kwargs: dict, log_path: str, conn) -> None:
+    handler = logging.FileHandler(log_path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("pipeline").setLevel(logging.INFO)
+    try:
+        result = fn(*args, **kwargs)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        conn.send(("ok", result, peak))
+    except PipelineError as e:
+        logging.getLogger("pipeline").error("%s", e)
+        conn.send(("pipeline_error", (type(e).__name__, str(e)), 0))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the traceback in the log
+        logging.getLogger("pipeline").error("child failed:\n%s", traceback.format_exc())
+        conn.send(("error", f"{type(e).__name__}: {e}", 0))
+    finally:
+        handler.close()
+        conn.close()
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def run_in_child(fn: Callable, *args: Any, log_path: Path, **kwargs: Any) -> tuple[Any, int]:
+    """fn(*args, **kwargs) in a spawned process; returns (its result, the child's peak RSS in bytes)."""
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_main, args=(fn, args, kwargs, str(log_path), sender), daemon=True)
+    proc.start()
+    sender.close()
+    try:
+        message = receiver.recv()
+    except EOFError:
+        message = None
+    finally:
+        proc.join()
+        receiver.close()
+    if message is None:
+        raise StageFailed(
+            f"the child process died (exit code {proc.exitcode}; -9 usually means it ran out of memory). "
+            f"Last lines of {log_path}:\n{log_tail(log_path)}"
+        )
+    status, payload, peak = message
+    if status == "pipeline_error":
+        name, text = payload
+        raise getattr(errors, name, StageFailed)(text)
+    if status == "error":
+        raise StageFailed(f"{payload}. Last lines of {log_path}:\n{log_tail(log_path)}")
+    return payload, peak

@@ -1,0 +1,247 @@
+"""plan stage: the mixed-precision plan, one line per linear layer, with the reason for its format.
+
+Modes:
+- threshold (default): a layer whose error in the decision format exceeds the threshold stays in high
+  precision (FP16/BF16 in the checkpoint);
+- budget: given a weight-memory budget (bytes, or average bits per weight over the linear layers), keep
+  in high precision the set of layers that removes the most total error while fitting the budget (a 0/1
+  knapsack, solved exactly on a 4 KiB grid with sizes rounded up, so the budget is never exceeded);
+- rules (both modes, applied first): fnmatch patterns that keep layers in high precision or force a format.
+
+The plan is ``plan.yaml``: small and meant to be read and edited. The runner notices a hand edit; the
+edited file is validated and then used as it is by the stages after it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .config import PlanSection, QuantizationSection, SensitivitySection
+from .errors import InputError
+from .sensitivity import quantized_weight_bytes
+
+PLAN_FILE = "plan.yaml"
+PLAN_FORMAT_VERSION = 1
+HIGH_PRECISION = "high_precision"
+BUDGET_GRID_BYTES = 4096
+
+# the sensitivity column that predicts each weight format (w4a8_awq: INT4 weights dominate its error)
+DECISION_FORMAT = {"int8_sq": "int8_sq", "int8_wo": "int8_wo", "fp8": "fp8", "int4_awq": "int4_awq",
+                   "w4a8_awq": "int4_awq"}
+VALID_LAYER_FORMATS = (HIGH_PRECISION, "int8_sq", "int8_wo", "fp8", "int4_awq", "w4a8_awq")
+
+
+@dataclass
+class LayerChoice:
+    name: str
+    format: str
+    reason: str
+    error: float | None
+    params: int
+    bytes: int
+
+
+def decision_format(quant: QuantizationSection) -> str | None:
+    return DECISION_FORMAT.get(quant.weight_format)
+
+
+def _bytes(fmt: str, layer: dict, group_size: int) -> int:
+    if fmt == HIGH_PRECISION:
+        return quantized_weight_bytes("none", layer["out_features"], layer["in_features"], group_size)
+    return quantized_weight_bytes(fmt, layer["out_features"], layer["in_features"], group_size)
+
+
+def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: QuantizationSection) -> dict:
+    layers = table["layers"]
+    base = quant.weight_format
+    col = decision_format(quant)
+    g = quant.awq_group_size
+    choices: dict[str, LayerChoice] = {}
+
+    def err(layer: dict, fmt: str) -> float | None:
+        column = DECISION_FORMAT.get(fmt, fmt)
+        e = layer["errors"].get(column)
+        return e["error"] if e else None
+
+    # rules first: the last matching rule wins, as in ModelOpt's ordered configs
+    free = []
+    for layer in layers:
+        rule = None
+        for r in plan.rules:
+            if fnmatch.fnmatchcase(layer["name"], r.pattern):
+                rule = r
+        if base == "none":
+            fmt, why = HIGH_PRECISION, "quantization.weight_format is none"
+        elif rule is not None and rule.keep_high_precision:
+            fmt, why = HIGH_PRECISION, f"rule '{rule.pattern}': keep high precision"
+        elif rule is not None:
+            fmt, why = rule.format if rule.format != "none" else HIGH_PRECISION, f"rule '{rule.pattern}': format {rule.format}"
+        else:
+            free.append(layer)
+            continue
+        choices[layer["name"]] = LayerChoice(layer["name"], fmt, why, err(layer, fmt if fmt != HIGH_PRECISION else base),
+                                             layer["in_features"] * layer["out_features"], _bytes(fmt, layer, g))
+
+    binding = None
+    if plan.mode == "threshold":
+        for layer in free:
+            e = err(layer, base)
+            if e is not None and e > sens.threshold:
+                choices[layer["name"]] = _choice(layer, HIGH_PRECISION, f"error {e:.3f} > threshold {sens.threshold}", e, g)
+            else:
+                choices[layer["name"]] = _choice(layer, base, f"error {e:.3f} <= threshold {sens.threshold}", e, g)
+    else:
+        binding = _budget(free, choices, plan, base, err, g)
+
+    ordered = [choices[l["name"]] for l in layers]
+    return _summarise(ordered, table, plan, sens, quant, col, binding)
+
+
+def _choice(layer: dict, fmt: str, reason: str, error: float | None, g: int) -> LayerChoice:
+    return LayerChoice(layer["name"], fmt, reason, error, layer["in_features"] * layer["out_features"],
+                       _bytes(fmt, layer, g))
+
+
+def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, g: int) -> dict:
+    """Keep in high precision the free layers that remove the most error within the budget (exact 0/1
+    knapsack on a 4 KiB grid, item sizes rounded up: the result never exceeds the budget)."""
+    import numpy as np
+
+    all_params = sum(c.params for c in choices.values()) + sum(l["in_features"] * l["out_features"] for l in free)
+    if plan.budget.weight_bytes is not None:
+        budget = plan.budget.weight_bytes
+        what = f"weight_bytes {budget}"
+    else:
+        budget = int(plan.budget.avg_bits_per_weight * all_params // 8)
+        what = f"avg_bits_per_weight {plan.budget.avg_bits_per_weight} = {budget} bytes over {all_params} weights"
+    fixed = sum(c.bytes for c in choices.values())
+    quantized = {l["name"]: _bytes(base, l, g) for l in free}
+    floor = fixed + sum(quantized.values())
+    if floor > budget:
+        raise InputError(
+            f"plan.budget ({what}) is below the smallest possible plan: {floor} bytes with every free layer in "
+            f"{base} and the rules' choices. Raise the budget, or relax the rules that keep layers in high precision."
+        )
+    room = budget - floor
+    extra = [_bytes(HIGH_PRECISION, l, g) - quantized[l["name"]] for l in free]
+    gain = [err(l, base) or 0.0 for l in free]
+    cap = room // BUDGET_GRID_BYTES
+    units = [-(-e // BUDGET_GRID_BYTES) for e in extra]  # round up: never over budget
+    best = np.zeros(cap + 1)
+    keep = np.zeros((len(free), cap + 1), dtype=bool)
+    for i, (u, v) in enumerate(zip(units, gain)):
+        if u > cap or v <= 0:
+            continue
+        cand = best[: cap + 1 - u] + v
+        take = cand > best[u:]
+        keep[i, u:] = take
+        best[u:] = np.where(take, cand, best[u:])
+    c = int(np.argmax(best))
+    kept = set()
+    for i in range(len(free) - 1, -1, -1):
+        if keep[i, c]:
+            kept.add(i)
+            c -= units[i]
+    for i, layer in enumerate(free):
+        e = gain[i]
+        if i in kept:
+            choices[layer["name"]] = _choice(layer, HIGH_PRECISION, f"budget: keeping it removes error {e:.3f}", e, g)
+        else:
+            choices[layer["name"]] = _choice(layer, base, f"budget: error {e:.3f} left (no room)", e, g)
+    used = sum(c.bytes for c in choices.values())
+    left_out = [extra[i] for i in range(len(free)) if i not in kept and gain[i] > 0]
+    binds = bool(left_out) and min(left_out) > budget - used
+    return {"budget_bytes": budget, "budget": what, "used_bytes": used, "slack_bytes": budget - used,
+            "binding": ("the weight budget: the smallest layer left quantized does not fit in the slack"
+                        if binds else "none: every layer with error > 0 that the rules allow is kept")}
+
+
+def _summarise(ordered: list[LayerChoice], table: dict, plan: PlanSection, sens: SensitivitySection,
+               quant: QuantizationSection, col: str | None, binding: dict | None) -> dict:
+    fp16 = sum(_bytes(HIGH_PRECISION, l, quant.awq_group_size) for l in table["layers"])
+    planned = sum(c.bytes for c in ordered)
+    params = sum(c.params for c in ordered)
+    kept = [c.name for c in ordered if c.format == HIGH_PRECISION]
+    formats = sorted({c.format for c in ordered})
+    return {
+        "format_version": PLAN_FORMAT_VERSION,
+        "base_format": quant.weight_format,
+        "kv_cache": quant.kv_cache,
+        "decision_column": col,
+        "mode": plan.mode,
+        "threshold": sens.threshold if plan.mode == "threshold" else None,
+        "budget": binding,
+        # error: the layer's measured error in the format it was judged by (also for kept layers)
+        "layers": {c.name: {"format": c.format, "error": None if c.error is None else round(c.error, 5),
+                            "reason": c.reason} for c in ordered},
+        "summary": {
+            "layers": len(ordered),
+            "kept_high_precision": len(kept),
+            "kept_high_precision_layers": kept,
+            "formats": formats,
+            "mixed_precision": len([f for f in formats if f != HIGH_PRECISION]) > 1,
+            "weight_bytes_fp16": fp16,
+            "weight_bytes_planned": planned,
+            "effective_bits_per_weight": round(planned * 8 / params, 3) if params else None,
+            "total_error_left": round(sum(c.error or 0.0 for c in ordered if c.format != HIGH_PRECISION), 5),
+        },
+    }
+
+
+def write_plan(plan_doc: dict, out_dir: Path, config_name: str) -> None:
+    header = (
+        f"# Mixed-precision plan for {config_name} (written by the plan stage).\n"
+        f"# Each linear layer: its format (high_precision = kept in FP16/BF16) and why. You may edit `format`\n"
+        f"# (one of: {', '.join(VALID_LAYER_FORMATS)}); the next stages use the edited file as it is.\n"
+    )
+    (out_dir / PLAN_FILE).write_text(header + yaml.safe_dump(plan_doc, sort_keys=False, width=120))
+
+
+def read_plan(path: Path, table_layers: list[str] | None = None) -> dict:
+    """Load and validate a plan file (generated or edited); errors name the layer and the fix."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise InputError(f"{path}: cannot read the plan: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("layers"), dict):
+        raise InputError(f"{path}: a plan needs a `layers:` mapping of layer name -> {{format: ...}}")
+    if doc.get("format_version") != PLAN_FORMAT_VERSION:
+        raise InputError(f"{path}: format_version must be {PLAN_FORMAT_VERSION}")
+    for name, entry in doc["layers"].items():
+        fmt = entry.get("format") if isinstance(entry, dict) else None
+        if fmt not in VALID_LAYER_FORMATS:
+            raise InputError(f"{path}: layer {name}: format {fmt!r} is not one of {', '.join(VALID_LAYER_FORMATS)}")
+    if table_layers is not None:
+        missing = sorted(set(table_layers) - set(doc["layers"]))
+        unknown = sorted(set(doc["layers"]) - set(table_layers))
+        if missing or unknown:
+            raise InputError(f"{path}: the plan's layers do not match the model's: missing {missing[:3]}, "
+                             f"unknown {unknown[:3]}")
+    return doc
+
+
+def plan_markdown(doc: dict) -> str:
+    s = doc["summary"]
+    lines = [f"# Plan: {doc['base_format']} weights, {doc['kv_cache']} KV cache ({doc['mode']} mode)", "",
+             f"- layers: {s['layers']}, kept in high precision: {s['kept_high_precision']}",
+             f"- weight bytes: {s['weight_bytes_planned']:,} planned vs {s['weight_bytes_fp16']:,} all-FP16 "
+             f"({s['effective_bits_per_weight']} bits per weight)"]
+    if doc.get("budget"):
+        lines.append(f"- budget: {doc['budget']['budget']}; used {doc['budget']['used_bytes']:,} bytes; "
+                     f"binding: {doc['budget']['binding']}")
+    lines += ["", "| layer | format | error | reason |", "|---|---|---|---|"]
+    for name, e in doc["layers"].items():
+        if e["format"] == HIGH_PRECISION or "rule" in e["reason"]:
+            lines.append(f"| {name} | {e['format']} | {e['error']} | {e['reason']} |")
+    lines.append("")
+    lines.append("(Only layers kept in high precision or set by a rule are listed; plan.yaml has every layer.)")
+    return "\n".join(lines) + "\n"
+
+
+def table_layers(table_path: Path) -> list[str]:
+    return [l["name"] for l in json.loads(table_path.read_text())["layers"]]

@@ -1,0 +1,96 @@
+"""What a person reads from the sensitivity and plan stages: a sorted Markdown table and two PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MODULE_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def table_markdown(table: dict, threshold: float, decision: str) -> str:
+    layers = sorted(table["layers"], key=lambda l: -l["errors"].get(decision, {}).get("error", 0.0))
+    fmts = list(layers[0]["errors"]) if layers else []
+    over = [l for l in layers if l["errors"].get(decision, {}).get("error", 0.0) > threshold]
+    lines = [
+        f"# Per-layer INT8 sensitivity ({table['calibration']['samples']} x {table['calibration']['seq_len']} "
+        f"calibration tokens)",
+        "",
+        f"error = ||ref(x) - q(x)|| / ||ref(x)|| over the calibration set; sorted by the `{decision}` column; "
+        f"{len(over)} of {len(layers)} layers exceed the threshold {threshold} (marked **).",
+        "mean / max: over calibration samples. outlier ratio: largest input-channel amax / median channel amax.",
+        "",
+        "| layer | " + " | ".join(f"{f} error (mean / max)" for f in fmts) + " | input amax | outlier ratio | params |",
+        "|---|" + "---|" * len(fmts) + "---|---|---|",
+    ]
+    for l in layers:
+        cells = []
+        for f in fmts:
+            e = l["errors"][f]
+            mark = "**" if f == decision and e["error"] > threshold else ""
+            cells.append(f"{mark}{e['error']:.4f}{mark} ({e['mean']:.4f} / {e['max']:.4f})")
+        lines.append(f"| {l['name']} | " + " | ".join(cells) +
+                     f" | {l['activation']['amax']:.1f} | {l['activation']['outlier_ratio']:.1f} | "
+                     f"{l['in_features'] * l['out_features']:,} |")
+    emb = table.get("embedding")
+    if emb:
+        lines += ["", f"Embedding table ({emb['name']}, reported separately, not quantized by the plan): INT8 "
+                      f"per-row error {emb['int8_per_row_error']:.4f} over the {emb['rows_checked']} rows the "
+                      f"calibration set uses."]
+    return "\n".join(lines) + "\n"
+
+
+def heatmap_png(table: dict, formats: tuple[str, ...], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    blocks = sorted({l["block"] for l in table["layers"] if l["block"] >= 0})
+    fig, axes = plt.subplots(len(formats), 1, figsize=(max(8, len(blocks) * 0.35 + 2), 2.6 * len(formats) + 0.6),
+                             squeeze=False)
+    for ax, fmt in zip(axes[:, 0], formats):
+        grid = np.full((len(MODULE_ORDER), len(blocks)), np.nan)
+        for l in table["layers"]:
+            if l["block"] >= 0 and l["module"] in MODULE_ORDER:
+                grid[MODULE_ORDER.index(l["module"]), blocks.index(l["block"])] = l["errors"][fmt]["error"]
+        im = ax.imshow(grid, aspect="auto", cmap="magma_r", interpolation="nearest")
+        ax.set_yticks(range(len(MODULE_ORDER)), MODULE_ORDER)
+        ax.set_xticks(range(len(blocks)), [str(b) for b in blocks], fontsize=7)
+        head = next((l for l in table["layers"] if l["module"] == "lm_head"), None)
+        extra = f"; lm_head {head['errors'][fmt]['error']:.3f}" if head else ""
+        ax.set_title(f"{fmt}: relative output error per layer (decoder block x module){extra}", fontsize=10)
+        ax.set_xlabel("decoder block")
+        fig.colorbar(im, ax=ax, fraction=0.025, pad=0.01)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def error_bars_png(table: dict, plan_doc: dict, decision: str, threshold: float | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = table["layers"]
+    errs = [l["errors"].get(decision, {}).get("error", 0.0) for l in layers]
+    kept = [plan_doc["layers"][l["name"]]["format"] == "high_precision" for l in layers]
+    colors = ["#c0392b" if k else "#2e86c1" for k in kept]
+    fig, ax = plt.subplots(figsize=(16, 4.8))
+    ax.bar(range(len(layers)), errs, color=colors, width=0.85)
+    if threshold is not None:
+        ax.axhline(threshold, color="black", linestyle="--", linewidth=1)
+        ax.text(len(layers) - 1, threshold, f" threshold {threshold}", va="bottom", ha="right", fontsize=9)
+    ax.set_yscale("log")
+    ticks = [i for i, l in enumerate(layers) if l["module"] in ("q_proj", "lm_head")]
+    ax.set_xticks(ticks, [("head" if layers[i]["module"] == "lm_head" else str(layers[i]["block"])) for i in ticks],
+                  fontsize=7)
+    ax.set_xlabel("linear layers in model order (tick = start of a decoder block)")
+    ax.set_ylabel(f"relative output error ({decision})")
+    n_kept = sum(kept)
+    ax.set_title(f"Per-layer {decision} error; red: kept in high precision by the plan ({n_kept} of {len(layers)})")
+    ax.set_xlim(-1, len(layers))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,116 @@
+"""The plan: threshold mode, rules, and budget mode (exact budget, better than keeping the N worst)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import PlanBudget, PlanRule, PlanSection, QuantizationSection, SensitivitySection
+from pipeline.errors import InputError
+from pipeline.plan import HIGH_PRECISION, _bytes, make_plan
+
+Q = QuantizationSection(weight_format="int8_sq")
+S = SensitivitySection(formats=("int8_sq",), threshold=0.1)
+
+
+def layer(name, error, out_f, in_f, module="down_proj", block=0):
+    return {"name": name, "block": block, "module": module, "in_features": in_f, "out_features": out_f,
+            "errors": {"int8_sq": {"error": error, "mean": error, "max": error}}}
+
+
+def table(*layers):
+    return {"layers": list(layers), "calibration": {"samples": 1, "seq_len": 1, "tokens": 1}}
+
+
+def kept(doc):
+    return {n for n, e in doc["layers"].items() if e["format"] == HIGH_PRECISION}
+
+
+def test_threshold_mode_keeps_exactly_the_layers_over_threshold():
+    t = table(layer("a", 0.05, 64, 64), layer("b", 0.2, 64, 64), layer("c", 0.1, 64, 64), layer("d", 0.11, 64, 64))
+    doc = make_plan(t, PlanSection(), S, Q)
+    assert kept(doc) == {"b", "d"}  # 0.1 is not over 0.1
+    assert doc["layers"]["b"]["reason"] == "error 0.200 > threshold 0.1"
+    assert doc["summary"]["kept_high_precision"] == 2
+
+
+def test_rules_pin_and_force_formats_last_rule_wins():
+    t = table(layer("lm_head", 0.01, 512, 64, "lm_head", -1), layer("x.down_proj", 0.5, 64, 64),
+              layer("x.up_proj", 0.01, 64, 64, "up_proj"))
+    rules = (PlanRule(pattern="lm_head", keep_high_precision=True),
+             PlanRule(pattern="*.down_proj", keep_high_precision=True),
+             PlanRule(pattern="x.down_proj", format="int8_wo"))
+    doc = make_plan(t, PlanSection(rules=rules), S, Q)
+    assert doc["layers"]["lm_head"]["format"] == HIGH_PRECISION
+    assert doc["layers"]["x.down_proj"]["format"] == "int8_wo"  # the later rule wins
+    assert doc["summary"]["mixed_precision"] is True
+
+
+# Sizes differ: one big sensitive layer, several small ones that together matter more.
+BIG = layer("big", 0.5, 4096, 2048)  # keeping it costs ~8 MiB extra
+SMALL = [layer(f"s{i}", 0.3, 1024, 1024) for i in range(3)]  # ~1 MiB extra each
+REST = [layer(f"r{i}", 0.01, 1024, 1024) for i in range(4)]
+
+
+def extra(l):
+    return _bytes(HIGH_PRECISION, l, 64) - _bytes("int8_sq", l, 64)
+
+
+def floor_bytes(layers):
+    return sum(_bytes("int8_sq", l, 64) for l in layers)
+
+
+def naive_keep_worst(layers, budget):
+    """Keep the N worst layers, N as large as fits."""
+    order = sorted(layers, key=lambda l: -l["errors"]["int8_sq"]["error"])
+    used, chosen = floor_bytes(layers), set()
+    for l in order:
+        if used + extra(l) > budget:
+            break
+        used += extra(l)
+        chosen.add(l["name"])
+    return chosen
+
+
+def error_left(layers, chosen):
+    return sum(l["errors"]["int8_sq"]["error"] for l in layers if l["name"] not in chosen)
+
+
+def test_budget_beats_keeping_the_n_worst_and_respects_the_budget():
+    layers = [BIG, *SMALL, *REST]
+    budget = floor_bytes(layers) + 3 * extra(SMALL[0]) + 8192  # room for the three small ones, not the big one
+    doc = make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(weight_bytes=budget)), S, Q)
+    assert doc["summary"]["weight_bytes_planned"] <= budget
+    assert doc["budget"]["used_bytes"] == doc["summary"]["weight_bytes_planned"]
+    ours = kept(doc)
+    assert ours == {"s0", "s1", "s2"}
+    naive = naive_keep_worst(layers, budget)
+    assert naive == set()  # the worst layer does not fit, so the naive choice keeps nothing
+    assert error_left(layers, ours) < error_left(layers, naive)
+    assert doc["summary"]["total_error_left"] == pytest.approx(error_left(layers, ours), abs=1e-4)
+    assert "weight budget" in doc["budget"]["binding"]
+
+
+def test_budget_exactly_at_a_plan_size_is_used_and_never_exceeded():
+    layers = [BIG, *SMALL, *REST]
+    all_fp16 = sum(_bytes(HIGH_PRECISION, l, 64) for l in layers)
+    doc = make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(weight_bytes=all_fp16)), S, Q)
+    assert kept(doc) == {l["name"] for l in layers}  # everything fits: keep every layer with error > 0
+    assert doc["summary"]["weight_bytes_planned"] == all_fp16
+    assert doc["budget"]["binding"].startswith("none")
+    for budget in (floor_bytes(layers) + extra(SMALL[0]) - 1, floor_bytes(layers) + extra(SMALL[0]) + 4096):
+        d = make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(weight_bytes=budget)), S, Q)
+        assert d["summary"]["weight_bytes_planned"] <= budget
+
+
+def test_average_bits_budget():
+    layers = [BIG, *SMALL, *REST]
+    params = sum(l["in_features"] * l["out_features"] for l in layers)
+    doc = make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(avg_bits_per_weight=9.0)), S, Q)
+    assert doc["summary"]["weight_bytes_planned"] * 8 <= 9.0 * params
+    assert doc["summary"]["effective_bits_per_weight"] <= 9.0
+
+
+def test_budget_below_the_smallest_plan_says_so():
+    layers = [BIG, *SMALL]
+    with pytest.raises(InputError, match="below the smallest possible plan"):
+        make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(weight_bytes=1000)), S, Q)

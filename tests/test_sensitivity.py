@@ -1,0 +1,171 @@
+"""Sensitivity analysis and the plan stage on a tiny real Llama: a planted outlier is found (and only it),
+the layer-by-layer pass reproduces the model's own forward, and the stages write what a person reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from pipeline.config import QuantizationSection, SensitivitySection, load_config
+from pipeline.errors import InputError
+from pipeline.runner import Runner
+from pipeline.stages import STAGES
+
+from conftest import write_yaml
+
+IDS = torch.randint(3, 512, (4, 64), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.fixture(scope="module")
+def outlier_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with one input channel of layer 1's attention inputs blown up x300 and the matching
+    weight columns of q/k/v shrunk /300: the same function, but with the kind of activation outlier channel
+    that wrecks per-tensor INT8 activations (and that SmoothQuant exists to fix)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("outlier_model")
+    for f in tiny_model_dir.iterdir():
+        shutil.copy2(f, out / f.name)
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["model.layers.1.input_layernorm.weight"][7] *= 300.0
+    for m in "qkv":
+        tensors[f"model.layers.1.self_attn.{m}_proj.weight"][:, 7] /= 300.0
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _errors(model_dir, fmt):
+    from pipeline.sensitivity import analyse
+
+    table = analyse(model_dir, IDS.numpy(), SensitivitySection(formats=(fmt,)), QuantizationSection())
+    return {l["name"]: l["errors"][fmt]["error"] for l in table["layers"]}, table
+
+
+def test_planted_outlier_is_flagged_and_nothing_else(tiny_model_dir, outlier_model_dir):
+    clean, _ = _errors(tiny_model_dir, "int8_w8a8")
+    assert max(clean.values()) < 0.1  # nothing is sensitive in the unmodified model
+    planted, table = _errors(outlier_model_dir, "int8_w8a8")
+    flagged = {n for n, e in planted.items() if e > 0.1}
+    assert flagged == {f"model.layers.1.self_attn.{m}_proj" for m in "qkv"}
+    rec = {l["name"]: l for l in table["layers"]}["model.layers.1.self_attn.q_proj"]
+    assert rec["activation"]["outlier_ratio"] > 50  # the table says why
+    # SmoothQuant moves the outlier into the weights: most of that error goes away
+    smoothed, _ = _errors(outlier_model_dir, "int8_sq")
+    for name in flagged:
+        assert smoothed[name] < planted[name] / 3
+
+
+def test_layerwise_pass_reproduces_the_full_forward(tiny_model_dir):
+    """The analysis walks the model decoder layer by decoder layer from the safetensors files; the hidden
+    state it hands to lm_head must be the model's own."""
+    from transformers import AutoModelForCausalLM
+
+    import pipeline.sensitivity as S
+
+    seen = {}
+    original = S._measure_lm_head
+
+    def spy(analyser, hidden, head):
+        seen["hidden"] = hidden.clone()
+        original(analyser, hidden, head)
+
+    S._measure_lm_head = spy
+    try:
+        S.analyse(tiny_model_dir, IDS.numpy(), SensitivitySection(formats=("int8_wo",)), QuantizationSection())
+    finally:
+        S._measure_lm_head = original
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        ref = model(IDS, output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(seen["hidden"], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_awq_group_size_that_does_not_divide_is_a_clear_error(tiny_model_dir):
+    from pipeline.sensitivity import analyse
+
+    with pytest.raises(InputError, match="does not divide"):
+        analyse(tiny_model_dir, IDS.numpy(), SensitivitySection(formats=("int4_awq",)),
+                QuantizationSection(awq_group_size=128))  # tiny model width 64
+
+
+def _tiny_config(tmp_path, model_dir, extra=""):
+    docs = []
+    for i in range(6):
+        p = tmp_path / f"doc{i}.txt"
+        p.write_text(" ".join(f"Sentence {j} of document {i} talks about quantization and layers." for j in range(60)))
+        docs.append(str(p))
+    return write_yaml(tmp_path / "tiny.yaml", f"""
+        name: tiny
+        model: {{source: {{kind: local, path: {model_dir}}}}}
+        text:
+          source: {{kind: files, paths: {json.dumps(docs)}}}
+          calibration: {{num_samples: 4, seq_len: 64}}
+          evaluation: {{num_samples: 2, seq_len: 64}}
+        sensitivity: {{formats: [int8_sq, int8_w8a8]}}
+        plan:
+          rules: [{{pattern: lm_head, keep_high_precision: true}}]
+        build: {{max_batch_size: 4, max_input_len: 64, max_seq_len: 128, max_num_tokens: 256}}
+        bench: {{concurrency: [1, 2]}}
+        {extra}
+        """)
+
+
+def test_stages_write_table_plan_and_plots_and_take_a_hand_edit(tmp_path, outlier_model_dir):
+    cfg = _tiny_config(tmp_path, outlier_model_dir, "quantization: {weight_format: int8_sq}")
+    work = tmp_path / "work"
+    said = []
+    Runner(load_config(cfg, ["plan.mode=threshold", "sensitivity.threshold=0.1"]), STAGES, work) \
+        .run(["plan"], echo=said.append)
+    sdir, pdir = work / "tiny" / "sensitivity", work / "tiny" / "plan"
+    for f in ("sensitivity_table.json", "sensitivity_table.md", "sensitivity_heatmap.png"):
+        assert (sdir / f).stat().st_size > 0
+    for f in ("plan.yaml", "plan.md", "sensitivity_errors.png"):
+        assert (pdir / f).stat().st_size > 0
+    assert (sdir / "sensitivity_heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = json.loads((sdir / "sensitivity_table.json").read_text())
+    plan = yaml.safe_load((pdir / "plan.yaml").read_text())
+    assert set(plan["layers"]) == {l["name"] for l in table["layers"]}
+    assert plan["layers"]["lm_head"]["format"] == "high_precision" and "rule" in plan["layers"]["lm_head"]["reason"]
+    sens = json.loads((sdir / "manifest.json").read_text())["summary"]
+    assert sens["peak_rss_bytes"] > 0 and sens["layers"] == 15
+    summary = json.loads((pdir / "manifest.json").read_text())["summary"]
+    assert summary["kept_high_precision"] == sum(e["format"] == "high_precision" for e in plan["layers"].values())
+    assert summary["weight_bytes_planned"] < summary["weight_bytes_fp16"]
+    md = (sdir / "sensitivity_table.md").read_text()
+    first_row = [l for l in md.splitlines() if l.startswith("| model.")][0]
+    worst = max(table["layers"], key=lambda l: l["errors"]["int8_sq"]["error"])["name"]
+    assert first_row.startswith(f"| {worst} |")  # sorted, most sensitive first
+
+    # a person edits the plan: the edit is checked, kept, recorded, and the plan is not regenerated
+    plan["layers"]["model.layers.0.mlp.down_proj"]["format"] = "high_precision"
+    (pdir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+    said.clear()
+    runner = Runner(load_config(cfg, ["plan.mode=threshold", "sensitivity.threshold=0.1"]), STAGES, work)
+    assert any("edited by hand" in r for r in runner.status("plan").reasons)
+    runner.run(["plan"], echo=said.append)
+    assert any("using the hand-edited plan.yaml" in s for s in said)
+    edited = yaml.safe_load((pdir / "plan.yaml").read_text())
+    assert edited["layers"]["model.layers.0.mlp.down_proj"]["format"] == "high_precision"
+    manifest = json.loads((pdir / "manifest.json").read_text())
+    assert manifest["hand_edited"] == ["plan.yaml"]
+    assert "model.layers.0.mlp.down_proj" in manifest["summary"]["kept_high_precision_layers"]
+    said.clear()
+    runner.run(["plan"], echo=said.append)
+    assert said[-1].startswith("plan: up to date")
+
+    # an invalid edit is refused with the layer named
+    edited["layers"]["model.layers.1.mlp.up_proj"]["format"] = "int3"
+    (pdir / "plan.yaml").write_text(yaml.safe_dump(edited, sort_keys=False))
+    with pytest.raises(InputError, match="model.layers.1.mlp.up_proj.*int3"):
+        runner.run(["plan"], echo=said.append)
+
+    # an edit plus a changed input: refuse rather than overwrite the edit
+    runner2 = Runner(load_config(cfg, ["plan.mode=threshold", "sensitivity.threshold=0.2"]), STAGES, work)
+    with pytest.raises(InputError, match="edited by hand.*--force"):
+        runner2.run(["plan"], echo=said.append)
+    runner2.run(["plan"], force=["plan"], echo=said.append)  # --force regenerates
+    assert yaml.safe_load((pdir / "plan.yaml").read_text())["threshold"] == 0.2
