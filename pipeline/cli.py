@@ -73,22 +73,27 @@ def explain(config: Optional[str], overrides: Sequence[str], work_root: Path) ->
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({', '.join(str(p) for p in runner.loaded.files)})")
     print(f"work dir: {runner.work_dir}")
-    clean = True
+    all_current = True
     for st in runner.explain([s.name for s in STAGES]):
+        built = runner.stages[st.name].built
         if st.up_to_date:
             print(f"  {st.name:<12} up to date")
         else:
-            clean = clean and not runner.stages[st.name].built
-            print(f"  {st.name:<12} " + ("will run: " if runner.stages[st.name].built else "") + "; ".join(st.reasons))
-    return clean
+            all_current = all_current and not built
+            print(f"  {st.name:<12} " + ("will run: " if built else "") + "; ".join(st.reasons))
+    return all_current
 
 
 def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> Path:
     runner = open_runner(config, overrides, work_root)
     with WorkDirLock(runner.work_dir):
         for child in runner.work_dir.iterdir():
-            if child.name != constants.LOCK_FILE:
-                remove_tree(child) if child.is_dir() else child.unlink()
+            if child.name == constants.LOCK_FILE:
+                continue
+            if child.is_dir():
+                remove_tree(child)
+            else:
+                child.unlink()
     (runner.work_dir / constants.LOCK_FILE).unlink(missing_ok=True)
     runner.work_dir.rmdir()
     return runner.work_dir

@@ -186,6 +186,9 @@ class PlanRule(Strict):
 class PlanBudget(Strict):
     weight_bytes: Optional[int] = Field(None, gt=0)
     avg_bits_per_weight: Optional[float] = Field(None, gt=0, le=32)
+    # besides high precision, formats a layer may be moved to when that removes more error per byte
+    # (e.g. int8_wo under an int4_awq base); each must be measured (listed in sensitivity.formats)
+    wider_formats: tuple[WeightFormat, ...] = ()
 
     @model_validator(mode="after")
     def _one(self) -> "PlanBudget":
@@ -363,6 +366,13 @@ class PipelineConfig(Strict):
                 )
         decision = {"int8_sq": "int8_sq", "int8_wo": "int8_wo", "fp8": "fp8", "int4_awq": "int4_awq",
                     "w4a8_awq": "int4_awq"}.get(q.weight_format)
+        if self.plan.budget is not None:
+            unmeasured = [f for f in self.plan.budget.wider_formats
+                          if {"w4a8_awq": "int4_awq"}.get(f, f) not in self.sensitivity.formats]
+            if unmeasured:
+                raise ValueError(
+                    f"plan.budget.wider_formats {unmeasured} are not measured: add them to sensitivity.formats"
+                )
         if decision is not None and decision not in self.sensitivity.formats:
             raise ValueError(
                 f"quantization.weight_format {q.weight_format} is decided on the sensitivity column {decision}: "

@@ -108,8 +108,9 @@ def _choice(layer: dict, fmt: str, reason: str, error: float | None, g: int) -> 
 
 
 def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, g: int) -> dict:
-    """Keep in high precision the free layers that remove the most error within the budget (exact 0/1
-    knapsack on a 4 KiB grid, item sizes rounded up: the result never exceeds the budget)."""
+    """Choose, per free layer, the base format, a wider format from budget.wider_formats, or high precision,
+    to remove the most total error within the budget: a multiple-choice knapsack solved exactly on a 4 KiB
+    grid with every option's extra bytes rounded up, so the result never exceeds the budget."""
     import numpy as np
 
     all_params = sum(c.params for c in choices.values()) + sum(l["in_features"] * l["out_features"] for l in free)
@@ -120,45 +121,66 @@ def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, 
         budget = int(plan.budget.avg_bits_per_weight * all_params // 8)
         what = f"avg_bits_per_weight {plan.budget.avg_bits_per_weight} = {budget} bytes over {all_params} weights"
     fixed = sum(c.bytes for c in choices.values())
-    quantized = {l["name"]: _bytes(base, l, g) for l in free}
-    floor = fixed + sum(quantized.values())
+    base_bytes = [_bytes(base, l, g) for l in free]
+    floor = fixed + sum(base_bytes)
     if floor > budget:
         raise InputError(
             f"plan.budget ({what}) is below the smallest possible plan: {floor} bytes with every free layer in "
             f"{base} and the rules' choices. Raise the budget, or relax the rules that keep layers in high precision."
         )
-    room = budget - floor
-    extra = [_bytes(HIGH_PRECISION, l, g) - quantized[l["name"]] for l in free]
-    gain = [err(l, base) or 0.0 for l in free]
-    cap = room // BUDGET_GRID_BYTES
-    units = [-(-e // BUDGET_GRID_BYTES) for e in extra]  # round up: never over budget
+    cap = (budget - floor) // BUDGET_GRID_BYTES
+    base_err = [err(l, base) or 0.0 for l in free]
+    # options per layer: (format, extra grid units over the base format, error removed)
+    options: list[list[tuple[str, int, float]]] = []
+    for layer, b, e in zip(free, base_bytes, base_err):
+        opts = []
+        for fmt in (*plan.budget.wider_formats, HIGH_PRECISION):
+            extra = _bytes(fmt, layer, g) - b
+            fmt_err = 0.0 if fmt == HIGH_PRECISION else err(layer, fmt)
+            if extra > 0 and fmt_err is not None and e - fmt_err > 0:
+                opts.append((fmt, -(-extra // BUDGET_GRID_BYTES), e - fmt_err))
+        options.append(opts)
     best = np.zeros(cap + 1)
-    keep = np.zeros((len(free), cap + 1), dtype=bool)
-    for i, (u, v) in enumerate(zip(units, gain)):
-        if u > cap or v <= 0:
-            continue
-        cand = best[: cap + 1 - u] + v
-        take = cand > best[u:]
-        keep[i, u:] = take
-        best[u:] = np.where(take, cand, best[u:])
+    pick = np.full((len(free), cap + 1), -1, dtype=np.int8)  # option index chosen at each capacity
+    for i, opts in enumerate(options):
+        new = best.copy()
+        for k, (_, u, gain) in enumerate(opts):
+            if u > cap:
+                continue
+            cand = best[: cap + 1 - u] + gain
+            better = cand > new[u:]
+            new[u:] = np.where(better, cand, new[u:])
+            pick[i, u:] = np.where(better, k, pick[i, u:])
+        best = new
     c = int(np.argmax(best))
-    kept = set()
+    chosen: dict[int, int] = {}
     for i in range(len(free) - 1, -1, -1):
-        if keep[i, c]:
-            kept.add(i)
-            c -= units[i]
+        k = int(pick[i, c])
+        if k >= 0:
+            chosen[i] = k
+            c -= options[i][k][1]
     for i, layer in enumerate(free):
-        e = gain[i]
-        if i in kept:
-            choices[layer["name"]] = _choice(layer, HIGH_PRECISION, f"budget: keeping it removes error {e:.3f}", e, g)
+        if i in chosen:
+            fmt, _, gain = options[i][chosen[i]]
+            why = f"budget: {fmt} removes error {gain:.3f} of {base_err[i]:.3f}"
+            choices[layer["name"]] = _choice(layer, fmt, why, base_err[i] if fmt == HIGH_PRECISION else err(layer, fmt), g)
         else:
-            choices[layer["name"]] = _choice(layer, base, f"budget: error {e:.3f} left (no room)", e, g)
+            choices[layer["name"]] = _choice(layer, base, f"budget: error {base_err[i]:.3f} left (no room)", base_err[i], g)
     used = sum(c.bytes for c in choices.values())
-    left_out = [extra[i] for i in range(len(free)) if i not in kept and gain[i] > 0]
-    binds = bool(left_out) and min(left_out) > budget - used
-    return {"budget_bytes": budget, "budget": what, "used_bytes": used, "slack_bytes": budget - used,
-            "binding": ("the weight budget: the smallest layer left quantized does not fit in the slack"
-                        if binds else "none: every layer with error > 0 that the rules allow is kept")}
+    slack = budget - used
+    # the budget binds when some layer did not get its most accurate option; say how close it came
+    upgrades = []
+    for i, opts in enumerate(options):
+        got_gain, got_units = (options[i][chosen[i]][2], options[i][chosen[i]][1]) if i in chosen else (0.0, 0)
+        for _, u, gain in opts:
+            if gain > got_gain:
+                upgrades.append((u - got_units) * BUDGET_GRID_BYTES)
+    if upgrades:
+        binding = (f"the weight budget: {len(upgrades)} better option(s) left out; the cheapest needs "
+                   f"{min(upgrades):,} more bytes, {slack:,} are left")
+    else:
+        binding = "none: every free layer got its most accurate allowed format"
+    return {"budget_bytes": budget, "budget": what, "used_bytes": used, "slack_bytes": slack, "binding": binding}
 
 
 def _summarise(ordered: list[LayerChoice], table: dict, plan: PlanSection, sens: SensitivitySection,

@@ -36,9 +36,17 @@ from .errors import InputError
 
 log = logging.getLogger(__name__)
 
-# Layers that read the same input and that ModelOpt's TensorRT-LLM export fuses into one GEMM: they share
-# one SmoothQuant scale (the mean of theirs), one input amax (the max) and, per tensor, one weight amax.
-FUSION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Layers that read the same input and that ModelOpt's export fuses into one GEMM: they share one
+# SmoothQuant scale (the mean of theirs), one input amax (the max) and, per tensor, one weight amax.
+# The TensorRT-LLM checkpoint (tensorrt and cpu targets) fuses q/k/v only: it keeps mlp.gate and mlp.fc
+# apart, each with its own pre-quant scale (checked on an export of SmolLM2). The HF unified checkpoint
+# (pytorch target) fuses gate/up as well.
+TRTLLM_FUSION_GROUPS = (("q_proj", "k_proj", "v_proj"),)
+HF_UNIFIED_FUSION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fusion_groups_for(target: str) -> tuple[tuple[str, ...], ...]:
+    return HF_UNIFIED_FUSION_GROUPS if target == "pytorch" else TRTLLM_FUSION_GROUPS
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK_ELEMENTS = 4 * 1024 * 1024  # output elements per quantized-matmul chunk (16 MB of fp32; lm_head: ~85 rows)
 AWQ_SEARCH_TOKENS = 4096  # AWQ-lite's alpha search runs on the first tokens only (11 matmuls per layer)
@@ -142,7 +150,9 @@ class _LayerRecord:
 class Analyser:
     """Measures each linear it is shown; keeps per-decoder-layer caches for fused groups."""
 
-    def __init__(self, formats: tuple[str, ...], alpha: float, group_size: int, n_samples: int):
+    def __init__(self, formats: tuple[str, ...], alpha: float, group_size: int, n_samples: int,
+                 fusion_groups: tuple[tuple[str, ...], ...] = TRTLLM_FUSION_GROUPS):
+        self.fusion_groups = fusion_groups
         self.formats = formats
         self.alpha = alpha
         self.group_size = group_size
@@ -192,7 +202,7 @@ class Analyser:
         self.records.append(rec)
 
     def _group(self, short: str) -> tuple[str, ...]:
-        for g in FUSION_GROUPS:
+        for g in self.fusion_groups:
             if short in g and all(m in self.siblings for m in g):
                 return g
         return (short,)
@@ -314,8 +324,11 @@ def _int8_matmul(x_int, weight, fold, in_amax):
     return run
 
 
-def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant: QuantizationSection) -> dict:
-    """Run the analysis; return {"layers": [...], "embedding": {...}, "timing": {...}, "model": {...}}."""
+def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant: QuantizationSection,
+            fusion_groups: tuple[tuple[str, ...], ...] = TRTLLM_FUSION_GROUPS) -> dict:
+    """Run the analysis; return {"layers": [...], "embedding": {...}, "timing": {...}, "model": {...}}.
+
+    fusion_groups: the layers the target's checkpoint fuses (``fusion_groups_for(build.target)``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -329,7 +342,7 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
     skeleton.eval()
     ids = torch.as_tensor(calibration_ids, dtype=torch.long)
     n, t = ids.shape
-    analyser = Analyser(section.formats, quant.smoothquant_alpha, quant.awq_group_size, n)
+    analyser = Analyser(section.formats, quant.smoothquant_alpha, quant.awq_group_size, n, fusion_groups)
     result: dict = {"model": {"model_type": config.model_type, "layers": config.num_hidden_layers,
                               "hidden_size": config.hidden_size},
                     "calibration": {"samples": n, "seq_len": t, "tokens": n * t}}
@@ -515,7 +528,7 @@ def _return_freed_memory_to_the_os() -> None:
 
 
 def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySection,
-                 quant: QuantizationSection, out_dir: Path, decision: str | None) -> dict:
+                 quant: QuantizationSection, out_dir: Path, decision: str | None, target: str) -> dict:
     """The stage's work (runs in a child process): table JSON + Markdown + heatmap; returns the summary."""
     import json
 
@@ -529,7 +542,8 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
         raise InputError("sensitivity.end_to_end (error at the logits, one layer quantized at a time) is not "
                          "built yet; set it to false.")
     ids = load_file(str(calibration_file))[constants.TOKENS_KEY]
-    table = analyse(model_dir, ids, section, quant)
+    table = analyse(model_dir, ids, section, quant, fusion_groups_for(target))
+    table["fusion_groups"] = [list(g) for g in fusion_groups_for(target)]
     (out_dir / TABLE_JSON).write_text(json.dumps(table, indent=1))
     col = decision or section.formats[0]
     (out_dir / TABLE_MD).write_text(table_markdown(table, section.threshold, col))

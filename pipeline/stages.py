@@ -31,7 +31,7 @@ def _run_sensitivity(ctx: StageContext) -> dict:
     summary, peak_rss = run_in_child(
         run_analysis, ctx.upstream("model") / constants.MODEL_DIR,
         ctx.upstream("text") / constants.CALIBRATION_TOKENS_FILE, cfg.sensitivity, cfg.quantization, ctx.out_dir,
-        decision_format(cfg.quantization), log_path=ctx.out_dir / constants.STAGE_LOG_FILE,
+        decision_format(cfg.quantization), cfg.build.target, log_path=ctx.out_dir / constants.STAGE_LOG_FILE,
     )
     return {**summary, "peak_rss_bytes": peak_rss}
 
@@ -84,7 +84,7 @@ STAGES: list[StageDef] = [
              external_inputs=_text_fingerprint, run=_run_text),
     StageDef("sensitivity", "per-layer INT8 sensitivity table", needs=("model", "text"),
              sections=("sensitivity", "quantization.weight_format", "quantization.smoothquant_alpha",
-                       "quantization.awq_group_size"), run=_run_sensitivity),
+                       "quantization.awq_group_size", "build.target"), run=_run_sensitivity),
     StageDef("plan", "mixed-precision plan", needs=("sensitivity",),
              sections=("plan", "sensitivity.threshold", "quantization.weight_format", "quantization.kv_cache",
                        "quantization.awq_group_size"),

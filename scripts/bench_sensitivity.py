@@ -72,14 +72,14 @@ def job_sensitivity(model_dir: str, calib: str, config: str, conn) -> None:
     from safetensors.numpy import load_file
 
     from pipeline.config import load_config
-    from pipeline.sensitivity import _return_freed_memory_to_the_os, analyse
+    from pipeline.sensitivity import _return_freed_memory_to_the_os, analyse, fusion_groups_for
 
     cfg = load_config(config).config
     ids = load_file(calib)["input_ids"]
     _return_freed_memory_to_the_os()  # as the stage does
     base = _rss_now()
     t0 = time.perf_counter()
-    table = analyse(Path(model_dir), ids, cfg.sensitivity, cfg.quantization)
+    table = analyse(Path(model_dir), ids, cfg.sensitivity, cfg.quantization, fusion_groups_for(cfg.build.target))
     conn.send({"compute_s": time.perf_counter() - t0, "peak_rss": _peak(), "base_rss": base,
                "over_threshold": {f: sum(l["errors"][f]["error"] > cfg.sensitivity.threshold for l in table["layers"])
                                   for f in cfg.sensitivity.formats}})

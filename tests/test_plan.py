@@ -114,3 +114,25 @@ def test_budget_below_the_smallest_plan_says_so():
     layers = [BIG, *SMALL]
     with pytest.raises(InputError, match="below the smallest possible plan"):
         make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(weight_bytes=1000)), S, Q)
+
+
+def test_budget_can_move_layers_to_a_wider_format_instead_of_high_precision():
+    q4 = QuantizationSection(weight_format="int4_awq", awq_group_size=64)
+    s4 = SensitivitySection(formats=("int4_awq", "int8_wo"))
+
+    def l4(name, e4, e8):
+        return {"name": name, "block": 0, "module": "down_proj", "in_features": 1024, "out_features": 1024,
+                "errors": {"int4_awq": {"error": e4, "mean": e4, "max": e4},
+                           "int8_wo": {"error": e8, "mean": e8, "max": e8}}}
+
+    layers = [l4(f"l{i}", 0.2, 0.01) for i in range(4)]
+    base = sum(_bytes("int4_awq", l, 64) for l in layers)
+    to_int8 = _bytes("int8_wo", layers[0], 64) - _bytes("int4_awq", layers[0], 64)
+    budget = base + 4 * to_int8 + 8192  # room for all four in int8, not for one in FP16 on top
+    hp_only = make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(weight_bytes=budget)), s4, q4)
+    wider = make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(
+        weight_bytes=budget, wider_formats=("int8_wo",))), s4, q4)
+    assert {e["format"] for e in wider["layers"].values()} == {"int8_wo"}
+    assert wider["summary"]["weight_bytes_planned"] <= budget and hp_only["summary"]["weight_bytes_planned"] <= budget
+    assert wider["summary"]["total_error_left"] < hp_only["summary"]["total_error_left"]
+    assert wider["summary"]["mixed_precision"] is False

@@ -89,20 +89,22 @@ def _rel(ref, out):
     return float((ref - out).norm() / ref.norm())
 
 
+@pytest.mark.parametrize("target", ["cpu", "pytorch"])
 @pytest.mark.parametrize("fmt", ["int8_sq", "int8_w8a8", "fp8", "int8_wo"])
-def test_sensitivity_table_equals_errors_of_a_modelopt_quantized_model(tiny_model_dir, fmt):
-    """The table's per-layer error = the error of the same layer in a model ModelOpt quantized (and, for
-    fused q/k/v and gate/up, resmoothed as its TensorRT-LLM export does), on the same calibration data."""
+def test_sensitivity_table_equals_errors_of_a_modelopt_quantized_model(tiny_model_dir, fmt, target):
+    """The table's per-layer error = the error of the same layer in a model ModelOpt quantized (and, for the
+    layers the target's checkpoint fuses, resmoothed as ModelOpt's export does), on the same calibration
+    data: q/k/v for the TensorRT-LLM checkpoint (cpu, tensorrt), q/k/v and gate/up for the HF unified one."""
     from modelopt.torch.export.quant_utils import preprocess_linear_fusion
     from transformers import AutoModelForCausalLM
 
     from pipeline.config import QuantizationSection, SensitivitySection
-    from pipeline.sensitivity import analyse
+    from pipeline.sensitivity import analyse, fusion_groups_for
 
     ids = torch.randint(3, 512, (4, 64), generator=torch.Generator().manual_seed(1))
     alpha = 0.5
-    table = analyse(tiny_model_dir, ids.numpy(), SensitivitySection(formats=(fmt,) if fmt != "int8_w8a8" else ("int8_w8a8",)),
-                    QuantizationSection(smoothquant_alpha=alpha))
+    table = analyse(tiny_model_dir, ids.numpy(), SensitivitySection(formats=(fmt,)),
+                    QuantizationSection(smoothquant_alpha=alpha), fusion_groups_for(target))
     ours = {l["name"]: l["errors"][fmt]["error"] for l in table["layers"]}
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -117,7 +119,8 @@ def test_sensitivity_table_equals_errors_of_a_modelopt_quantized_model(tiny_mode
         mtq.quantize(model, cfg, lambda m: m(ids))
         for layer in model.model.layers:
             preprocess_linear_fusion([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-            preprocess_linear_fusion([layer.mlp.gate_proj, layer.mlp.up_proj])
+            if target == "pytorch":
+                preprocess_linear_fusion([layer.mlp.gate_proj, layer.mlp.up_proj])
         modules = dict(model.named_modules())
         for name, (x, ref) in captured.items():
             theirs = _rel(ref, modules[name](x))
