@@ -34,6 +34,7 @@ BUDGET_GRID_BYTES = 4096
 DECISION_FORMAT = {"int8_sq": "int8_sq", "int8_wo": "int8_wo", "fp8": "fp8", "int4_awq": "int4_awq",
                    "w4a8_awq": "int4_awq"}
 VALID_LAYER_FORMATS = (HIGH_PRECISION, "int8_sq", "int8_wo", "fp8", "int4_awq", "w4a8_awq")
+FORMAT_BITS = {HIGH_PRECISION: 16, "int8_sq": 8, "int8_wo": 8, "fp8": 8, "int4_awq": 4, "w4a8_awq": 4}
 
 
 @dataclass
@@ -59,12 +60,12 @@ def _bytes(fmt: str, layer: dict, group_size: int) -> int:
 def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: QuantizationSection) -> dict:
     layers = table["layers"]
     base = quant.weight_format
-    col = decision_format(quant)
+    col = plan.decision_format or decision_format(quant)
     g = quant.awq_group_size
     choices: dict[str, LayerChoice] = {}
 
     def err(layer: dict, fmt: str) -> float | None:
-        column = DECISION_FORMAT.get(fmt, fmt)
+        column = col if fmt == base else DECISION_FORMAT.get(fmt, fmt)
         e = layer["errors"].get(column)
         return e["error"] if e else None
 
@@ -97,9 +98,40 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
                 choices[layer["name"]] = _choice(layer, base, f"error {e:.3f} <= threshold {sens.threshold}", e, g)
     else:
         binding = _budget(free, choices, plan, base, err, g)
+    _align_fused(choices, table, base, g, widen=plan.mode == "threshold")
+    if binding is not None:
+        binding["used_bytes"] = sum(c.bytes for c in choices.values())
+        binding["slack_bytes"] = binding["budget_bytes"] - binding["used_bytes"]
 
     ordered = [choices[l["name"]] for l in layers]
     return _summarise(ordered, table, plan, sens, quant, col, binding)
+
+
+def _align_fused(choices: dict, table: dict, base: str, g: int, widen: bool) -> None:
+    """Layers the checkpoint fuses into one GEMM (q/k/v; gate/up for the HF unified checkpoint) must share
+    a format. Threshold mode widens the group to its widest member's format (the sensitive one wins);
+    budget mode narrows it to the base format, which can only lower the bytes used."""
+    groups = table.get("fusion_groups") or [["q_proj", "k_proj", "v_proj"]]
+    by_block: dict[tuple, list[str]] = {}
+    for name in choices:
+        prefix, short = name.rsplit(".", 1) if "." in name else ("", name)
+        for gi, group in enumerate(groups):
+            if short in group:
+                by_block.setdefault((prefix, gi), []).append(name)
+    layers = {l["name"]: l for l in table["layers"]}
+    for members in by_block.values():
+        formats = {choices[m].format for m in members}
+        if len(formats) < 2:
+            continue
+        if widen:
+            leader = max(members, key=lambda m: FORMAT_BITS[choices[m].format])
+        else:
+            leader = next((m for m in members if choices[m].format == base), members[0])
+        fmt = choices[leader].format
+        for m in members:
+            if choices[m].format != fmt:
+                why = f"fused with {leader.rsplit('.', 1)[-1]} in the checkpoint: follows its format"
+                choices[m] = _choice(layers[m], fmt, why, choices[m].error, g)
 
 
 def _choice(layer: dict, fmt: str, reason: str, error: float | None, g: int) -> LayerChoice:

@@ -324,7 +324,10 @@ class Runner:
                 changed = "; ".join(_describe_changes(inputs, after)) or "inputs changed"
                 raise InputError(f"{stage.name}: an input changed while the stage ran ({changed}). Run again.")
         except BaseException as e:
-            if not isinstance(e, KeyboardInterrupt):
+            if isinstance(e, PipelineError):  # the message is the story: into the stage log, not the console
+                handler.emit(log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s failed: %s",
+                                            (stage.name, e), None))
+            elif not isinstance(e, KeyboardInterrupt):
                 log.error("%s failed", stage.name, exc_info=True)
             root_logger.removeHandler(handler)
             handler.close()

@@ -31,7 +31,8 @@ def _run_sensitivity(ctx: StageContext) -> dict:
     summary, peak_rss = run_in_child(
         run_analysis, ctx.upstream("model") / constants.MODEL_DIR,
         ctx.upstream("text") / constants.CALIBRATION_TOKENS_FILE, cfg.sensitivity, cfg.quantization, ctx.out_dir,
-        decision_format(cfg.quantization), cfg.build.target, log_path=ctx.out_dir / constants.STAGE_LOG_FILE,
+        cfg.plan.decision_format or decision_format(cfg.quantization), cfg.build.target,
+        log_path=ctx.out_dir / constants.STAGE_LOG_FILE,
     )
     return {**summary, "peak_rss_bytes": peak_rss}
 
@@ -39,7 +40,7 @@ def _run_sensitivity(ctx: StageContext) -> dict:
 def _run_plan(ctx: StageContext) -> dict:
     import json
 
-    from .plan import decision_format, make_plan, plan_markdown, write_plan
+    from .plan import make_plan, plan_markdown, write_plan
     from .sensitivity import TABLE_JSON
     from .sensitivity_report import error_bars_png
 
@@ -48,9 +49,25 @@ def _run_plan(ctx: StageContext) -> dict:
     doc = make_plan(table, cfg.plan, cfg.sensitivity, cfg.quantization)
     write_plan(doc, ctx.out_dir, cfg.name)
     (ctx.out_dir / "plan.md").write_text(plan_markdown(doc))
-    col = decision_format(cfg.quantization) or cfg.sensitivity.formats[0]
+    col = doc["decision_column"] or cfg.sensitivity.formats[0]
     error_bars_png(table, doc, col, doc["threshold"], ctx.out_dir / "sensitivity_errors.png")
     return {**doc["summary"], "budget": doc["budget"], "mode": doc["mode"]}
+
+
+def _run_quantize(ctx: StageContext) -> dict:
+    from .child import run_in_child
+    from .plan import PLAN_FILE
+    from .quantize import run_quantize
+    from .sensitivity import TABLE_JSON
+
+    cfg = ctx.config
+    summary, peak_rss = run_in_child(
+        run_quantize, ctx.upstream("model") / constants.MODEL_DIR,
+        ctx.upstream("text") / constants.CALIBRATION_TOKENS_FILE, ctx.upstream("text") / constants.EVALUATION_TOKENS_FILE,
+        ctx.upstream("plan") / PLAN_FILE, ctx.upstream("sensitivity") / TABLE_JSON, cfg.quantization, cfg.build,
+        ctx.out_dir, log_path=ctx.out_dir / constants.STAGE_LOG_FILE,
+    )
+    return {**summary, "peak_rss_bytes": peak_rss}
 
 
 def _check_edited_plan(stage_dir) -> dict:
@@ -84,13 +101,16 @@ STAGES: list[StageDef] = [
              external_inputs=_text_fingerprint, run=_run_text),
     StageDef("sensitivity", "per-layer INT8 sensitivity table", needs=("model", "text"),
              sections=("sensitivity", "quantization.weight_format", "quantization.smoothquant_alpha",
-                       "quantization.awq_group_size", "build.target"), run=_run_sensitivity),
+                       "quantization.awq_group_size", "build.target", "plan.decision_format"),
+             run=_run_sensitivity),
     StageDef("plan", "mixed-precision plan", needs=("sensitivity",),
              sections=("plan", "sensitivity.threshold", "quantization.weight_format", "quantization.kv_cache",
                        "quantization.awq_group_size"),
-             run=_run_plan, editable=("plan.yaml",), accept_edit=_check_edited_plan),
+             run=_run_plan, editable=("plan.yaml",), accept_edit=_check_edited_plan,
+             version=3),  # 2, 3: fused q/k/v share one format
     StageDef("quantize", "ModelOpt quantization, TensorRT-LLM checkpoint export, accuracy gate",
-             needs=("model", "text", "plan"), sections=("quantization",), issue=4),
+             needs=("model", "text", "sensitivity", "plan"),
+             sections=("quantization", "build.dtype", "build.tensor_parallel_size"), run=_run_quantize),
     StageDef("build", "engine / LLM-API options / CPU runtime bundle", needs=("quantize",), sections=("build",),
              issue=5),
     StageDef("publish", "Triton model repository", needs=("build",), sections=("triton",), issue=6),

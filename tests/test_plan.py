@@ -136,3 +136,17 @@ def test_budget_can_move_layers_to_a_wider_format_instead_of_high_precision():
     assert wider["summary"]["weight_bytes_planned"] <= budget and hp_only["summary"]["weight_bytes_planned"] <= budget
     assert wider["summary"]["total_error_left"] < hp_only["summary"]["total_error_left"]
     assert wider["summary"]["mixed_precision"] is False
+
+
+def test_fused_qkv_share_a_format():
+    t = table(layer("m.layers.0.self_attn.q_proj", 0.01, 256, 64, "q_proj"),  # the biggest, not sensitive
+              layer("m.layers.0.self_attn.k_proj", 0.01, 64, 64, "k_proj"),
+              layer("m.layers.0.self_attn.v_proj", 0.3, 64, 64, "v_proj"),
+              layer("m.layers.0.self_attn.o_proj", 0.01, 64, 64, "o_proj"))
+    doc = make_plan(t, PlanSection(), S, Q)
+    assert kept(doc) == {f"m.layers.0.self_attn.{m}_proj" for m in "qkv"}  # v is sensitive: the fused GEMM stays
+    assert "fused with v_proj" in doc["layers"]["m.layers.0.self_attn.q_proj"]["reason"]
+    qkv = [l for l in t["layers"] if l["module"] != "o_proj"]
+    budget = floor_bytes(t["layers"]) + extra(qkv[2]) + 4096  # room for v alone, not the group
+    doc = make_plan(t, PlanSection(mode="budget", budget=PlanBudget(weight_bytes=budget)), S, Q)
+    assert kept(doc) == set() and doc["summary"]["weight_bytes_planned"] <= budget

@@ -4,8 +4,6 @@ the layer-by-layer pass reproduces the model's own forward, and the stages write
 from __future__ import annotations
 
 import json
-import shutil
-
 import pytest
 import torch
 import yaml
@@ -15,27 +13,9 @@ from pipeline.errors import InputError
 from pipeline.runner import Runner
 from pipeline.stages import STAGES
 
-from conftest import write_yaml
+from conftest import tiny_config as _tiny_config
 
 IDS = torch.randint(3, 512, (4, 64), generator=torch.Generator().manual_seed(2))
-
-
-@pytest.fixture(scope="module")
-def outlier_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with one input channel of layer 1's attention inputs blown up x300 and the matching
-    weight columns of q/k/v shrunk /300: the same function, but with the kind of activation outlier channel
-    that wrecks per-tensor INT8 activations (and that SmoothQuant exists to fix)."""
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("outlier_model")
-    for f in tiny_model_dir.iterdir():
-        shutil.copy2(f, out / f.name)
-    tensors = load_file(str(out / "model.safetensors"))
-    tensors["model.layers.1.input_layernorm.weight"][7] *= 300.0
-    for m in "qkv":
-        tensors[f"model.layers.1.self_attn.{m}_proj.weight"][:, 7] /= 300.0
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 def _errors(model_dir, fmt):
@@ -90,28 +70,6 @@ def test_awq_group_size_that_does_not_divide_is_a_clear_error(tiny_model_dir):
     with pytest.raises(InputError, match="does not divide"):
         analyse(tiny_model_dir, IDS.numpy(), SensitivitySection(formats=("int4_awq",)),
                 QuantizationSection(awq_group_size=128))  # tiny model width 64
-
-
-def _tiny_config(tmp_path, model_dir, extra=""):
-    docs = []
-    for i in range(6):
-        p = tmp_path / f"doc{i}.txt"
-        p.write_text(" ".join(f"Sentence {j} of document {i} talks about quantization and layers." for j in range(60)))
-        docs.append(str(p))
-    return write_yaml(tmp_path / "tiny.yaml", f"""
-        name: tiny
-        model: {{source: {{kind: local, path: {model_dir}}}}}
-        text:
-          source: {{kind: files, paths: {json.dumps(docs)}}}
-          calibration: {{num_samples: 4, seq_len: 64}}
-          evaluation: {{num_samples: 2, seq_len: 64}}
-        sensitivity: {{formats: [int8_sq, int8_w8a8]}}
-        plan:
-          rules: [{{pattern: lm_head, keep_high_precision: true}}]
-        build: {{max_batch_size: 4, max_input_len: 64, max_seq_len: 128, max_num_tokens: 256}}
-        bench: {{concurrency: [1, 2]}}
-        {extra}
-        """)
 
 
 def test_stages_write_table_plan_and_plots_and_take_a_hand_edit(tmp_path, outlier_model_dir):

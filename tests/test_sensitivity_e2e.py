@@ -25,21 +25,28 @@ def test_table_covers_every_linear_layer_and_finds_the_down_projections(analysed
     table = json.loads((analysed / "sensitivity" / "sensitivity_table.json").read_text())
     assert len(table["layers"]) == 30 * 7 + 1  # q k v o gate up down per block, and lm_head
     assert table["calibration"]["tokens"] == 32 * 256
-    over = [l for l in table["layers"] if l["errors"]["int8_sq"]["error"] > 0.1]
-    assert 1 <= len(over) <= 42  # SmoothQuant helps: plain W8A8 has 42 here (design brief)
-    assert sum(l["module"] == "down_proj" for l in over) >= len(over) - 1
+    w8a8 = [l for l in table["layers"] if l["errors"]["int8_w8a8"]["error"] > 0.1]
+    sq = [l for l in table["layers"] if l["errors"]["int8_sq"]["error"] > 0.1]
+    assert 30 <= len(w8a8) <= 55  # the design brief measured 42 on other English text
+    assert len(sq) < len(w8a8) / 3  # SmoothQuant moves most of the activation outliers into the weights
+    assert sum(l["module"] in ("down_proj", "v_proj") for l in w8a8) >= 0.8 * len(w8a8)
     for l in table["layers"]:
-        e = l["errors"]["int8_sq"]
-        assert 0 < e["mean"] <= e["max"] and e["error"] < 1
+        for e in l["errors"].values():
+            assert 0 < e["mean"] <= e["max"] and e["error"] < 1
     assert 0 < table["embedding"]["int8_per_row_error"] < 0.05
 
 
 def test_plan_keeps_the_sensitive_layers_and_lm_head(analysed):
     plan = yaml.safe_load((analysed / "plan" / "plan.yaml").read_text())
     table = json.loads((analysed / "sensitivity" / "sensitivity_table.json").read_text())
-    over = {l["name"] for l in table["layers"] if l["errors"]["int8_sq"]["error"] > 0.1}
+    assert plan["decision_column"] == "int8_w8a8"
+    over = {l["name"] for l in table["layers"] if l["errors"]["int8_w8a8"]["error"] > 0.1}
     kept = {n for n, e in plan["layers"].items() if e["format"] == "high_precision"}
-    assert kept == over | {"lm_head"}
+    assert over | {"lm_head"} <= kept
+    for name in kept - over - {"lm_head"}:  # the rest are q/k/v partners of a sensitive layer: one fused GEMM
+        block = name.rsplit(".", 1)[0]
+        assert name.endswith(("q_proj", "k_proj", "v_proj"))
+        assert any(f"{block}.{m}_proj" in over for m in "qkv")
     summary = json.loads((analysed / "plan" / "manifest.json").read_text())["summary"]
     assert summary["kept_high_precision"] == len(kept)
     assert 8 < summary["effective_bits_per_weight"] < 12

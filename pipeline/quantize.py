@@ -1,0 +1,332 @@
+"""quantize stage: the plan -> a ModelOpt-quantized model -> a TensorRT-LLM checkpoint, behind an accuracy gate.
+
+Runs in a child process (pipeline.child) with its log beside the checkpoint. In order:
+1. the rules users trip on are checked before any work (AWQ group size must divide every INT4 layer's
+   input width; tensor parallelism must divide the attention and KV heads; fused q/k/v share one format);
+2. the ModelOpt config is built from the plan: the base format's preset, the plan's high-precision layers
+   disabled, other per-layer formats where the plan mixes them, INT8/FP8 KV-cache quantizers;
+3. calibration on the calibration tokens (``mtq.quantize``);
+4. the accuracy gate on the evaluation tokens (disjoint from calibration): perplexity of the original and of
+   the quantized (simulated) model, teacher-forced top-1 agreement and mean KL(original || quantized), plus
+   a few greedy generations side by side for a person to read (not gated: near-ties flip argmaxes);
+5. the TensorRT-LLM checkpoint export, and a check of what it wrote (quant_algo, kv_cache_quant_algo,
+   exclusions = the plan's high-precision layers, rope fields, weight dtypes).
+
+Not here yet (issue #4 continues): reading the checkpoint back (rebuilt-model perplexity), the HF unified
+checkpoint for the pytorch target, and plans that mix formats needing different calibration algorithms.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from .config import BuildSection, QuantizationSection
+from .errors import InputError, StageFailed
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "trtllm_checkpoint"
+ACCURACY_FILE = "accuracy.json"
+GENERATIONS_FILE = "generations.md"
+HIGH_PRECISION = "high_precision"
+EVAL_BATCH = 4
+GREEDY_PROMPTS = ("The capital of France is", "A function in Python is defined with", "Once upon a time,")
+GREEDY_NEW_TOKENS = 16
+
+# our format -> ModelOpt preset, and the quant_algo its TensorRT-LLM export writes
+MODELOPT_PRESET = {"int8_sq": "INT8_SMOOTHQUANT_CFG", "int8_wo": "INT8_WEIGHT_ONLY_CFG", "fp8": "FP8_DEFAULT_CFG",
+                   "int4_awq": "INT4_AWQ_CFG", "w4a8_awq": "W4A8_AWQ_BETA_CFG"}
+TRTLLM_QUANT_ALGO = {"int8_sq": "W8A8_SQ_PER_CHANNEL", "int8_wo": "W8A16", "fp8": "FP8", "int4_awq": "W4A16_AWQ",
+                     "w4a8_awq": "W4A8_AWQ"}
+KV_ALGO = {"int8": "INT8", "fp8": "FP8", "none": None}
+# formats ModelOpt calibrates with the same algorithm, so one quantize call can mix them
+COMPATIBLE = {"int8_sq": {"int8_sq", "int8_wo", "fp8"}, "int8_wo": {"int8_wo", "fp8"}, "fp8": {"fp8", "int8_wo"},
+              "int4_awq": {"int4_awq", "w4a8_awq"}, "w4a8_awq": {"w4a8_awq", "int4_awq"}}
+DECODER_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen"}
+# HF module -> TensorRT-LLM checkpoint module (llama family); q/k/v become one fused qkv GEMM
+TRTLLM_MODULE = {"q_proj": "attention.qkv", "k_proj": "attention.qkv", "v_proj": "attention.qkv",
+                 "o_proj": "attention.dense", "gate_proj": "mlp.fc", "up_proj": "mlp.gate", "down_proj": "mlp.proj"}
+
+
+def trtllm_name(hf_name: str) -> str:
+    """model.layers.3.mlp.down_proj -> transformer.layers.3.mlp.proj; lm_head stays lm_head."""
+    if hf_name == "lm_head":
+        return "lm_head"
+    parts = hf_name.split(".")
+    return f"transformer.layers.{parts[2]}.{TRTLLM_MODULE[parts[-1]]}"
+
+
+def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection, model_config: dict,
+                table_layers: dict) -> None:
+    """Refuse, before any work, what ModelOpt or TensorRT-LLM would reject later (each message says the fix)."""
+    problems = []
+    formats = {e["format"] for e in plan_doc["layers"].values()} - {HIGH_PRECISION}
+    base = quant.weight_format
+    if base != "none":
+        odd = sorted(formats - COMPATIBLE[base])
+        if odd:
+            problems.append(
+                f"the plan mixes {base} with {odd}, which ModelOpt calibrates with a different algorithm; use formats "
+                f"from {sorted(COMPATIBLE[base])} in plan rules / wider_formats, or high_precision")
+    for name, entry in plan_doc["layers"].items():
+        if entry["format"] in ("int4_awq", "w4a8_awq"):
+            width = table_layers[name]["in_features"]
+            if width % quant.awq_group_size:
+                ok = [g for g in (128, 64, 32) if width % g == 0]
+                problems.append(
+                    f"{name}: quantization.awq_group_size {quant.awq_group_size} does not divide its input width "
+                    f"{width}; use {ok[0] if ok else 'another format'}")
+                break
+    heads, kv = model_config.get("num_attention_heads"), model_config.get("num_key_value_heads")
+    tp = build.tensor_parallel_size
+    if heads and (heads % tp or (kv or heads) % tp):
+        problems.append(f"build.tensor_parallel_size {tp} must divide the attention heads ({heads}) and KV heads "
+                        f"({kv}); valid: {[t for t in range(1, heads + 1) if heads % t == 0 and (kv or heads) % t == 0]}")
+    blocks: dict[str, set] = {}
+    for name, entry in plan_doc["layers"].items():
+        if name.endswith(("q_proj", "k_proj", "v_proj")):
+            blocks.setdefault(name.rsplit(".", 2)[0], set()).add(entry["format"])
+    split = sorted(b for b, f in blocks.items() if len(f) > 1)
+    if split:
+        problems.append(f"q/k/v of {split[0]} have different formats in the plan, but they are one fused GEMM in "
+                        f"the TensorRT-LLM checkpoint: give the three the same format")
+    if model_config.get("model_type") not in DECODER_TYPE:
+        problems.append(f"model type {model_config.get('model_type')!r} has no TensorRT-LLM export mapping here "
+                        f"(supported: {', '.join(DECODER_TYPE)})")
+    if problems:
+        raise InputError("quantize: " + "; ".join(problems) + ".")
+
+
+def modelopt_config(plan_doc: dict, quant: QuantizationSection) -> dict:
+    """The ordered ModelOpt quantization config for the plan (later entries win, as in ModelOpt)."""
+    import modelopt.torch.quantization as mtq
+
+    base = quant.weight_format
+    cfg = copy.deepcopy(getattr(mtq, MODELOPT_PRESET[base]))
+    entries = cfg["quant_cfg"]
+    if base == "int8_sq":
+        cfg["algorithm"] = {"method": "smoothquant", "alpha": quant.smoothquant_alpha}
+    if base in ("int4_awq", "w4a8_awq"):
+        for e in entries:
+            _set_block_size(e.get("cfg"), quant.awq_group_size)
+    for name, entry in plan_doc["layers"].items():
+        fmt = entry["format"]
+        if fmt == HIGH_PRECISION:
+            entries.append({"quantizer_name": f"{name}.*", "enable": False})
+        elif fmt != base or name == "lm_head":  # lm_head is off in every preset: turn it on when planned
+            other = copy.deepcopy(getattr(mtq, MODELOPT_PRESET[fmt]))["quant_cfg"]
+            for e in other:
+                qn = e.get("quantizer_name")
+                if qn in ("*weight_quantizer", "*input_quantizer"):
+                    item = {"quantizer_name": f"{name}.{qn[1:]}"}
+                    if "cfg" in e:
+                        item["cfg"] = e["cfg"]
+                        _set_block_size(item["cfg"], quant.awq_group_size)
+                    if "enable" in e:
+                        item["enable"] = e["enable"]
+                    entries.append(item)
+    if quant.kv_cache != "none":
+        bits = 8 if quant.kv_cache == "int8" else (4, 3)
+        entries.append({"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": bits, "axis": None},
+                        "enable": True})
+    return cfg
+
+
+def _set_block_size(cfg, group: int) -> None:
+    for c in cfg if isinstance(cfg, list) else [cfg]:
+        if isinstance(c, dict) and isinstance(c.get("block_sizes"), dict) and -1 in c["block_sizes"]:
+            c["block_sizes"][-1] = group
+
+
+def _accuracy(original, quantized, eval_ids) -> dict:
+    """Perplexity of both, teacher-forced top-1 agreement and mean KL(original || quantized) per token."""
+    import torch
+    import torch.nn.functional as F
+
+    nll_o = nll_q = kl = 0.0
+    agree = count = 0
+    with torch.no_grad():
+        for b in range(0, eval_ids.shape[0], EVAL_BATCH):
+            ids = eval_ids[b:b + EVAL_BATCH]
+            lo = original(ids).logits[:, :-1].float()
+            lq = quantized(ids).logits[:, :-1].float()
+            target = ids[:, 1:]
+            logp_o = F.log_softmax(lo, dim=-1)
+            logp_q = F.log_softmax(lq, dim=-1)
+            nll_o += float(-logp_o.gather(-1, target[..., None]).sum())
+            nll_q += float(-logp_q.gather(-1, target[..., None]).sum())
+            kl += float((logp_o.exp() * (logp_o - logp_q)).sum())
+            agree += int((lo.argmax(-1) == lq.argmax(-1)).sum())
+            count += target.numel()
+    ppl_o, ppl_q = math.exp(nll_o / count), math.exp(nll_q / count)
+
+    def sig(x: float) -> float:  # 6 significant digits: readable, and never rounded to 0 before the gate
+        return float(f"{x:.6g}")
+
+    return {"tokens": count, "perplexity_original": sig(ppl_o), "perplexity_quantized": sig(ppl_q),
+            "perplexity_increase_pct": sig((ppl_q / ppl_o - 1) * 100),
+            "top1_agreement": sig(agree / count), "kl_divergence": sig(kl / count)}
+
+
+def _generations(original, quantized, tokenizer) -> list[dict]:
+    import torch
+
+    rows = []
+    with torch.no_grad():
+        for prompt in GREEDY_PROMPTS:
+            ids = torch.tensor([tokenizer(prompt).input_ids])
+            args = dict(max_new_tokens=GREEDY_NEW_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids),
+                        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+            o = original.generate(ids, **args)[0, ids.shape[1]:]
+            q = quantized.generate(ids, **args)[0, ids.shape[1]:]
+            rows.append({"prompt": prompt, "original": tokenizer.decode(o), "quantized": tokenizer.decode(q)})
+    return rows
+
+
+def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_config: dict) -> dict:
+    """What TensorRT-LLM will read must say what the plan says."""
+    from safetensors import safe_open
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    q = cfg.get("quantization", {})
+    problems = []
+    kept = {trtllm_name(n) for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
+    formats = {e["format"] for e in plan_doc["layers"].values()} - {HIGH_PRECISION}
+    if q.get("kv_cache_quant_algo") != KV_ALGO[quant.kv_cache]:
+        problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_ALGO[quant.kv_cache]})")
+    if model_config.get("rope_theta") is not None and cfg.get("rotary_base") != model_config["rope_theta"]:
+        problems.append(f"rotary_base {cfg.get('rotary_base')} != the model's rope_theta {model_config['rope_theta']}")
+    if model_config.get("rope_scaling") and not cfg.get("rotary_scaling"):
+        problems.append("rotary_scaling missing although the model has rope_scaling")
+    ranks = sorted(ckpt.glob("rank*.safetensors"))
+    if len(ranks) != cfg["mapping"]["world_size"]:
+        problems.append(f"{len(ranks)} rank files for world_size {cfg['mapping']['world_size']}")
+    dtypes: dict[str, str] = {}
+    with safe_open(str(ranks[0]), framework="pt") as f:
+        for k in f.keys():
+            if k.endswith(".weight"):
+                dtypes[k[: -len(".weight")]] = f.get_slice(k).get_dtype()
+    # exclude_modules may hold fnmatch patterns (ModelOpt writes 'transformer.layers.28.mlp*' for a whole MLP)
+    excluded = {m for pat in (q.get("exclude_modules") or []) for m in [*dtypes, "lm_head"]
+                if fnmatch.fnmatchcase(m, pat)}
+    if len(formats) <= 1:
+        want = TRTLLM_QUANT_ALGO[quant.weight_format] if formats else None
+        if q.get("quant_algo") != want:
+            problems.append(f"quant_algo {q.get('quant_algo')} (expected {want})")
+        linear_excluded = {m for m in excluded if not m.endswith("layernorm")}
+        if linear_excluded != kept:
+            problems.append(f"exclude_modules differ from the plan's high-precision layers: "
+                            f"{sorted(linear_excluded ^ kept)[:4]}")
+    elif q.get("quant_algo") != "MIXED_PRECISION" or not (ckpt / "quant_cfg.json").is_file():
+        problems.append("a mixed plan must export quant_algo MIXED_PRECISION with quant_cfg.json")
+    for module, dtype in dtypes.items():
+        if module in kept and dtype not in ("F16", "BF16", "F32"):
+            problems.append(f"{module} is kept in high precision by the plan but stored as {dtype}")
+        if ".layers." in module and module not in kept and not module.endswith("layernorm") and \
+                dtype in ("F16", "BF16", "F32") and formats:
+            problems.append(f"{module} should be quantized but is stored as {dtype}")
+    if problems:
+        raise StageFailed("the exported TensorRT-LLM checkpoint does not match the plan: " + "; ".join(problems[:6]))
+    return {"quant_algo": q.get("quant_algo"), "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
+            "exclude_modules": sorted(q.get("exclude_modules") or []), "rotary_base": cfg.get("rotary_base"),
+            "weight_dtypes": sorted(set(dtypes.values())), "ranks": len(ranks)}
+
+
+def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path, plan_file: Path, table_file: Path,
+                 quant: QuantizationSection, build: BuildSection, out_dir: Path) -> dict:
+    """The stage's work, in a child process; returns the summary for the manifest."""
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import constants
+    from .plan import read_plan
+
+    t0 = time.perf_counter()
+    table = json.loads(table_file.read_text())
+    table_layers = {l["name"]: l for l in table["layers"]}
+    plan_doc = read_plan(plan_file, list(table_layers))
+    model_config = json.loads((model_dir / "config.json").read_text())
+    if quant.weight_format == "none":
+        raise InputError("quantization.weight_format is none: there is nothing to quantize (the unquantized "
+                         "baseline for comparisons comes with the bench issue)")
+    check_rules(plan_doc, quant, build, model_config, table_layers)
+
+    calib = torch.as_tensor(load_file(str(calibration_file))[constants.TOKENS_KEY])
+    evals = torch.as_tensor(load_file(str(evaluation_file))[constants.TOKENS_KEY])
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = copy.deepcopy(original)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    import modelopt.torch.quantization as mtq
+
+    cfg = modelopt_config(plan_doc, quant)
+
+    def forward_loop(m):
+        for b in range(0, calib.shape[0], EVAL_BATCH):
+            m(calib[b:b + EVAL_BATCH])
+
+    with torch.no_grad():
+        mtq.quantize(model, cfg, forward_loop)
+    t_quant = time.perf_counter() - t0
+    log.info("calibrated in %.1f s", t_quant)
+
+    accuracy = _accuracy(original, model, evals)
+    generations = _generations(original, model, tokenizer)
+    log.info("accuracy: %s", accuracy)
+    (out_dir / ACCURACY_FILE).write_text(json.dumps({"accuracy": accuracy, "generations": generations}, indent=2))
+    (out_dir / GENERATIONS_FILE).write_text(_generations_markdown(generations, accuracy))
+    _gate(accuracy, quant, plan_doc, table_layers)
+
+    ckpt = out_dir / CHECKPOINT_DIR
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    dtype = torch.bfloat16 if build.dtype == "bfloat16" else torch.float16
+    with torch.no_grad():
+        export_tensorrt_llm_checkpoint(model, DECODER_TYPE[model_config["model_type"]], dtype, export_dir=ckpt,
+                                       inference_tensor_parallel=build.tensor_parallel_size)
+    exported = _check_export(ckpt, plan_doc, quant, model_config)
+    return {"accuracy": accuracy, "checkpoint": exported,
+            "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),
+            "kept_high_precision": sum(e["format"] == HIGH_PRECISION for e in plan_doc["layers"].values()),
+            "calibration_tokens": int(calib.numel()), "evaluation_tokens": int(evals.numel()),
+            "timing_s": {"calibrate": round(t_quant, 1), "total": round(time.perf_counter() - t0, 1)}}
+
+
+def _gate(acc: dict, quant: QuantizationSection, plan_doc: dict, table_layers: dict) -> None:
+    tol = quant.accuracy
+    failed = []
+    if acc["perplexity_increase_pct"] > tol.max_perplexity_increase_pct:
+        failed.append(f"perplexity +{acc['perplexity_increase_pct']}% > {tol.max_perplexity_increase_pct}%")
+    if acc["top1_agreement"] < tol.min_top1_agreement:
+        failed.append(f"top-1 agreement {acc['top1_agreement']} < {tol.min_top1_agreement}")
+    if acc["kl_divergence"] > tol.max_kl_divergence:
+        failed.append(f"KL {acc['kl_divergence']} > {tol.max_kl_divergence}")
+    if not failed:
+        return
+    col = plan_doc.get("decision_column")
+    quantized = [(l["errors"].get(col, {}).get("error", 0.0), n) for n, l in table_layers.items()
+                 if plan_doc["layers"][n]["format"] != HIGH_PRECISION]
+    worst = [n for _, n in sorted(quantized, reverse=True)[:5]]
+    raise StageFailed(
+        f"accuracy gate failed: {'; '.join(failed)} (perplexity {acc['perplexity_original']} -> "
+        f"{acc['perplexity_quantized']}, top-1 {acc['top1_agreement']}, KL {acc['kl_divergence']} over "
+        f"{acc['tokens']} evaluation tokens). Nothing was exported. Try keeping more layers in high precision "
+        f"(lower sensitivity.threshold, or plan rules); the most sensitive layers still quantized: {', '.join(worst)}."
+    )
+
+
+def _generations_markdown(rows: list[dict], acc: dict) -> str:
+    lines = ["# Greedy generations, original vs quantized (for reading; not gated)", "",
+             f"Perplexity {acc['perplexity_original']} -> {acc['perplexity_quantized']} "
+             f"(+{acc['perplexity_increase_pct']}%), top-1 agreement {acc['top1_agreement']}, "
+             f"KL {acc['kl_divergence']}.", ""]
+    for r in rows:
+        lines += [f"**{r['prompt']}**", "", f"- original: {r['original']!r}", f"- quantized: {r['quantized']!r}", ""]
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""The quantize stage on a tiny real Llama: ModelOpt calibration from the plan, the accuracy gate, and the
+TensorRT-LLM checkpoint it exports (checked against the plan)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from safetensors import safe_open
+
+from pipeline.config import load_config
+from pipeline.errors import InputError, StageFailed
+from pipeline.runner import Runner
+from pipeline.stages import STAGES
+
+from conftest import tiny_config as _tiny_config
+
+pytest.importorskip("modelopt.torch.quantization")
+
+
+def _run(cfg, work, *overrides):
+    said = []
+    Runner(load_config(cfg, list(overrides)), STAGES, work).run(["quantize"], echo=said.append)
+    return said
+
+
+def _dtypes(ckpt):
+    with safe_open(str(ckpt / "rank0.safetensors"), framework="pt") as f:
+        return {k: f.get_slice(k).get_dtype() for k in f.keys()}
+
+
+def test_int8_sq_with_kept_layers_and_int8_kv(tmp_path, outlier_model_dir):
+    cfg = _tiny_config(tmp_path, outlier_model_dir)
+    work = tmp_path / "work"
+    _run(cfg, work, "quantization.kv_cache=int8", "sensitivity.threshold=0.1",
+         "quantization.accuracy.max_perplexity_increase_pct=50", "quantization.accuracy.min_top1_agreement=0.5",
+         "quantization.accuracy.max_kl_divergence=1.0")
+    out = work / "tiny" / "quantize"
+    plan = yaml.safe_load((work / "tiny" / "plan" / "plan.yaml").read_text())
+    kept = {n for n, e in plan["layers"].items() if e["format"] == "high_precision"}
+    assert "lm_head" in kept
+    ckpt = out / "trtllm_checkpoint"
+    config = json.loads((ckpt / "config.json").read_text())
+    q = config["quantization"]
+    assert q["quant_algo"] == "W8A8_SQ_PER_CHANNEL" and q["kv_cache_quant_algo"] == "INT8"
+    from pipeline.quantize import trtllm_name
+
+    assert set(q["exclude_modules"]) == {trtllm_name(n) for n in kept}
+    assert config["rotary_base"] == json.loads((outlier_model_dir / "config.json").read_text())["rope_theta"]
+    dtypes = _dtypes(ckpt)
+    assert dtypes["transformer.layers.0.mlp.proj.weight"] == "I8"
+    assert dtypes["transformer.layers.0.attention.qkv.weight"] == "I8"
+    assert dtypes["lm_head.weight"] == "F16"
+    assert "transformer.layers.0.attention.kv_cache_scaling_factor" in dtypes
+    for name in kept - {"lm_head"}:
+        assert dtypes[trtllm_name(name) + ".weight"] == "F16"
+    summary = json.loads((out / "manifest.json").read_text())["summary"]
+    acc = summary["accuracy"]
+    assert acc["tokens"] == 2 * 63 and 0 <= acc["top1_agreement"] <= 1 and acc["kl_divergence"] >= 0
+    assert acc["perplexity_original"] > 1 and acc["perplexity_quantized"] > 1
+    assert (out / "generations.md").read_text().count("- quantized:") == 3
+
+
+def test_fp8_with_fp8_kv(tmp_path, tiny_model_dir):
+    cfg = _tiny_config(tmp_path, tiny_model_dir)
+    work = tmp_path / "work"
+    _run(cfg, work, "sensitivity.formats=[fp8]", "quantization.weight_format=fp8", "quantization.kv_cache=fp8",
+         "quantization.accuracy.max_perplexity_increase_pct=50", "quantization.accuracy.min_top1_agreement=0.5")
+    ckpt = work / "tiny" / "quantize" / "trtllm_checkpoint"
+    q = json.loads((ckpt / "config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "FP8" and q["kv_cache_quant_algo"] == "FP8"
+    assert _dtypes(ckpt)["transformer.layers.1.mlp.fc.weight"] == "F8_E4M3"
+
+
+def test_accuracy_gate_fails_below_the_measured_loss_and_exports_nothing(tmp_path, outlier_model_dir):
+    cfg = _tiny_config(tmp_path, outlier_model_dir)
+    work = tmp_path / "work"
+    with pytest.raises(StageFailed, match="accuracy gate failed.*Nothing was exported") as err:
+        _run(cfg, work, "sensitivity.threshold=5", "quantization.accuracy.max_kl_divergence=0")
+    assert "most sensitive layers still quantized" in str(err.value)
+    assert not (work / "tiny" / "quantize").exists()
+
+
+def test_awq_group_size_that_does_not_divide_is_refused_before_any_work(tmp_path, tiny_model_dir):
+    cfg = _tiny_config(tmp_path, tiny_model_dir)
+    with pytest.raises(InputError, match="does not divide"):
+        _run(cfg, tmp_path / "work", "sensitivity.formats=[int4_awq]", "quantization.weight_format=int4_awq", "quantization.awq_group_size=128",
+             "quantization.kv_cache=none")
