@@ -2,9 +2,10 @@
 
 Runs in a child process (pipeline.child) with its log beside the checkpoint. In order:
 1. the rules users trip on are checked before any work (AWQ group size must divide every INT4 layer's
-   input width; tensor parallelism must divide the attention and KV heads; fused q/k/v share one format);
+   input width; tensor parallelism must divide the attention and KV heads; fused q/k/v share one format;
+   one weight format per plan, for now);
 2. the ModelOpt config is built from the plan: the base format's preset, the plan's high-precision layers
-   disabled, other per-layer formats where the plan mixes them, INT8/FP8 KV-cache quantizers;
+   disabled, INT8/FP8 KV-cache quantizers;
 3. calibration on the calibration tokens (``mtq.quantize``);
 4. the accuracy gate on the evaluation tokens (disjoint from calibration): perplexity of the original and of
    the quantized (simulated) model, teacher-forced top-1 agreement and mean KL(original || quantized), plus
@@ -45,9 +46,6 @@ MODELOPT_PRESET = {"int8_sq": "INT8_SMOOTHQUANT_CFG", "int8_wo": "INT8_WEIGHT_ON
 TRTLLM_QUANT_ALGO = {"int8_sq": "W8A8_SQ_PER_CHANNEL", "int8_wo": "W8A16", "fp8": "FP8", "int4_awq": "W4A16_AWQ",
                      "w4a8_awq": "W4A8_AWQ"}
 KV_ALGO = {"int8": "INT8", "fp8": "FP8", "none": None}
-# formats ModelOpt calibrates with the same algorithm, so one quantize call can mix them
-COMPATIBLE = {"int8_sq": {"int8_sq", "int8_wo", "fp8"}, "int8_wo": {"int8_wo", "fp8"}, "fp8": {"fp8", "int8_wo"},
-              "int4_awq": {"int4_awq", "w4a8_awq"}, "w4a8_awq": {"w4a8_awq", "int4_awq"}}
 DECODER_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen"}
 # HF module -> TensorRT-LLM checkpoint module (llama family); q/k/v become one fused qkv GEMM
 TRTLLM_MODULE = {"q_proj": "attention.qkv", "k_proj": "attention.qkv", "v_proj": "attention.qkv",
@@ -69,11 +67,11 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
     formats = {e["format"] for e in plan_doc["layers"].values()} - {HIGH_PRECISION}
     base = quant.weight_format
     if base != "none":
-        odd = sorted(formats - COMPATIBLE[base])
+        odd = sorted(formats - {base})
         if odd:
             problems.append(
-                f"the plan mixes {base} with {odd}, which ModelOpt calibrates with a different algorithm; use formats "
-                f"from {sorted(COMPATIBLE[base])} in plan rules / wider_formats, or high_precision")
+                f"the plan mixes {base} with {odd}: exporting mixed formats (MIXED_PRECISION with quant_cfg.json) "
+                f"is not built yet (issue #4); use {base} or high_precision in plan rules / wider_formats")
     for name, entry in plan_doc["layers"].items():
         if entry["format"] in ("int4_awq", "w4a8_awq"):
             width = table_layers[name]["in_features"]
@@ -119,7 +117,7 @@ def modelopt_config(plan_doc: dict, quant: QuantizationSection) -> dict:
         fmt = entry["format"]
         if fmt == HIGH_PRECISION:
             entries.append({"quantizer_name": f"{name}.*", "enable": False})
-        elif fmt != base or name == "lm_head":  # lm_head is off in every preset: turn it on when planned
+        elif name == "lm_head":  # lm_head is off in every preset: turn it on when the plan quantizes it
             other = copy.deepcopy(getattr(mtq, MODELOPT_PRESET[fmt]))["quant_cfg"]
             for e in other:
                 qn = e.get("quantizer_name")

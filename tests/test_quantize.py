@@ -87,3 +87,31 @@ def test_awq_group_size_that_does_not_divide_is_refused_before_any_work(tmp_path
     with pytest.raises(InputError, match="does not divide"):
         _run(cfg, tmp_path / "work", "sensitivity.formats=[int4_awq]", "quantization.weight_format=int4_awq", "quantization.awq_group_size=128",
              "quantization.kv_cache=none")
+
+
+def test_a_plan_mixing_formats_is_refused_with_the_reason(tmp_path, tiny_model_dir):
+    cfg = _tiny_config(tmp_path, tiny_model_dir)
+    with pytest.raises(InputError, match="mixes int8_sq with \\['int8_wo'\\].*not built yet"):
+        _run(cfg, tmp_path / "work", "sensitivity.formats=[int8_sq, int8_wo]",
+             "plan.rules=[{pattern: '*.down_proj', format: int8_wo}]")
+
+
+def test_modelopt_config_disables_kept_layers_and_adds_kv_quantizers():
+    from pipeline.config import QuantizationSection
+    from pipeline.quantize import modelopt_config
+
+    plan = {"layers": {"model.layers.0.mlp.down_proj": {"format": "high_precision"},
+                       "model.layers.0.mlp.up_proj": {"format": "int8_sq"},
+                       "lm_head": {"format": "high_precision"}}}
+    cfg = modelopt_config(plan, QuantizationSection(weight_format="int8_sq", kv_cache="fp8", smoothquant_alpha=0.8))
+    entries = cfg["quant_cfg"]
+    assert {"quantizer_name": "model.layers.0.mlp.down_proj.*", "enable": False} in entries
+    assert not any(e.get("quantizer_name", "").startswith("model.layers.0.mlp.up_proj") for e in entries)
+    kv = [e for e in entries if e.get("quantizer_name") == "*[kv]_bmm_quantizer"]
+    assert kv and kv[-1]["cfg"]["num_bits"] == (4, 3)
+    assert cfg["algorithm"] == {"method": "smoothquant", "alpha": 0.8}
+    awq = modelopt_config({"layers": {}}, QuantizationSection(weight_format="int4_awq", kv_cache="none",
+                                                              awq_group_size=64))
+    blocks = [e["cfg"]["block_sizes"] for e in awq["quant_cfg"] if isinstance(e.get("cfg"), dict)
+              and "block_sizes" in e["cfg"]]
+    assert blocks and all(b[-1] == 64 for b in blocks)
