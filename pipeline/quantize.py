@@ -13,8 +13,11 @@ Runs in a child process (pipeline.child) with its log beside the checkpoint. In 
 5. the TensorRT-LLM checkpoint export, and a check of what it wrote (quant_algo, kv_cache_quant_algo,
    exclusions = the plan's high-precision layers, rope fields, weight dtypes).
 
-Not here yet (issue #4 continues): reading the checkpoint back (rebuilt-model perplexity), the HF unified
-checkpoint for the pytorch target, and plans that mix formats needing different calibration algorithms.
+6. the checkpoint read back by pipeline.checkpoint, and the same accuracy figures for that rebuilt model
+   (without KV-cache quantization, which the CPU runtime adds).
+
+Not here yet (issue #4 continues): INT4/AWQ checkpoints read back, the HF unified checkpoint for the
+pytorch target, and plans that mix formats (MIXED_PRECISION).
 """
 
 from __future__ import annotations
@@ -290,7 +293,17 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         export_tensorrt_llm_checkpoint(model, DECODER_TYPE[model_config["model_type"]], dtype, export_dir=ckpt,
                                        inference_tensor_parallel=build.tensor_parallel_size)
     exported = _check_export(ckpt, plan_doc, quant, model_config)
-    return {"accuracy": accuracy, "checkpoint": exported,
+    # the model as the checkpoint says, read back by our own reader: the figure closest to the engine's
+    from .checkpoint import rebuild
+
+    kept = {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
+    rebuilt, read_facts = rebuild(ckpt, model_dir, kept)
+    from_ckpt = _accuracy(original, rebuilt, evals)
+    accuracy["from_checkpoint"] = {k: from_ckpt[k] for k in ("perplexity_quantized", "perplexity_increase_pct",
+                                                             "top1_agreement", "kl_divergence")}
+    accuracy["from_checkpoint"]["kv_cache_quantized"] = False  # the CPU runtime (build stage) adds it
+    (out_dir / ACCURACY_FILE).write_text(json.dumps({"accuracy": accuracy, "generations": generations}, indent=2))
+    return {"accuracy": accuracy, "checkpoint": {**exported, "read_back": read_facts},
             "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),
             "kept_high_precision": sum(e["format"] == HIGH_PRECISION for e in plan_doc["layers"].values()),
             "calibration_tokens": int(calib.numel()), "evaluation_tokens": int(evals.numel()),

@@ -115,3 +115,60 @@ def test_modelopt_config_disables_kept_layers_and_adds_kv_quantizers():
     blocks = [e["cfg"]["block_sizes"] for e in awq["quant_cfg"] if isinstance(e.get("cfg"), dict)
               and "block_sizes" in e["cfg"]]
     assert blocks and all(b[-1] == 64 for b in blocks)
+
+
+def test_checkpoint_read_back_computes_what_the_simulated_model_computes(tmp_path, outlier_model_dir):
+    """Without a quantized KV cache the rebuilt model differs from ModelOpt's simulation only by the FP16
+    storage of scales and kept weights: the same perplexity to a fraction of a percent."""
+    cfg = _tiny_config(tmp_path, outlier_model_dir)
+    work = tmp_path / "work"
+    _run(cfg, work, "quantization.kv_cache=none", "quantization.accuracy.max_perplexity_increase_pct=50",
+         "quantization.accuracy.min_top1_agreement=0.5", "quantization.accuracy.max_kl_divergence=1.0")
+    summary = json.loads((work / "tiny" / "quantize" / "manifest.json").read_text())["summary"]
+    acc = summary["accuracy"]
+    assert acc["from_checkpoint"]["perplexity_quantized"] == pytest.approx(acc["perplexity_quantized"], rel=2e-3)
+    facts = summary["checkpoint"]["read_back"]
+    assert facts["quantized_linears"] + facts["high_precision_linears"] == 2 * 7
+
+
+def test_reader_refuses_a_checkpoint_that_contradicts_the_plan(tmp_path, tiny_model_dir):
+    from pipeline.checkpoint import rebuild
+    from pipeline.errors import IntegrityError
+
+    cfg = _tiny_config(tmp_path, tiny_model_dir)
+    work = tmp_path / "work"
+    _run(cfg, work, "quantization.kv_cache=none", "quantization.accuracy.max_perplexity_increase_pct=50",
+         "quantization.accuracy.min_top1_agreement=0.5", "quantization.accuracy.max_kl_divergence=1.0")
+    ckpt = work / "tiny" / "quantize" / "trtllm_checkpoint"
+    with pytest.raises(IntegrityError, match="model.layers.0.mlp.down_proj"):
+        rebuild(ckpt, tiny_model_dir, kept={"lm_head", "model.layers.0.mlp.down_proj"})
+
+
+def test_llama3_rope_fields_survive_the_export(tmp_path, tiny_tokenizer_dir):
+    """transformers 5 loses rotary_base / rotary_scaling in this export; with the pinned 4.57 they must be
+    there, and the stage checks them."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                         rope_theta=500000.0, rope_scaling=rope, bos_token_id=1, eos_token_id=2,
+                                         pad_token_id=2))
+    model_dir = tmp_path / "llama3_tiny"
+    model.save_pretrained(model_dir, safe_serialization=True)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy2(f, model_dir / f.name)
+    cfg = _tiny_config(tmp_path, model_dir)
+    work = tmp_path / "work"
+    _run(cfg, work, "quantization.kv_cache=none", "quantization.accuracy.max_perplexity_increase_pct=50",
+         "quantization.accuracy.min_top1_agreement=0.5", "quantization.accuracy.max_kl_divergence=1.0")
+    config = json.loads((work / "tiny" / "quantize" / "trtllm_checkpoint" / "config.json").read_text())
+    assert config["rotary_base"] == 500000.0
+    scaling = config["rotary_scaling"]
+    assert scaling["factor"] == 8.0 and scaling.get("rope_type", scaling.get("type")) == "llama3"
+    assert scaling["original_max_position_embeddings"] == 256

@@ -48,3 +48,11 @@ def test_accuracy_is_within_the_configured_tolerance(quantized):
     assert 0 < acc["perplexity_increase_pct"] <= 10 and acc["top1_agreement"] >= 0.8 and acc["kl_divergence"] <= 0.1
     assert 1 < acc["perplexity_original"] < 100  # a real trained model on real prose
     assert "quantized:" in (quantized / "quantize" / "generations.md").read_text()
+
+
+def test_checkpoint_read_back_agrees_with_the_simulation(quantized):
+    acc = json.loads((quantized / "quantize" / "manifest.json").read_text())["summary"]["accuracy"]
+    ck = acc["from_checkpoint"]
+    # the rebuilt model has no INT8 KV cache (the CPU runtime adds it): a little better, never far off
+    assert abs(ck["perplexity_quantized"] / acc["perplexity_quantized"] - 1) < 0.02
+    assert ck["top1_agreement"] >= 0.8 and ck["kl_divergence"] <= 0.1
