@@ -43,6 +43,9 @@ WeightFormat = Literal["none", "int8_sq", "int8_wo", "fp8", "int4_awq", "w4a8_aw
 SensitivityFormat = Literal["int8_w8a8", "int8_sq", "int8_wo", "fp8", "int4_awq"]
 KVCacheFormat = Literal["none", "int8", "fp8"]
 Dtype = Literal["float32", "float16", "bfloat16"]
+# the sensitivity column that predicts each weight format (w4a8_awq: its INT4 weights dominate the error)
+DECISION_COLUMN = {"int8_sq": "int8_sq", "int8_wo": "int8_wo", "fp8": "fp8", "int4_awq": "int4_awq",
+                   "w4a8_awq": "int4_awq"}
 
 
 class Strict(BaseModel):
@@ -367,11 +370,10 @@ class PipelineConfig(Strict):
                     "build.target: pytorch serves the HF unified checkpoint: set "
                     "quantization.export_hf_checkpoint: true"
                 )
-        decision = {"int8_sq": "int8_sq", "int8_wo": "int8_wo", "fp8": "fp8", "int4_awq": "int4_awq",
-                    "w4a8_awq": "int4_awq"}.get(q.weight_format)
+        decision = DECISION_COLUMN.get(q.weight_format)
         if self.plan.budget is not None:
             unmeasured = [f for f in self.plan.budget.wider_formats
-                          if {"w4a8_awq": "int4_awq"}.get(f, f) not in self.sensitivity.formats]
+                          if DECISION_COLUMN.get(f, f) not in self.sensitivity.formats]
             if unmeasured:
                 raise ValueError(
                     f"plan.budget.wider_formats {unmeasured} are not measured: add them to sensitivity.formats"

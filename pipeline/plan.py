@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import PlanSection, QuantizationSection, SensitivitySection
+from .config import DECISION_COLUMN, PlanSection, QuantizationSection, SensitivitySection
 from .errors import InputError
 from .sensitivity import quantized_weight_bytes
 
@@ -30,9 +30,6 @@ PLAN_FORMAT_VERSION = 1
 HIGH_PRECISION = "high_precision"
 BUDGET_GRID_BYTES = 4096
 
-# the sensitivity column that predicts each weight format (w4a8_awq: INT4 weights dominate its error)
-DECISION_FORMAT = {"int8_sq": "int8_sq", "int8_wo": "int8_wo", "fp8": "fp8", "int4_awq": "int4_awq",
-                   "w4a8_awq": "int4_awq"}
 VALID_LAYER_FORMATS = (HIGH_PRECISION, "int8_sq", "int8_wo", "fp8", "int4_awq", "w4a8_awq")
 FORMAT_BITS = {HIGH_PRECISION: 16, "int8_sq": 8, "int8_wo": 8, "fp8": 8, "int4_awq": 4, "w4a8_awq": 4}
 
@@ -48,7 +45,7 @@ class LayerChoice:
 
 
 def decision_format(quant: QuantizationSection) -> str | None:
-    return DECISION_FORMAT.get(quant.weight_format)
+    return DECISION_COLUMN.get(quant.weight_format)
 
 
 def _bytes(fmt: str, layer: dict, group_size: int) -> int:
@@ -65,7 +62,7 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
     choices: dict[str, LayerChoice] = {}
 
     def err(layer: dict, fmt: str) -> float | None:
-        column = col if fmt == base else DECISION_FORMAT.get(fmt, fmt)
+        column = col if fmt == base else DECISION_COLUMN.get(fmt, fmt)
         e = layer["errors"].get(column)
         return e["error"] if e else None
 

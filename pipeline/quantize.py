@@ -32,13 +32,13 @@ from pathlib import Path
 
 from .config import BuildSection, QuantizationSection
 from .errors import InputError, StageFailed
+from .plan import HIGH_PRECISION
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "trtllm_checkpoint"
 ACCURACY_FILE = "accuracy.json"
 GENERATIONS_FILE = "generations.md"
-HIGH_PRECISION = "high_precision"
 EVAL_BATCH = 4
 GREEDY_PROMPTS = ("The capital of France is", "A function in Python is defined with", "Once upon a time,")
 GREEDY_NEW_TOKENS = 16
@@ -281,8 +281,6 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     accuracy = _accuracy(original, model, evals)
     generations = _generations(original, model, tokenizer)
     log.info("accuracy: %s", accuracy)
-    (out_dir / ACCURACY_FILE).write_text(json.dumps({"accuracy": accuracy, "generations": generations}, indent=2))
-    (out_dir / GENERATIONS_FILE).write_text(_generations_markdown(generations, accuracy))
     _gate(accuracy, quant, plan_doc, table_layers)
 
     ckpt = out_dir / CHECKPOINT_DIR
@@ -303,6 +301,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
                                                              "top1_agreement", "kl_divergence")}
     accuracy["from_checkpoint"]["kv_cache_quantized"] = False  # the CPU runtime (build stage) adds it
     (out_dir / ACCURACY_FILE).write_text(json.dumps({"accuracy": accuracy, "generations": generations}, indent=2))
+    (out_dir / GENERATIONS_FILE).write_text(_generations_markdown(generations, accuracy))
     return {"accuracy": accuracy, "checkpoint": {**exported, "read_back": read_facts},
             "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),
             "kept_high_precision": sum(e["format"] == HIGH_PRECISION for e in plan_doc["layers"].values()),

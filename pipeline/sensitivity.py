@@ -492,17 +492,23 @@ TABLE_MD = "sensitivity_table.md"
 HEATMAP_PNG = "sensitivity_heatmap.png"
 
 
-def _trim_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc malloc_trim; a no-op elsewhere)."""
+def _libc():
+    """glibc's C library, for its allocator controls; None elsewhere."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc malloc_trim; a no-op elsewhere)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def _return_freed_memory_to_the_os() -> None:
@@ -511,20 +517,10 @@ def _return_freed_memory_to_the_os() -> None:
     A fixed 32 MiB threshold keeps big tensors mmapped (returned on free) and mid-size ones reused.
     Measured on SmolLM2 (2 cores): 1 MiB was 55 % slower (page faults) for 6 % less peak RSS; glibc's
     default used ~20 % more memory. No-op off glibc."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name:
-        try:
-            libc = ctypes.CDLL(name)
-            import os
-
-            mib = int(os.environ.get("PIPELINE_MMAP_THRESHOLD_MIB", "32"))
-            libc.mallopt(-3, mib << 20)  # M_MMAP_THRESHOLD
-            libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD: 64 MiB
-        except (OSError, AttributeError):
-            pass
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
 
 
 def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySection,
