@@ -1,15 +1,188 @@
-# Placeholder until issue #8 (container image releases). It packages the pipeline and the CPU-side
-# dependencies so `invoke all` can run in a container; it has not been built here (no Docker engine on
-# the development machines). The GPU runtime image on the Triton TensorRT-LLM base comes with issue #8.
-FROM python:3.11.11-slim-bookworm
-WORKDIR /opt/pipeline
+# Images of a published build (issue #8). Built by `invoke image` / `invoke release` (pipeline/image.py), which
+# pass every build argument below from the published provenance and the config; `invoke image --dry-run` prints
+# the exact command. Needs BuildKit (Docker 23 or later: `docker buildx build`). Targets:
+#   gpu      tensorrt / pytorch builds, served by tritonserver on the Triton TensorRT-LLM image
+#   cpu      the cpu build: a slim Python image, the pipeline's CPU runtime, the Triton server of nvidia-pytriton
+#   builder  the Triton TensorRT-LLM image plus the pipeline, for engine-build Jobs (deploy/jobs/)
+# Two inputs are BuildKit named contexts, never part of the main context (see .dockerignore):
+#   model_repository  the published Triton model repository (<work dir>/publish/model_repository)
+#   release_files     provenance.json, image.json and, for a release, the build report (<work dir>/image/release_files)
+# No token or credential enters any layer: the cpu target reads an optional pip config as a BuildKit secret
+# (id pip_conf), and the Hugging Face token of an engine-build Job comes from a Kubernetes Secret at run time.
+# Not built on the development machines (no Docker engine there): checked statically by tests/test_image.py.
+
+# The Triton TensorRT-LLM image. Its repository (your registry, or your mirror of the vendor's) has no real
+# default here: `invoke image` passes image.base_repository, and without it the pull of this placeholder name
+# fails. The tag's default carries TensorRT-LLM 1.2.1, build.trtllm_version's default; pipeline.image
+# .TRITON_TRTLLM_TAGS maps tags to versions and `invoke image` refuses a base that differs from the engine's.
+ARG TRITON_REPOSITORY=set-the-triton-repository-build-arg
+ARG TRITON_TAG=26.07-trtllm-python-py3
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+
+# ------------------------------------------------------------------------------------------------ gpu
+FROM ${TRITON_REPOSITORY}:${TRITON_TAG} AS gpu
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# A fixed non-root user. It owns nothing it serves: the repository stays root-owned and read-only to it.
+RUN groupadd --system --gid 10001 triton-llm \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/triton-llm \
+      --shell /usr/sbin/nologin triton-llm
+# The pipeline's package, for Python-backend models that import it (no dependencies installed: the base has them).
+COPY pipeline /opt/trtllm-pipeline/pipeline
+ENV PYTHONPATH=/opt/trtllm-pipeline \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
+# model_repository and release_files are named build contexts (--build-context), not stages: DL3022 cannot
+# know them. tests/test_image.py checks each --from names a stage or a documented named context.
+# hadolint ignore=DL3022
+COPY --from=model_repository . /models
+# hadolint ignore=DL3022
+COPY --from=release_files . /opt/release
+USER 10001:10001
+EXPOSE 8000 8001 8002
+# Engines can take minutes to load: a long start period; after it, not ready three times in a row = unhealthy.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
+  CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status != 200)"]
+# The base's entrypoint script (driver checks, banner) runs tritonserver with the repository; HTTP (with the
+# /v2/health endpoints), gRPC and Prometheus metrics on their usual ports. Extra flags: container args.
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "tritonserver", "--model-repository=/models", \
+            "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
+            "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true", \
+            "--strict-readiness=true", "--disable-auto-complete-config"]
+CMD []
+ARG IMAGE_TITLE=unset
+ARG IMAGE_VERSION=unset
+ARG SOURCE_REVISION=unset
+ARG PIPELINE_VERSION=unset
+ARG CONFIG_NAME=unset
+ARG MODEL_NAME=unset
+ARG MODEL_SOURCE=unset
+ARG MODEL_REVISION=unset
+ARG QUANTIZATION=unset
+ARG BUILD_TARGET=unset
+ARG TRTLLM_VERSION=unset
+ARG REPOSITORY_DIGEST=unset
+ARG REPORT_SHA256=none
+LABEL org.opencontainers.image.title="${IMAGE_TITLE}" \
+      org.opencontainers.image.version="${IMAGE_VERSION}" \
+      org.opencontainers.image.revision="${SOURCE_REVISION}" \
+      trtllm-pipeline.pipeline.version="${PIPELINE_VERSION}" \
+      trtllm-pipeline.config="${CONFIG_NAME}" \
+      trtllm-pipeline.model.name="${MODEL_NAME}" \
+      trtllm-pipeline.model.source="${MODEL_SOURCE}" \
+      trtllm-pipeline.model.revision="${MODEL_REVISION}" \
+      trtllm-pipeline.quantization="${QUANTIZATION}" \
+      trtllm-pipeline.build.target="${BUILD_TARGET}" \
+      trtllm-pipeline.trtllm.version="${TRTLLM_VERSION}" \
+      trtllm-pipeline.repository.digest="${REPOSITORY_DIGEST}" \
+      trtllm-pipeline.report.sha256="${REPORT_SHA256}"
+
+# ------------------------------------------------------------------------------------------------ cpu
+FROM ${PYTHON_IMAGE} AS cpu-deps
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+WORKDIR /src
+COPY pyproject.toml constraints-cpu.txt ./
+COPY pipeline ./pipeline
+# The pipeline (CPU runtime) and nvidia-pytriton (a real Triton server with the Python backend) in one venv,
+# under the project's pins (numpy < 2: the Python-backend stub returns empty tensors with numpy 2). The pip
+# config, if given, is a BuildKit secret: read during this RUN only, never stored in a layer. Then the
+# Python-backend stub for this Python goes where tritonserver looks for it (design brief section 6).
+RUN --mount=type=secret,id=pip_conf,required=false \
+    if [ -f /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; else export PIP_CONFIG_FILE=/dev/null; fi \
+ && python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check -c constraints-cpu.txt . nvidia-pytriton==0.7.0 \
+ && triton_dir="$(/opt/venv/bin/python -c 'import os, pytriton; print(os.path.dirname(pytriton.__file__))')/tritonserver" \
+ && py="$(/opt/venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
+ && cp "${triton_dir}/python_backend_stubs/${py}/triton_python_backend_stub" "${triton_dir}/backends/python/" \
+ && ln -s "${triton_dir}/bin/tritonserver" /opt/venv/bin/tritonserver \
+ && ln -s "${triton_dir}/backends" /opt/venv/tritonserver-backends
+
+FROM ${PYTHON_IMAGE} AS cpu
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN groupadd --system --gid 10001 triton-llm \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/triton-llm \
+      --shell /usr/sbin/nologin triton-llm
+COPY --from=cpu-deps /opt/venv /opt/venv
+# The venv's python3 first on PATH: the Python-backend stub takes its sys.prefix (and numpy < 2) from it.
+ENV PATH=/opt/venv/bin:${PATH} \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
+# Named build contexts again (DL3022 cannot know them; see the gpu stage).
+# hadolint ignore=DL3022
+COPY --from=model_repository . /models
+# hadolint ignore=DL3022
+COPY --from=release_files . /opt/release
+USER 10001:10001
+EXPOSE 8000 8001 8002
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
+  CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status != 200)"]
+# No GPU: no GPU metrics, no pinned host memory pool (it needs CUDA).
+ENTRYPOINT ["tritonserver", "--model-repository=/models", "--backend-directory=/opt/venv/tritonserver-backends", \
+            "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
+            "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true", \
+            "--pinned-memory-pool-byte-size=0", "--strict-readiness=true", "--disable-auto-complete-config"]
+CMD []
+ARG IMAGE_TITLE=unset
+ARG IMAGE_VERSION=unset
+ARG SOURCE_REVISION=unset
+ARG PIPELINE_VERSION=unset
+ARG CONFIG_NAME=unset
+ARG MODEL_NAME=unset
+ARG MODEL_SOURCE=unset
+ARG MODEL_REVISION=unset
+ARG QUANTIZATION=unset
+ARG BUILD_TARGET=unset
+ARG TRTLLM_VERSION=unset
+ARG REPOSITORY_DIGEST=unset
+ARG REPORT_SHA256=none
+LABEL org.opencontainers.image.title="${IMAGE_TITLE}" \
+      org.opencontainers.image.version="${IMAGE_VERSION}" \
+      org.opencontainers.image.revision="${SOURCE_REVISION}" \
+      trtllm-pipeline.pipeline.version="${PIPELINE_VERSION}" \
+      trtllm-pipeline.config="${CONFIG_NAME}" \
+      trtllm-pipeline.model.name="${MODEL_NAME}" \
+      trtllm-pipeline.model.source="${MODEL_SOURCE}" \
+      trtllm-pipeline.model.revision="${MODEL_REVISION}" \
+      trtllm-pipeline.quantization="${QUANTIZATION}" \
+      trtllm-pipeline.build.target="${BUILD_TARGET}" \
+      trtllm-pipeline.trtllm.version="${TRTLLM_VERSION}" \
+      trtllm-pipeline.repository.digest="${REPOSITORY_DIGEST}" \
+      trtllm-pipeline.report.sha256="${REPORT_SHA256}"
+
+# ------------------------------------------------------------------------------------------------ builder
+FROM ${TRITON_REPOSITORY}:${TRITON_TAG} AS builder
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+WORKDIR /opt/trtllm-pipeline
 COPY pyproject.toml constraints-cpu.txt tasks.py ./
 COPY pipeline ./pipeline
 COPY engine_configs ./engine_configs
 COPY triton_repo ./triton_repo
-COPY scripts ./scripts
-# Note: the registry's torch 2.13.0 for x86_64 Linux is a CUDA build (several GB); issue #8 picks the
-# image's torch (a CPU build for the cpu target, the TensorRT-LLM base image's own for the GPU targets).
-RUN bash scripts/setup-env
-ENTRYPOINT [".venv/bin/invoke"]
-CMD ["all"]
+# An engine must be built by the TensorRT-LLM that serves it, so the base's TensorRT-LLM, TensorRT, torch,
+# transformers and ModelOpt stay untouched: the pipeline goes in without dependencies, then the few pure-Python
+# packages it needs on top, under constraints frozen from the base (a conflict fails the build, loudly).
+# The base's Python is the system one, hence PIP_BREAK_SYSTEM_PACKAGES.
+RUN export PIP_BREAK_SYSTEM_PACKAGES=1 \
+ && python3 -m pip freeze > /tmp/base-constraints.txt \
+ && python3 -m pip install --no-cache-dir --disable-pip-version-check --no-deps . \
+ && python3 -m pip install --no-cache-dir --disable-pip-version-check -c /tmp/base-constraints.txt \
+      invoke==3.0.3 gguf==0.19.0 matplotlib==3.11.2 \
+ && rm /tmp/base-constraints.txt \
+ && groupadd --system --gid 10001 triton-llm \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/triton-llm \
+      --shell /usr/sbin/nologin triton-llm
+ENV PYTHONDONTWRITEBYTECODE=1
+USER 10001:10001
+# A Job passes the task and its flags, e.g. `publish --config engine_configs/X.yaml --work-root /workspace/...`.
+ENTRYPOINT ["invoke"]
+CMD ["--list"]
+ARG IMAGE_TITLE=unset
+ARG IMAGE_VERSION=unset
+ARG SOURCE_REVISION=unset
+ARG PIPELINE_VERSION=unset
+ARG TRTLLM_VERSION=unset
+LABEL org.opencontainers.image.title="${IMAGE_TITLE}" \
+      org.opencontainers.image.version="${IMAGE_VERSION}" \
+      org.opencontainers.image.revision="${SOURCE_REVISION}" \
+      trtllm-pipeline.pipeline.version="${PIPELINE_VERSION}" \
+      trtllm-pipeline.trtllm.version="${TRTLLM_VERSION}"

@@ -45,7 +45,23 @@ quantize = _stage_task("quantize", "Quantize with ModelOpt, export the TensorRT-
 build = _stage_task("build", "Build engines (tensorrt), LLM-API options (pytorch) or the CPU runtime bundle (cpu).")
 publish = _stage_task("publish", "Publish the build to a versioned Triton model repository.")
 verify = _stage_task("verify", "Start a real Triton server on the repository and check its answers.")
-bench = _stage_task("bench", "Benchmark the served model over a concurrency sweep.")
+
+
+@task(name="bench", iterable=["set"], help={
+    **RUN_HELP,
+    "compare_with": "also sweep a second published build (its model repository, or the work dir holding it), "
+                    "alternating level by level, and report the ratios (sets bench.compare_repository)",
+})
+def bench(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False, compare_with=None):
+    """Benchmark the served model over a concurrency sweep (throughput, TTFT, inter-token and end-to-end latency)."""
+    overrides = list(set or [])
+    if compare_with:
+        overrides.append(f"bench.compare_repository={Path(compare_with).resolve()}")
+    cli.setup_logging(verbose)
+    with cli.user_errors():
+        cli.run_task("bench", config, overrides, Path(work_root), force=force)
+
+
 report = _stage_task("report", "Write the build report.")
 
 
@@ -55,6 +71,9 @@ def all_(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbos
     cli.setup_logging(verbose)
     with cli.user_errors():
         cli.run_all(config, set or [], Path(work_root), force=force)
+        from pipeline.report import print_summary
+
+        print_summary(config, set or [], Path(work_root))  # where the report is, and its five lines
 
 
 @task(iterable=["set"], help=CONFIG_HELP)
@@ -82,8 +101,54 @@ def _not_built(name: str, issue: int, doc: str):
     return _task
 
 
-serve = _not_built("serve", 6, "Run a Triton server on the published repository until Ctrl-C.")
-image = _not_built("image", 8, "Build the container image for a published build.")
+@task(iterable=["set"], help={**CONFIG_HELP, "http_port": "HTTP port (default 8000)",
+                               "grpc_port": "gRPC port (default 8001)", "metrics_port": "metrics port (default 8002)",
+                               "host": "address to bind (default 127.0.0.1: this machine only)"})
+def serve(c, config=None, set=None, work_root=str(WORK_ROOT), http_port=8000, grpc_port=8001, metrics_port=8002,
+          host="127.0.0.1"):
+    """Run a Triton server on the published repository in the foreground until Ctrl-C; prints the endpoints."""
+    from pipeline.triton_server import serve_published
+
+    cli.setup_logging(False)
+    with cli.user_errors():
+        serve_published(config, set or [], Path(work_root), http_port=http_port, grpc_port=grpc_port,
+                        metrics_port=metrics_port, host=host)
+
+
+@task(iterable=["set"], help={
+    **CONFIG_HELP,
+    "push": "push the image to image.repository after building it",
+    "dry_run": "print the exact docker commands (and tags) instead of running them; needs no Docker",
+    "builder": "build the engine-build image (for deploy/jobs) instead of the serving image",
+})
+def image(c, config=None, set=None, work_root=str(WORK_ROOT), push=False, dry_run=False, builder=False):
+    """Build the container image of the published build (tags and labels derived from its provenance)."""
+    from pipeline.image import image_task
+
+    with cli.user_errors():
+        image_task(config, set or [], Path(work_root), push=push, dry_run=dry_run, builder=builder)
+
+
+@task(iterable=["set"], help={**RUN_HELP, "dry_run": "print what would run (all, docker build, docker push); run nothing"})
+def release(c, config=None, set=None, work_root=str(WORK_ROOT), dry_run=False, force=False, verbose=False):
+    """`all`, then the image with the build report inside, then push it to image.repository."""
+    from pipeline.image import release_task
+
+    cli.setup_logging(verbose)
+    with cli.user_errors():
+        release_task(config, set or [], Path(work_root), dry_run=dry_run, force=force)
+
+
+@task(name="deploy-manifests", iterable=["set", "gpu_type"], help={
+    **CONFIG_HELP,
+    "gpu_type": "also render an engine-build Job for this GPU type (node label nvidia.com/gpu.product; repeatable)",
+})
+def deploy_manifests(c, config=None, set=None, work_root=str(WORK_ROOT), gpu_type=None):
+    """Render the Kubernetes manifests (deploy/) for the published build into <work dir>/deploy/."""
+    from pipeline.deploy import deploy_manifests_task
+
+    with cli.user_errors():
+        deploy_manifests_task(config, set or [], Path(work_root), gpu_types=gpu_type or [])
 
 
 @task(help={"quick": "skip the slow end-to-end tests (marked e2e)", "k": "pytest -k expression"})
@@ -98,4 +163,4 @@ def test(c, quick=False, k=None):
 
 
 ns = Collection(download, sensitivity, quantize, build, publish, verify, bench, report, all_, plan, clean,
-                serve, image, test)
+                serve, image, release, deploy_manifests, test)

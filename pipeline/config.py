@@ -234,6 +234,17 @@ class QuantizationSection(Strict):
     export_hf_checkpoint: bool = False  # the unified HF checkpoint the `pytorch` target serves
     accuracy: AccuracyTolerance = AccuracyTolerance()
 
+    @field_validator("weight_format", mode="before")
+    @classmethod
+    def _gpu_only(cls, v: Any) -> Any:
+        if isinstance(v, str) and (v.lower().startswith(("nvfp4", "mx")) or v.lower() in ("fp4", "w4a8_mxfp4_fp8")):
+            raise ValueError(
+                f"{v} needs a GPU: ModelOpt quantizes NVFP4 and MX formats only with CUDA (TensorRT-LLM serves "
+                "them on Blackwell GPUs), and this pipeline quantizes on the CPU; use int4_awq, w4a8_awq, fp8, "
+                "int8_sq or int8_wo"
+            )
+        return v
+
     @model_validator(mode="after")
     def _combos(self) -> "QuantizationSection":
         if self.export_hf_checkpoint and self.kv_cache == "int8":
@@ -282,6 +293,18 @@ class BuildSection(Strict):
     multiple_profiles: bool = True
     # The TensorRT-LLM release the engine is built with and served by (engines only load under it).
     trtllm_version: str = "1.2.1"
+    # GPU targets (pipeline/trtllm.py checks these against TensorRT-LLM 1.2's option table and rules).
+    # None: chosen by weight format (fp8 for FP8 weights, else auto = the checkpoint dtype)
+    gemm_plugin: Optional[Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"]] = None
+    # None: on wherever TensorRT-LLM allows it (never with an INT8 KV cache); KV-cache reuse needs it
+    use_paged_context_fmha: Optional[bool] = None
+    # TensorRT's timing cache, kept across builds (absolute, or relative to the current directory);
+    # None: <user cache dir>/trtllm-pipeline/timing-cache. One file per GPU model and TensorRT-LLM version.
+    timing_cache_dir: Optional[Path] = None
+    # The GPU this profile is sized for; a build on another compute capability is refused (engines are
+    # specific to the GPU architecture they were built on). sm = compute capability x 10 (H100: 90).
+    target_gpu: Optional[str] = None
+    target_sm: Optional[int] = Field(None, ge=70, le=130)
 
     @model_validator(mode="after")
     def _sizes(self) -> "BuildSection":
@@ -318,14 +341,60 @@ class TritonSection(Strict):
     decoupled: bool = True  # streaming responses (gRPC streams, generate_stream)
     keep_versions: int = Field(3, ge=1, le=100)
     server_url: Optional[str] = None  # if set, publish asks this server to reload the model
+    # The live repository a server reads, where versions accumulate across publishes (an absolute path).
+    # Default: <work dir>/model_repository. It cannot be the publish stage's own folder: the runner replaces
+    # that folder on every run (the stage's publish/model_repository is a snapshot of the latest version).
+    repository_dir: Optional[Path] = None
+    # Where servers will see repository_dir (e.g. /models in a container): the tensorrtllm backend needs an
+    # absolute engine path in its config. Default: repository_dir itself.
+    serving_repository_path: Optional[str] = None
+    overwrite: bool = False  # replace models in repository_dir that this pipeline did not write
+    apply_chat_template: bool = False  # wrap prompts in the tokenizer's chat template unless a request says
+    cpu_threads: int = Field(0, ge=0, le=1024)  # cpu target: torch threads in the server (0: torch's default)
+
+    @field_validator("repository_dir")
+    @classmethod
+    def _absolute_dir(cls, v: Optional[Path]) -> Optional[Path]:
+        if v is not None and not v.expanduser().is_absolute():
+            raise ValueError("must be an absolute path (the repository a server reads), e.g. /srv/triton/models")
+        return v.expanduser() if v is not None else None
+
+    @field_validator("serving_repository_path")
+    @classmethod
+    def _absolute_path(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("must be an absolute path as the server sees it, e.g. /models")
+        return v
+
+    @field_validator("server_url")
+    @classmethod
+    def _url(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.match(r"^(https?://)?[A-Za-z0-9.\-\[\]:]+(:\d+)?/?$", v):
+            raise ValueError("must be the server's HTTP endpoint, e.g. http://127.0.0.1:8000")
+        return v
 
 
 class BenchSection(Strict):
+    """`invoke bench` (pipeline/bench.py): a closed-loop concurrency sweep over the streaming model."""
+
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
-    requests_per_level: int = Field(32, ge=1)
-    warmup_requests: int = Field(4, ge=0)
-    prompt_tokens: int = Field(64, ge=1)
+    requests_per_level: int = Field(32, ge=1)  # measured requests per level, after the warm-up
+    warmup_requests: int = Field(4, ge=0)  # sent once per server before the sweep, not measured
+    prompt_tokens: int = Field(64, ge=1)  # each prompt: this many tokens of the evaluation text
     output_tokens: int = Field(64, ge=1)
+    # every request generates exactly output_tokens (end_id -1, as LLM benchmarks do); false: stop at EOS
+    ignore_eos: bool = True
+    # more concurrency "stops paying" where throughput gains less than this per doubling: the knee
+    knee_min_gain: float = Field(0.10, gt=0, lt=1)
+    request_timeout_s: float = Field(300.0, gt=0)
+    # drive a running server instead of starting one on the published repository: its gRPC endpoint
+    # (host:port) and, for Triton's own queue and compute times, its metrics URL (http://host:port/metrics)
+    grpc_url: Optional[str] = None
+    metrics_url: Optional[str] = None
+    # comparison mode: a second published repository (absolute; e.g. an unquantized baseline's
+    # <work root>/<name>/publish/model_repository, or that work dir), swept in the same run, level by
+    # level, alternating with this build; the results carry this/baseline ratios
+    compare_repository: Optional[Path] = None
 
     @field_validator("concurrency")
     @classmethod
@@ -334,10 +403,83 @@ class BenchSection(Strict):
             raise ValueError("must be positive, unique and ascending, e.g. [1, 2, 4, 8]")
         return v
 
+    @field_validator("grpc_url")
+    @classmethod
+    def _grpc_url(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.match(r"^[A-Za-z0-9.\-\[\]:]+:\d+$", v):
+            raise ValueError("must be the server's gRPC endpoint as host:port, e.g. 127.0.0.1:8001")
+        return v
+
+    @field_validator("metrics_url")
+    @classmethod
+    def _metrics_url(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.match(r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d+)?(/[A-Za-z0-9_./-]*)?$", v):
+            raise ValueError("must be the server's metrics URL, e.g. http://127.0.0.1:8002/metrics")
+        return v
+
+    @field_validator("compare_repository")
+    @classmethod
+    def _absolute_compare(cls, v: Optional[Path]) -> Optional[Path]:
+        if v is not None and not v.expanduser().is_absolute():
+            raise ValueError("must be an absolute path: a published model repository or the work dir holding it")
+        return v.expanduser() if v is not None else None
+
+    @model_validator(mode="after")
+    def _metrics_needs_url(self) -> "BenchSection":
+        if self.metrics_url is not None and self.grpc_url is None:
+            raise ValueError("metrics_url is only used with grpc_url (a started server's metrics are found by itself)")
+        return self
+
+
+_IMAGE_REPO_RE = re.compile(r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
+_IMAGE_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_BASE_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}(@sha256:[0-9a-f]{64})?$")
+
 
 class ImageSection(Strict):
-    base_image: Optional[str] = None  # default chosen by the image stage from build.target/trtllm_version
-    tag: Optional[str] = None  # default derived from the published build's content digest
+    """`invoke image` / `release` / `deploy-manifests` (pipeline/image.py, pipeline/deploy.py)."""
+
+    # Where the image is tagged and pushed: <registry>/<path>/<name>. None: the local name
+    # "trtllm-pipeline", which `--push` refuses (it would go to the default public registry).
+    repository: Optional[str] = None
+    # GPU targets: the repository of the Triton TensorRT-LLM images (the vendor's catalogue path
+    # nvidia/tritonserver behind its registry, or your mirror of it). Required for tensorrt/pytorch; no
+    # default, so no registry is ever chosen for you.
+    base_repository: Optional[str] = None
+    # None: the newest tag in pipeline.image.TRITON_TRTLLM_TAGS that carries the TensorRT-LLM version the
+    # published build recorded. "<tag>" or "<tag>@sha256:<digest>" to pin the base by digest.
+    base_tag: Optional[str] = None
+    # The TensorRT-LLM version inside base_tag, for a tag the table does not know (a custom build).
+    base_trtllm_version: Optional[str] = None
+    # None: <model>-<quant>-trtllm<version>-<short repository digest>, derived from the published build.
+    tag: Optional[str] = None
+    platform: Literal["linux/amd64", "linux/arm64"] = "linux/amd64"
+    # cpu image: a pip config file (index, mirror, credentials) handed to the build as a BuildKit secret,
+    # so it never lands in a layer; e.g. one that adds the CPU-only torch wheel index (the default index's
+    # x86_64 torch is a multi-GB CUDA build). Absolute, or relative to the current directory.
+    pip_config: Optional[Path] = None
+
+    @field_validator("repository", "base_repository")
+    @classmethod
+    def _repository(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and (not _IMAGE_REPO_RE.match(v) or len(v) > 255):
+            raise ValueError("must be an image repository without tag: lowercase [host[:port]/]path/name")
+        return v
+
+    @field_validator("tag")
+    @classmethod
+    def _tag(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _IMAGE_TAG_RE.match(v):
+            raise ValueError("must be a Docker tag: letters, digits, '_', '.', '-', at most 128, not starting with '.' or '-'")
+        return v
+
+    @field_validator("base_tag")
+    @classmethod
+    def _base_tag(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _BASE_TAG_RE.match(v):
+            raise ValueError("must be a tag, optionally pinned by digest: '26.07-trtllm-python-py3' or "
+                             "'26.07-trtllm-python-py3@sha256:<64 hex>'")
+        return v
 
 
 # ---------------------------------------------------------------- the whole config

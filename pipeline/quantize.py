@@ -2,22 +2,28 @@
 
 Runs in a child process (pipeline.child) with its log beside the checkpoint. In order:
 1. the rules users trip on are checked before any work (AWQ group size must divide every INT4 layer's
-   input width; tensor parallelism must divide the attention and KV heads; fused q/k/v share one format;
-   one weight format per plan, for now);
-2. the ModelOpt config is built from the plan: the base format's preset, the plan's high-precision layers
-   disabled, INT8/FP8 KV-cache quantizers;
-3. calibration on the calibration tokens (``mtq.quantize``);
+   input width, and its per-rank width for row-parallel layers under tensor parallelism; tensor parallelism
+   must divide the attention and KV heads; layers fused into one GEMM share one format: q/k/v, and
+   gate/up for the HF unified checkpoint); formats that need a GPU (NVFP4, MX) are refused by the config;
+2. the ModelOpt config is built from the plan: the base format's preset, then one entry per layer whose
+   format differs (later entries win, as in ModelOpt), the plan's high-precision layers disabled,
+   INT8/FP8 KV-cache quantizers;
+3. calibration on the calibration tokens (``mtq.quantize``). A plan that mixes formats is calibrated with
+   ``max`` first, then each calibration algorithm on its own layers with every other quantizer paused
+   (SmoothQuant for the int8_sq layers, AWQ-lite for the INT4 ones), as each format would be alone;
 4. the accuracy gate on the evaluation tokens (disjoint from calibration): perplexity of the original and of
    the quantized (simulated) model, teacher-forced top-1 agreement and mean KL(original || quantized), plus
    a few greedy generations side by side for a person to read (not gated: near-ties flip argmaxes);
-5. the TensorRT-LLM checkpoint export, and a check of what it wrote (quant_algo, kv_cache_quant_algo,
-   exclusions = the plan's high-precision layers, rope fields, weight dtypes).
-
-6. the checkpoint read back by pipeline.checkpoint, and the same accuracy figures for that rebuilt model
+5. a deep copy of the calibrated model when the config asks for the HF unified checkpoint (ModelOpt's HF
+   export modifies the model in place, so it never sees a model already exported);
+6. the TensorRT-LLM checkpoint export (one rank file per tensor-parallel rank), and a check of what it wrote:
+   quant_algo (MIXED_PRECISION with a quant_cfg.json listing exactly the plan's quantized layers and their
+   formats, when formats are mixed), kv_cache_quant_algo, exclusions = the plan's high-precision layers,
+   rope fields, weight dtypes;
+7. the HF unified checkpoint (``hf_checkpoint/``) from the copy, checked: hf_quant_config.json names the
+   format, the KV-cache format and the plan's kept layers, and its config.json parses under transformers;
+8. the checkpoint read back by pipeline.checkpoint, and the same accuracy figures for that rebuilt model
    (without KV-cache quantization, which the CPU runtime adds).
-
-Not here yet (issue #4 continues): INT4/AWQ checkpoints read back, the HF unified checkpoint for the
-pytorch target, and plans that mix formats (MIXED_PRECISION).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import fnmatch
 import json
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -37,6 +44,9 @@ from .plan import HIGH_PRECISION
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "trtllm_checkpoint"
+HF_CHECKPOINT_DIR = "hf_checkpoint"
+QUANT_CFG_FILE = "quant_cfg.json"
+HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
 ACCURACY_FILE = "accuracy.json"
 GENERATIONS_FILE = "generations.md"
 EVAL_BATCH = 4
@@ -49,6 +59,12 @@ MODELOPT_PRESET = {"int8_sq": "INT8_SMOOTHQUANT_CFG", "int8_wo": "INT8_WEIGHT_ON
 TRTLLM_QUANT_ALGO = {"int8_sq": "W8A8_SQ_PER_CHANNEL", "int8_wo": "W8A16", "fp8": "FP8", "int4_awq": "W4A16_AWQ",
                      "w4a8_awq": "W4A8_AWQ"}
 KV_ALGO = {"int8": "INT8", "fp8": "FP8", "none": None}
+AWQ_FORMATS = ("int4_awq", "w4a8_awq")
+# TensorRT-LLM splits these on their input dim under tensor parallelism (row-parallel)
+ROW_PARALLEL = ("o_proj", "down_proj")
+# tokenizer files copied into the HF unified checkpoint, so the LLM API can serve it on its own
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 DECODER_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen"}
 # HF module -> TensorRT-LLM checkpoint module (llama family); q/k/v become one fused qkv GEMM
 TRTLLM_MODULE = {"q_proj": "attention.qkv", "k_proj": "attention.qkv", "v_proj": "attention.qkv",
@@ -63,40 +79,50 @@ def trtllm_name(hf_name: str) -> str:
     return f"transformer.layers.{parts[2]}.{TRTLLM_MODULE[parts[-1]]}"
 
 
+def quantized_formats(plan_doc: dict) -> set[str]:
+    return {e["format"] for e in plan_doc["layers"].values()} - {HIGH_PRECISION}
+
+
 def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection, model_config: dict,
                 table_layers: dict) -> None:
     """Refuse, before any work, what ModelOpt or TensorRT-LLM would reject later (each message says the fix)."""
     problems = []
-    formats = {e["format"] for e in plan_doc["layers"].values()} - {HIGH_PRECISION}
-    base = quant.weight_format
-    if base != "none":
-        odd = sorted(formats - {base})
-        if odd:
-            problems.append(
-                f"the plan mixes {base} with {odd}: exporting mixed formats (MIXED_PRECISION with quant_cfg.json) "
-                f"is not built yet (issue #4); use {base} or high_precision in plan rules / wider_formats")
-    for name, entry in plan_doc["layers"].items():
-        if entry["format"] in ("int4_awq", "w4a8_awq"):
-            width = table_layers[name]["in_features"]
-            if width % quant.awq_group_size:
-                ok = [g for g in (128, 64, 32) if width % g == 0]
-                problems.append(
-                    f"{name}: quantization.awq_group_size {quant.awq_group_size} does not divide its input width "
-                    f"{width}; use {ok[0] if ok else 'another format'}")
-                break
-    heads, kv = model_config.get("num_attention_heads"), model_config.get("num_key_value_heads")
     tp = build.tensor_parallel_size
+    g = quant.awq_group_size
+    for name, entry in plan_doc["layers"].items():
+        if entry["format"] in AWQ_FORMATS:
+            width = table_layers[name]["in_features"]
+            # a row-parallel layer's input is split across the ranks: each rank's slice needs whole groups
+            per_rank = width // tp if name.rsplit(".", 1)[-1] in ROW_PARALLEL and tp > 1 else width
+            if width % tp == 0 and per_rank % g == 0:
+                continue
+            ok = [c for c in (128, 64, 32) if width % tp == 0 and per_rank % c == 0]
+            where = f"its input width {width}"
+            if per_rank != width:
+                where += f" split over {tp} ranks ({per_rank} per rank)"
+            problems.append(f"{name}: quantization.awq_group_size {g} does not divide {where}; use "
+                            f"{' or '.join(map(str, ok)) if ok else 'another format for this layer'}")
+            break
+    heads, kv = model_config.get("num_attention_heads"), model_config.get("num_key_value_heads")
     if heads and (heads % tp or (kv or heads) % tp):
         problems.append(f"build.tensor_parallel_size {tp} must divide the attention heads ({heads}) and KV heads "
                         f"({kv}); valid: {[t for t in range(1, heads + 1) if heads % t == 0 and (kv or heads) % t == 0]}")
-    blocks: dict[str, set] = {}
-    for name, entry in plan_doc["layers"].items():
-        if name.endswith(("q_proj", "k_proj", "v_proj")):
-            blocks.setdefault(name.rsplit(".", 2)[0], set()).add(entry["format"])
-    split = sorted(b for b, f in blocks.items() if len(f) > 1)
-    if split:
-        problems.append(f"q/k/v of {split[0]} have different formats in the plan, but they are one fused GEMM in "
-                        f"the TensorRT-LLM checkpoint: give the three the same format")
+    # one GEMM in the checkpoint -> one format: q/k/v always; gate/up in the HF unified checkpoint, and in
+    # the TensorRT-LLM one when either is FP8 (TensorRT-LLM fuses them for FP8; ModelOpt's export insists)
+    for group, fused in ((("q_proj", "k_proj", "v_proj"), lambda f: True),
+                         (("gate_proj", "up_proj"), lambda f: quant.export_hf_checkpoint or "fp8" in f)):
+        blocks: dict[str, set] = {}
+        for name, entry in plan_doc["layers"].items():
+            if name.rsplit(".", 1)[-1] in group:
+                blocks.setdefault(name.rsplit(".", 1)[0], set()).add(entry["format"])
+        split = sorted(b for b, f in blocks.items() if len(f) > 1 and fused(f))
+        if split:
+            members = "/".join(m.removesuffix("_proj") for m in group)
+            problems.append(f"{members} of {split[0]} have different formats in the plan ({sorted(blocks[split[0]])}), "
+                            f"but they are one fused GEMM in the exported checkpoint: give them the same format "
+                            f"(a plan rule such as '{split[0]}.{group[0]}' with the other's format)")
+    if quant.export_hf_checkpoint and quant.kv_cache == "int8":
+        problems.append("an INT8 KV cache cannot be exported as an HF unified checkpoint; use kv_cache fp8 or none")
     if model_config.get("model_type") not in DECODER_TYPE:
         problems.append(f"model type {model_config.get('model_type')!r} has no TensorRT-LLM export mapping here "
                         f"(supported: {', '.join(DECODER_TYPE)})")
@@ -104,8 +130,38 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
         raise InputError("quantize: " + "; ".join(problems) + ".")
 
 
+def _algorithm(fmt: str, quant: QuantizationSection):
+    """The calibration algorithm a format gets on its own (its ModelOpt preset's; SmoothQuant with our alpha)."""
+    import modelopt.torch.quantization as mtq
+
+    if fmt == "int8_sq":
+        return {"method": "smoothquant", "alpha": quant.smoothquant_alpha}
+    return copy.deepcopy(getattr(mtq, MODELOPT_PRESET[fmt]).get("algorithm", "max"))
+
+
+def _layer_entries(name: str, fmt: str, group: int) -> list[dict]:
+    """ModelOpt entries giving one layer the weight and input quantizers of format ``fmt``."""
+    import modelopt.torch.quantization as mtq
+
+    entries = []
+    for e in copy.deepcopy(getattr(mtq, MODELOPT_PRESET[fmt]))["quant_cfg"]:
+        qn = e.get("quantizer_name")
+        if qn in ("*weight_quantizer", "*input_quantizer") and not e.get("parent_class"):
+            item = {"quantizer_name": f"{name}.{qn[1:]}"}
+            if "cfg" in e:
+                item["cfg"] = e["cfg"]
+                _set_block_size(item["cfg"], group)
+            if "enable" in e:
+                item["enable"] = e["enable"]
+            entries.append(item)
+    return entries
+
+
 def modelopt_config(plan_doc: dict, quant: QuantizationSection) -> dict:
-    """The ordered ModelOpt quantization config for the plan (later entries win, as in ModelOpt)."""
+    """The ordered ModelOpt quantization config for the plan (later entries win, as in ModelOpt).
+
+    The base format's preset first; then, per layer, entries for a format other than the base (and for
+    lm_head, which every preset leaves off), or a disable for a layer kept in high precision."""
     import modelopt.torch.quantization as mtq
 
     base = quant.weight_format
@@ -113,30 +169,71 @@ def modelopt_config(plan_doc: dict, quant: QuantizationSection) -> dict:
     entries = cfg["quant_cfg"]
     if base == "int8_sq":
         cfg["algorithm"] = {"method": "smoothquant", "alpha": quant.smoothquant_alpha}
-    if base in ("int4_awq", "w4a8_awq"):
+    if base in AWQ_FORMATS:
         for e in entries:
             _set_block_size(e.get("cfg"), quant.awq_group_size)
     for name, entry in plan_doc["layers"].items():
         fmt = entry["format"]
         if fmt == HIGH_PRECISION:
             entries.append({"quantizer_name": f"{name}.*", "enable": False})
-        elif name == "lm_head":  # lm_head is off in every preset: turn it on when the plan quantizes it
-            other = copy.deepcopy(getattr(mtq, MODELOPT_PRESET[fmt]))["quant_cfg"]
-            for e in other:
-                qn = e.get("quantizer_name")
-                if qn in ("*weight_quantizer", "*input_quantizer"):
-                    item = {"quantizer_name": f"{name}.{qn[1:]}"}
-                    if "cfg" in e:
-                        item["cfg"] = e["cfg"]
-                        _set_block_size(item["cfg"], quant.awq_group_size)
-                    if "enable" in e:
-                        item["enable"] = e["enable"]
-                    entries.append(item)
+        elif fmt != base or name == "lm_head":
+            entries += _layer_entries(name, fmt, quant.awq_group_size)
+    formats = quantized_formats(plan_doc)
+    if len(formats) > 1:  # mixed: max for all first, then each algorithm on its own layers (calibration_phases)
+        cfg["algorithm"] = "max"
+    elif formats and formats != {base}:  # every layer moved off the base format: calibrate as that format
+        cfg["algorithm"] = _algorithm(next(iter(formats)), quant)
     if quant.kv_cache != "none":
         bits = 8 if quant.kv_cache == "int8" else (4, 3)
         entries.append({"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": bits, "axis": None},
                         "enable": True})
     return cfg
+
+
+def calibration_phases(plan_doc: dict, quant: QuantizationSection) -> list[tuple[object, list[str]]]:
+    """For a plan that mixes formats: (algorithm, layers) to run after the first ``max`` calibration, one per
+    algorithm other than max (SmoothQuant, AWQ-lite), each on the layers whose format uses it."""
+    if len(quantized_formats(plan_doc)) < 2:
+        return []
+    phases: dict[str, tuple[object, list[str]]] = {}
+    for name, entry in plan_doc["layers"].items():
+        if entry["format"] == HIGH_PRECISION:
+            continue
+        algorithm = _algorithm(entry["format"], quant)
+        if algorithm in ("max", None) or (isinstance(algorithm, dict) and algorithm.get("method") == "max"):
+            continue
+        key = json.dumps(algorithm, sort_keys=True)
+        phases.setdefault(key, (algorithm, []))[1].append(name)
+    def method(algorithm) -> str:
+        return algorithm if isinstance(algorithm, str) else algorithm.get("method", "")
+
+    return sorted(phases.values(), key=lambda p: (method(p[0]), json.dumps(p[0], sort_keys=True)))
+
+
+def _calibrate_phase(model, algorithm, layers: list[str], forward_loop) -> None:
+    """One calibration algorithm on some layers only: every other enabled quantizer is paused meanwhile, so
+    its scales stay as they are and its layers compute in full precision (as in a single-format calibration)."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    prefixes = tuple(f"{n}." for n in layers)
+    paused = []
+    for n, m in model.named_modules():
+        if not isinstance(m, TensorQuantizer) or not m.is_enabled:
+            continue
+        if n.startswith(prefixes):  # forget the first max pass: the algorithm collects its own statistics
+            m.reset_amax()
+            if m._calibrator is not None:
+                m._calibrator.reset()
+        else:
+            paused.append(m)
+    for m in paused:
+        m.disable()
+    try:
+        mtq.calibrate(model, algorithm, forward_loop)
+    finally:
+        for m in paused:
+            m.enable()
 
 
 def _set_block_size(cfg, group: int) -> None:
@@ -190,7 +287,30 @@ def _generations(original, quantized, tokenizer) -> list[dict]:
     return rows
 
 
-def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_config: dict) -> dict:
+def _expected_algo(fmt: str, quant: QuantizationSection) -> dict:
+    """What ModelOpt's exporter writes for one layer of format ``fmt`` (quant_utils.process_layer_quant_config)."""
+    want = {"quant_algo": TRTLLM_QUANT_ALGO[fmt]}
+    if fmt in AWQ_FORMATS:
+        want.update(group_size=quant.awq_group_size, has_zero_point=False, pre_quant_scale=True)
+    return want
+
+
+def _check_layer_formats(listed: dict, expected: dict, what: str) -> list[str]:
+    """listed: {module: {quant_algo, ...}} as exported; expected: {module: wanted entry} from the plan."""
+    problems = []
+    extra, absent = sorted(set(listed) - set(expected)), sorted(set(expected) - set(listed))
+    if extra:
+        problems.append(f"{what} lists {len(extra)} layer(s) the plan keeps in high precision: {extra[:3]}")
+    if absent:
+        problems.append(f"{what} lacks {len(absent)} layer(s) the plan quantizes: {absent[:3]}")
+    for module in sorted(set(listed) & set(expected)):
+        got = {k: listed[module].get(k) for k in expected[module]}
+        if got != expected[module]:
+            problems.append(f"{what}: {module} is {got}, the plan says {expected[module]}")
+    return problems
+
+
+def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_config: dict, tp: int = 1) -> dict:
     """What TensorRT-LLM will read must say what the plan says."""
     from safetensors import safe_open
 
@@ -198,7 +318,7 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
     q = cfg.get("quantization", {})
     problems = []
     kept = {trtllm_name(n) for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
-    formats = {e["format"] for e in plan_doc["layers"].values()} - {HIGH_PRECISION}
+    formats = quantized_formats(plan_doc)
     if q.get("kv_cache_quant_algo") != KV_ALGO[quant.kv_cache]:
         problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_ALGO[quant.kv_cache]})")
     if model_config.get("rope_theta") is not None and cfg.get("rotary_base") != model_config["rope_theta"]:
@@ -206,26 +326,39 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
     if model_config.get("rope_scaling") and not cfg.get("rotary_scaling"):
         problems.append("rotary_scaling missing although the model has rope_scaling")
     ranks = sorted(ckpt.glob("rank*.safetensors"))
-    if len(ranks) != cfg["mapping"]["world_size"]:
-        problems.append(f"{len(ranks)} rank files for world_size {cfg['mapping']['world_size']}")
+    mapping = cfg.get("mapping", {})
+    if not len(ranks) == mapping.get("world_size") == mapping.get("tp_size") == tp:
+        problems.append(f"{len(ranks)} rank files for world_size {mapping.get('world_size')} / tp_size "
+                        f"{mapping.get('tp_size')} (expected {tp})")
     dtypes: dict[str, str] = {}
     with safe_open(str(ranks[0]), framework="pt") as f:
         for k in f.keys():
             if k.endswith(".weight"):
                 dtypes[k[: -len(".weight")]] = f.get_slice(k).get_dtype()
-    # exclude_modules may hold fnmatch patterns (ModelOpt writes 'transformer.layers.28.mlp*' for a whole MLP)
-    excluded = {m for pat in (q.get("exclude_modules") or []) for m in [*dtypes, "lm_head"]
-                if fnmatch.fnmatchcase(m, pat)}
+    quantized_layers = None
     if len(formats) <= 1:
-        want = TRTLLM_QUANT_ALGO[quant.weight_format] if formats else None
+        want = TRTLLM_QUANT_ALGO[next(iter(formats))] if formats else None
         if q.get("quant_algo") != want:
             problems.append(f"quant_algo {q.get('quant_algo')} (expected {want})")
+        # exclude_modules may hold fnmatch patterns (ModelOpt writes 'transformer.layers.28.mlp*' for a whole MLP)
+        excluded = {m for pat in (q.get("exclude_modules") or []) for m in [*dtypes, "lm_head"]
+                    if fnmatch.fnmatchcase(m, pat)}
         linear_excluded = {m for m in excluded if not m.endswith("layernorm")}
         if linear_excluded != kept:
             problems.append(f"exclude_modules differ from the plan's high-precision layers: "
                             f"{sorted(linear_excluded ^ kept)[:4]}")
-    elif q.get("quant_algo") != "MIXED_PRECISION" or not (ckpt / "quant_cfg.json").is_file():
-        problems.append("a mixed plan must export quant_algo MIXED_PRECISION with quant_cfg.json")
+    else:
+        path = ckpt / QUANT_CFG_FILE
+        if q.get("quant_algo") != "MIXED_PRECISION" or not path.is_file():
+            problems.append(f"a mixed plan must export quant_algo MIXED_PRECISION with {QUANT_CFG_FILE} "
+                            f"(found quant_algo {q.get('quant_algo')})")
+        else:
+            listed = json.loads(path.read_text()).get("quantized_layers") or {}
+            quantized_layers = len(listed)
+            # fused q/k/v are one module in the checkpoint; check_rules made their formats agree
+            expected = {trtllm_name(n): _expected_algo(e["format"], quant) for n, e in plan_doc["layers"].items()
+                        if e["format"] != HIGH_PRECISION}
+            problems += _check_layer_formats(listed, expected, QUANT_CFG_FILE)
     for module, dtype in dtypes.items():
         if module in kept and dtype not in ("F16", "BF16", "F32"):
             problems.append(f"{module} is kept in high precision by the plan but stored as {dtype}")
@@ -236,7 +369,56 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
         raise StageFailed("the exported TensorRT-LLM checkpoint does not match the plan: " + "; ".join(problems[:6]))
     return {"quant_algo": q.get("quant_algo"), "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
             "exclude_modules": sorted(q.get("exclude_modules") or []), "rotary_base": cfg.get("rotary_base"),
-            "weight_dtypes": sorted(set(dtypes.values())), "ranks": len(ranks)}
+            "weight_dtypes": sorted(set(dtypes.values())), "ranks": len(ranks),
+            "formats": sorted(TRTLLM_QUANT_ALGO[f] for f in formats), "quant_cfg_layers": quantized_layers}
+
+
+def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, model_config: dict) -> dict:
+    """The HF unified checkpoint must say what the plan says, in a config.json transformers can read."""
+    from transformers import AutoConfig
+
+    problems = []
+    path = hf_dir / HF_QUANT_CONFIG_FILE
+    if not path.is_file():
+        raise StageFailed(f"the HF unified checkpoint in {hf_dir} has no {HF_QUANT_CONFIG_FILE}")
+    q = json.loads(path.read_text()).get("quantization", {})
+    formats = quantized_formats(plan_doc)
+    layers = list(plan_doc["layers"])
+    kept = {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
+    if q.get("kv_cache_quant_algo") != KV_ALGO[quant.kv_cache]:
+        problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_ALGO[quant.kv_cache]})")
+    if len(formats) <= 1:
+        want = TRTLLM_QUANT_ALGO[next(iter(formats))] if formats else None
+        if q.get("quant_algo") != want:
+            problems.append(f"quant_algo {q.get('quant_algo')} (expected {want})")
+        excluded = {n for pat in (q.get("exclude_modules") or []) for n in layers if fnmatch.fnmatchcase(n, pat)}
+        if excluded != kept:
+            problems.append(f"exclude_modules differ from the plan's high-precision layers: "
+                            f"{sorted(excluded ^ kept)[:4]}")
+    elif q.get("quant_algo") != "MIXED_PRECISION":
+        problems.append(f"a mixed plan must export quant_algo MIXED_PRECISION (found {q.get('quant_algo')})")
+    else:
+        expected = {n: _expected_algo(e["format"], quant) for n, e in plan_doc["layers"].items()
+                    if e["format"] != HIGH_PRECISION}
+        problems += _check_layer_formats(q.get("quantized_layers") or {}, expected, HF_QUANT_CONFIG_FILE)
+    try:
+        parsed = AutoConfig.from_pretrained(hf_dir)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problems.append(f"config.json does not parse under transformers: {e}")
+    else:
+        qc = getattr(parsed, "quantization_config", None) or {}
+        if qc.get("quant_method") != "modelopt":
+            problems.append(f"config.json quantization_config.quant_method is {qc.get('quant_method')!r}, not modelopt")
+        theta = model_config.get("rope_theta")
+        if theta is not None and getattr(parsed, "rope_theta", None) != theta:
+            problems.append(f"config.json rope_theta {getattr(parsed, 'rope_theta', None)} != the model's "
+                            f"{model_config['rope_theta']}")
+    if problems:
+        raise StageFailed("the exported HF unified checkpoint does not match the plan: " + "; ".join(problems[:6]))
+    return {"quant_algo": q.get("quant_algo"), "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
+            "exclude_modules": len(q.get("exclude_modules") or []),
+            "quantized_layers": len(q.get("quantized_layers") or {}) or None,
+            "bytes": sum(p.stat().st_size for p in hf_dir.iterdir() if p.is_file())}
 
 
 def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path, plan_file: Path, table_file: Path,
@@ -275,6 +457,9 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
 
     with torch.no_grad():
         mtq.quantize(model, cfg, forward_loop)
+        for algorithm, layers in calibration_phases(plan_doc, quant):
+            log.info("calibrating %d layer(s) with %s", len(layers), algorithm)
+            _calibrate_phase(model, algorithm, layers, forward_loop)
     t_quant = time.perf_counter() - t0
     log.info("calibrated in %.1f s", t_quant)
 
@@ -284,13 +469,28 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     _gate(accuracy, quant, plan_doc, table_layers)
 
     ckpt = out_dir / CHECKPOINT_DIR
-    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+    from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
 
+    # ModelOpt's HF export modifies the model in place (resmoothing, requantizing): it gets its own copy,
+    # taken before the TensorRT-LLM export touches the model
+    hf_source = copy.deepcopy(model) if quant.export_hf_checkpoint else None
     dtype = torch.bfloat16 if build.dtype == "bfloat16" else torch.float16
     with torch.no_grad():
         export_tensorrt_llm_checkpoint(model, DECODER_TYPE[model_config["model_type"]], dtype, export_dir=ckpt,
                                        inference_tensor_parallel=build.tensor_parallel_size)
-    exported = _check_export(ckpt, plan_doc, quant, model_config)
+    exported = _check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size)
+    hf_exported = None
+    if hf_source is not None:
+        hf_dir = out_dir / HF_CHECKPOINT_DIR
+        if build.dtype != "float32":  # ModelOpt writes unquantized weights in the model's own dtype
+            hf_source = hf_source.to(dtype)
+        with torch.no_grad():
+            export_hf_checkpoint(hf_source, dtype, export_dir=hf_dir)
+        del hf_source
+        for name in TOKENIZER_FILES:  # the LLM API serves the folder on its own
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, hf_dir / name)
+        hf_exported = _check_hf_export(hf_dir, plan_doc, quant, model_config)
     # the model as the checkpoint says, read back by our own reader: the figure closest to the engine's
     from .checkpoint import rebuild
 
@@ -304,6 +504,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     (out_dir / GENERATIONS_FILE).write_text(_generations_markdown(generations, accuracy))
     return {"accuracy": accuracy, "checkpoint": {**exported, "read_back": read_facts},
             "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),
+            "hf_checkpoint": hf_exported,
             "kept_high_precision": sum(e["format"] == HIGH_PRECISION for e in plan_doc["layers"].values()),
             "calibration_tokens": int(calib.numel()), "evaluation_tokens": int(evals.numel()),
             "timing_s": {"calibrate": round(t_quant, 1), "total": round(time.perf_counter() - t0, 1)}}

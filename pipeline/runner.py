@@ -82,6 +82,10 @@ class StageDef:
     # returns summary figures to record, and then used as it is instead of being overwritten
     editable: tuple[str, ...] = ()
     accept_edit: Optional[Callable[[Path], dict]] = None
+    # checks that this machine can run the stage (a GPU, TensorRT-LLM, ...), raising EnvironmentProblem or
+    # ConfigError; called for every stage a run selects, upstream ones included, before the first one starts,
+    # so a GPU profile on a CPU machine fails in seconds instead of after the download and calibration
+    preflight: Optional[Callable[[LoadedConfig], None]] = None
 
     @property
     def built(self) -> bool:
@@ -266,6 +270,9 @@ class Runner:
     def run(self, targets: list[str], force: bool | list[str] = False,
             echo: Callable[[str], None] = print) -> list[dict]:
         names = self.closure(targets)
+        for name in names:
+            if self.stages[name].preflight is not None:
+                self.stages[name].preflight(self.loaded)
         missing = [n for n in names if not self.stages[n].built]
         if missing:
             first = self.stages[missing[0]]

@@ -70,6 +70,61 @@ def _run_quantize(ctx: StageContext) -> dict:
     return {**summary, "peak_rss_bytes": peak_rss}
 
 
+def _run_build(ctx: StageContext) -> dict:
+    from .build import build_cpu
+
+    cfg = ctx.config
+    ckpt = ctx.upstream("quantize") / "trtllm_checkpoint"
+    if cfg.build.target == "cpu":
+        return build_cpu(ckpt, ctx.upstream("model") / constants.MODEL_DIR, cfg, ctx.out_dir)
+    from . import trtllm
+
+    if cfg.build.target == "tensorrt":
+        return trtllm.build_tensorrt(ckpt, cfg, ctx.out_dir)
+    return trtllm.build_pytorch(ctx.upstream("quantize") / "hf_checkpoint", cfg, ctx.out_dir)
+
+
+def _build_preflight(loaded) -> None:
+    from .trtllm import preflight  # GPU targets: a GPU and TensorRT-LLM here, or stop before any work
+
+    preflight(loaded)
+
+
+def _run_publish(ctx: StageContext) -> dict:
+    from .publish import publish
+
+    # the live repository (triton.repository_dir, default <work dir>/model_repository) is outside this
+    # stage's folder, which the runner replaces on every run: see pipeline/publish.py
+    work_dir = ctx.upstream("build").parent
+    return publish(ctx.config, ctx.loaded.name, work_dir, ctx.upstream("build"),
+                   ctx.upstream("model") / constants.MODEL_DIR, ctx.out_dir)
+
+
+def _run_verify(ctx: StageContext) -> dict:
+    from .verify import verify
+
+    return verify(ctx.upstream("publish"), ctx.out_dir)
+
+
+def _run_bench(ctx: StageContext) -> dict:
+    from .bench import run_bench
+
+    return run_bench(ctx.config, ctx.upstream("publish"), ctx.upstream("text") / constants.EVALUATION_TEXT_FILE,
+                     ctx.upstream("build"), ctx.out_dir)
+
+
+def _bench_fingerprint(loaded, hash_cache):
+    from .bench import compare_fingerprint  # the comparison baseline is an input outside this work dir
+
+    return compare_fingerprint(loaded.config.bench)
+
+
+def _run_report(ctx: StageContext) -> dict:
+    from .report import write_report
+
+    return write_report(ctx.upstream("verify").parent, ctx.out_dir, ctx.loaded)
+
+
 def _check_edited_plan(stage_dir) -> dict:
     import json
 
@@ -110,13 +165,17 @@ STAGES: list[StageDef] = [
              version=3),  # 2, 3: fused q/k/v share one format
     StageDef("quantize", "ModelOpt quantization, TensorRT-LLM checkpoint export, accuracy gate",
              needs=("model", "text", "sensitivity", "plan"),
-             sections=("quantization", "build.dtype", "build.tensor_parallel_size"), run=_run_quantize),
-    StageDef("build", "engine / LLM-API options / CPU runtime bundle", needs=("quantize",), sections=("build",),
-             issue=5),
-    StageDef("publish", "Triton model repository", needs=("build",), sections=("triton",), issue=6),
-    StageDef("verify", "real Triton server checks", needs=("publish",), sections=("triton",), issue=6),
-    StageDef("bench", "throughput and latency sweep", needs=("publish",), sections=("bench",), issue=7),
-    StageDef("report", "the build report", needs=("verify", "bench"), issue=7),
+             sections=("quantization", "build.dtype", "build.tensor_parallel_size"), run=_run_quantize,
+             version=2),  # 2: mixed formats, INT4 and tensor-parallel read-back, HF unified checkpoint
+    StageDef("build", "engine / LLM-API options / CPU runtime bundle", needs=("model", "quantize"),
+             sections=("build",), run=_run_build, preflight=_build_preflight),
+    StageDef("publish", "Triton model repository", needs=("model", "plan", "build"),
+             sections=("triton", "build.target", "build.trtllm_version", "image.base_tag", "image.base_trtllm_version"),
+             run=_run_publish),
+    StageDef("verify", "real Triton server checks", needs=("publish",), sections=("triton",), run=_run_verify),
+    StageDef("bench", "throughput and latency sweep", needs=("text", "build", "publish"), sections=("bench",),
+             external_inputs=_bench_fingerprint, run=_run_bench),
+    StageDef("report", "the build report", needs=("verify", "bench"), run=_run_report),
 ]
 
 # invoke task -> the stages it runs (with their upstream stages, as needed)

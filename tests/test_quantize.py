@@ -1,5 +1,6 @@
-"""The quantize stage on a tiny real Llama: ModelOpt calibration from the plan, the accuracy gate, and the
-TensorRT-LLM checkpoint it exports (checked against the plan)."""
+"""The quantize stage on a tiny real Llama: ModelOpt calibration from the plan (one format or mixed), the
+accuracy gate, the TensorRT-LLM checkpoint it exports (one rank or two) and the HF unified checkpoint, each
+checked against the plan; and the rules refused before any work."""
 
 from __future__ import annotations
 
@@ -89,11 +90,196 @@ def test_awq_group_size_that_does_not_divide_is_refused_before_any_work(tmp_path
              "quantization.kv_cache=none")
 
 
-def test_a_plan_mixing_formats_is_refused_with_the_reason(tmp_path, tiny_model_dir):
+LOOSE = ("quantization.accuracy.max_perplexity_increase_pct=1000", "quantization.accuracy.min_top1_agreement=0",
+         "quantization.accuracy.max_kl_divergence=100")
+
+
+def test_a_mixed_plan_exports_mixed_precision_listing_exactly_the_plans_layers(tmp_path, tiny_model_dir):
+    """INT4 AWQ everywhere, INT8 SmoothQuant on layer 1's attention and down_proj (plan rules), lm_head kept:
+    MIXED_PRECISION, and quant_cfg.json lists each quantized GEMM with its format (q/k/v as one qkv)."""
     cfg = _tiny_config(tmp_path, tiny_model_dir)
-    with pytest.raises(InputError, match="mixes int8_sq with \\['int8_wo'\\].*not built yet"):
-        _run(cfg, tmp_path / "work", "sensitivity.formats=[int8_sq, int8_wo]",
-             "plan.rules=[{pattern: '*.down_proj', format: int8_wo}]")
+    work = tmp_path / "work"
+    _run(cfg, work, "sensitivity.formats=[int4_awq, int8_sq]", "quantization.weight_format=int4_awq",
+         "quantization.awq_group_size=32", "quantization.kv_cache=int8", "sensitivity.threshold=5",
+         "plan.rules=[{pattern: lm_head, keep_high_precision: true}, "
+         "{pattern: 'model.layers.1.self_attn.[qkv]_proj', format: int8_sq}, "
+         "{pattern: 'model.layers.1.mlp.down_proj', format: int8_sq}, "
+         "{pattern: 'model.layers.0.mlp.up_proj', keep_high_precision: true}]", *LOOSE)
+    from pipeline.quantize import trtllm_name
+
+    plan = yaml.safe_load((work / "tiny" / "plan" / "plan.yaml").read_text())
+    assert plan["summary"]["mixed_precision"]
+    ckpt = work / "tiny" / "quantize" / "trtllm_checkpoint"
+    q = json.loads((ckpt / "config.json").read_text())["quantization"]
+    assert q == {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "INT8"}
+    listed = json.loads((ckpt / "quant_cfg.json").read_text())["quantized_layers"]
+    want = {trtllm_name(n): e["format"] for n, e in plan["layers"].items() if e["format"] != "high_precision"}
+    assert set(listed) == set(want) and len(listed) == 2 * 5 - 1  # qkv, dense, fc, gate, proj; one gate kept
+    algo = {"int4_awq": "W4A16_AWQ", "int8_sq": "W8A8_SQ_PER_CHANNEL"}
+    assert {m: e["quant_algo"] for m, e in listed.items()} == {m: algo[f] for m, f in want.items()}
+    assert listed["transformer.layers.0.mlp.fc"]["group_size"] == 32
+    assert "transformer.layers.0.mlp.gate" not in listed and "lm_head" not in listed
+    dtypes = _dtypes(ckpt)
+    assert dtypes["transformer.layers.0.mlp.gate.weight"] == "F16"
+    assert dtypes["transformer.layers.1.attention.qkv.weight"] == "I8"
+    assert "transformer.layers.1.attention.qkv.activation_scaling_factor" in dtypes
+    assert "transformer.layers.0.attention.qkv.activation_scaling_factor" not in dtypes  # W4A16: fp16 inputs
+    summary = json.loads((work / "tiny" / "quantize" / "manifest.json").read_text())["summary"]
+    assert summary["checkpoint"]["quant_cfg_layers"] == 9
+    assert summary["checkpoint"]["read_back"]["formats"] == {"W4A16_AWQ": 9, "W8A8_SQ_PER_CHANNEL": 4}
+    acc = summary["accuracy"]
+    # the export gives q/k/v one AWQ pre-quant scale; the rebuilt model holds that, the simulation does not
+    assert acc["from_checkpoint"]["perplexity_quantized"] == pytest.approx(acc["perplexity_quantized"], rel=2e-2)
+
+
+def test_the_hf_unified_checkpoint_is_written_from_a_fresh_copy_and_says_what_the_plan_says(tmp_path,
+                                                                                           outlier_model_dir):
+    cfg = _tiny_config(tmp_path, outlier_model_dir)
+    work = tmp_path / "work"
+    _run(cfg, work, "quantization.export_hf_checkpoint=true", "quantization.kv_cache=fp8",
+         "sensitivity.threshold=0.1", "plan.decision_format=int8_w8a8", *LOOSE)
+    out = work / "tiny" / "quantize"
+    plan = yaml.safe_load((work / "tiny" / "plan" / "plan.yaml").read_text())
+    kept = {n for n, e in plan["layers"].items() if e["format"] == "high_precision"}
+    assert "lm_head" in kept and len(kept) > 1
+    hf = out / "hf_checkpoint"
+    q = json.loads((hf / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "W8A8_SQ_PER_CHANNEL" and q["kv_cache_quant_algo"] == "FP8"
+    import fnmatch
+
+    excluded = {n for pat in q["exclude_modules"] for n in plan["layers"] if fnmatch.fnmatchcase(n, pat)}
+    assert excluded == kept
+    from transformers import AutoConfig, AutoTokenizer
+
+    parsed = AutoConfig.from_pretrained(hf)  # transformers 4.57 reads it
+    assert parsed.quantization_config["quant_method"] == "modelopt" and parsed.model_type == "llama"
+    assert AutoTokenizer.from_pretrained(hf)("quantization").input_ids
+    with safe_open(str(next(hf.glob("*.safetensors"))), framework="pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes["model.layers.0.mlp.up_proj.weight"] == "I8" and dtypes["lm_head.weight"] == "F16"
+    assert "model.layers.0.self_attn.k_proj.k_scale" in dtypes
+    # the TensorRT-LLM checkpoint beside it is untouched by the HF export (it ran on its own copy)
+    trtllm = json.loads((out / "trtllm_checkpoint" / "config.json").read_text())["quantization"]
+    assert trtllm["kv_cache_quant_algo"] == "FP8"
+    summary = json.loads((out / "manifest.json").read_text())["summary"]
+    assert summary["hf_checkpoint"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
+
+
+def test_tensor_parallel_2_writes_two_ranks_that_read_back_to_the_tp1_logits(tmp_path, tiny_model_dir):
+    """4 heads / 2 KV heads split over 2 ranks; the reader joins the ranks into the model TP=1 gives, to float16
+    rounding (the same calibration, the same FP16 values in different files)."""
+    import torch
+
+    from pipeline.checkpoint import rebuild
+
+    cfg = _tiny_config(tmp_path, tiny_model_dir)
+    work = tmp_path / "work"
+    # INT8 weight-only keeps the two runs quick; INT4 AWQ and mixed plans over two ranks are read back in
+    # tests/test_checkpoint.py
+    common = ("build.target=tensorrt", "sensitivity.formats=[int8_wo]", "quantization.weight_format=int8_wo",
+              "quantization.kv_cache=int8", *LOOSE)
+    _run(cfg, work, "build.tensor_parallel_size=2", *common)
+    ckpt = work / "tiny" / "quantize" / "trtllm_checkpoint"
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["mapping"]["world_size"] == config["mapping"]["tp_size"] == 2
+    assert sorted(p.name for p in ckpt.glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]
+    ids = torch.randint(3, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    two, facts = rebuild(ckpt, tiny_model_dir)
+    assert facts["tp_size"] == 2
+    with torch.no_grad():
+        logits_tp2 = two(ids).logits
+    _run(cfg, work, "build.tensor_parallel_size=1", *common)  # only the quantize stage reruns
+    one, _ = rebuild(ckpt, tiny_model_dir)
+    with torch.no_grad():
+        logits_tp1 = one(ids).logits
+    assert torch.allclose(logits_tp1, logits_tp2, rtol=0, atol=1e-3 * float(logits_tp1.abs().max()))
+
+
+def _rules(plan_layers: dict, table: dict, model_config=None, **quant):
+    from pipeline.config import BuildSection, QuantizationSection
+    from pipeline.quantize import check_rules
+
+    tp = quant.pop("tp", 1)
+    check_rules({"layers": plan_layers}, QuantizationSection(**quant),
+                BuildSection(target="tensorrt", tensor_parallel_size=tp),
+                model_config or {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3}, table)
+
+
+def test_awq_group_size_rule_names_the_sizes_that_divide_576():
+    layers = {"model.layers.0.self_attn.o_proj": {"format": "int4_awq"}}
+    table = {"model.layers.0.self_attn.o_proj": {"in_features": 576}}
+    with pytest.raises(InputError, match="awq_group_size 128 does not divide its input width 576; use 64 or 32"):
+        _rules(layers, table, weight_format="int4_awq", awq_group_size=128, kv_cache="none")
+    _rules(layers, table, weight_format="int4_awq", awq_group_size=64, kv_cache="none")
+    # a row-parallel layer is split on its input: each rank's 576 / 3 = 192 must hold whole groups
+    with pytest.raises(InputError, match=r"576 split over 3 ranks \(192 per rank\); use 64 or 32"):
+        _rules(layers, table, weight_format="int4_awq", awq_group_size=128, kv_cache="none", tp=3)
+
+
+def test_tensor_parallel_size_must_divide_heads_and_kv_heads():
+    with pytest.raises(InputError, match=r"tensor_parallel_size 2 must divide the attention heads \(9\) and KV "
+                                         r"heads \(3\); valid: \[1, 3\]"):
+        _rules({}, {}, tp=2)
+    with pytest.raises(InputError, match=r"valid: \[1, 2\]"):
+        _rules({}, {}, {"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 2}, tp=4)
+    _rules({}, {}, tp=3)
+
+
+def test_layers_fused_in_the_checkpoint_must_share_a_format():
+    qkv = {"model.layers.0.self_attn.q_proj": {"format": "int8_sq"},
+           "model.layers.0.self_attn.k_proj": {"format": "int8_wo"},
+           "model.layers.0.self_attn.v_proj": {"format": "int8_sq"}}
+    with pytest.raises(InputError, match="q/k/v of model.layers.0.self_attn have different formats"):
+        _rules(qkv, {})
+    gate_up = {"model.layers.0.mlp.gate_proj": {"format": "int8_sq"},
+               "model.layers.0.mlp.up_proj": {"format": "high_precision"}}
+    _rules(gate_up, {}, kv_cache="fp8")  # separate GEMMs in the TensorRT-LLM checkpoint
+    with pytest.raises(InputError, match="gate/up of model.layers.0.mlp have different formats"):
+        _rules(gate_up, {}, kv_cache="fp8", export_hf_checkpoint=True)  # one in the HF unified checkpoint
+    fp8 = {"model.layers.0.mlp.gate_proj": {"format": "fp8"},
+           "model.layers.0.mlp.up_proj": {"format": "high_precision"}}
+    with pytest.raises(InputError, match="gate/up of model.layers.0.mlp"):
+        _rules(fp8, {}, weight_format="fp8")  # TensorRT-LLM fuses gate/up for FP8
+
+
+def test_int8_kv_with_an_hf_unified_checkpoint_and_gpu_only_formats_are_refused_by_the_config(tmp_path,
+                                                                                             tiny_model_dir):
+    from pipeline.errors import ConfigError
+
+    cfg = _tiny_config(tmp_path, tiny_model_dir)
+    with pytest.raises(ConfigError, match="INT8 KV cache cannot be exported as an HF unified checkpoint"):
+        load_config(cfg, ["quantization.kv_cache=int8", "quantization.export_hf_checkpoint=true"])
+    for fmt in ("nvfp4", "mxfp8"):
+        with pytest.raises(ConfigError, match=f"{fmt} needs a GPU: ModelOpt quantizes NVFP4 and MX formats only "
+                                              f"with CUDA"):
+            load_config(cfg, [f"quantization.weight_format={fmt}"])
+
+
+def test_modelopt_config_for_a_mixed_plan_gives_each_layer_its_format_and_each_algorithm_its_layers():
+    from pipeline.config import QuantizationSection
+    from pipeline.quantize import calibration_phases, modelopt_config
+
+    plan = {"layers": {"model.layers.0.mlp.down_proj": {"format": "int8_sq"},
+                       "model.layers.0.mlp.up_proj": {"format": "int4_awq"},
+                       "model.layers.0.mlp.gate_proj": {"format": "int8_wo"},
+                       "lm_head": {"format": "high_precision"}}}
+    quant = QuantizationSection(weight_format="int4_awq", kv_cache="int8", awq_group_size=32, smoothquant_alpha=0.8)
+    cfg = modelopt_config(plan, quant)
+    entries = cfg["quant_cfg"]
+    assert cfg["algorithm"] == "max"
+    down = [e for e in entries if e["quantizer_name"].startswith("model.layers.0.mlp.down_proj.")]
+    assert {e["quantizer_name"]: e["cfg"]["num_bits"] for e in down} == {
+        "model.layers.0.mlp.down_proj.weight_quantizer": 8, "model.layers.0.mlp.down_proj.input_quantizer": 8}
+    gate = {e["quantizer_name"]: e for e in entries if e["quantizer_name"].startswith("model.layers.0.mlp.gate_proj.")}
+    assert gate["model.layers.0.mlp.gate_proj.input_quantizer"]["enable"] is False
+    assert not any(e["quantizer_name"].startswith("model.layers.0.mlp.up_proj") for e in entries)  # the base
+    assert entries.index(down[0]) > max(i for i, e in enumerate(entries) if e["quantizer_name"] == "*input_quantizer")
+    phases = calibration_phases(plan, quant)
+    assert [(a if isinstance(a, str) else a["method"], layers) for a, layers in phases] == [
+        ("awq_lite", ["model.layers.0.mlp.up_proj"]), ("smoothquant", ["model.layers.0.mlp.down_proj"])]
+    assert phases[1][0]["alpha"] == 0.8
+    single = {"layers": {"model.layers.0.mlp.up_proj": {"format": "int4_awq"}}}
+    assert calibration_phases(single, quant) == []
 
 
 def test_modelopt_config_disables_kept_layers_and_adds_kv_quantizers():
@@ -128,7 +314,7 @@ def test_checkpoint_read_back_computes_what_the_simulated_model_computes(tmp_pat
     acc = summary["accuracy"]
     assert acc["from_checkpoint"]["perplexity_quantized"] == pytest.approx(acc["perplexity_quantized"], rel=2e-3)
     facts = summary["checkpoint"]["read_back"]
-    assert facts["quantized_linears"] + facts["high_precision_linears"] == 2 * 7
+    assert facts["quantized_linears"] + facts["high_precision_linears"] == 2 * 7 + 1  # and lm_head
 
 
 def test_reader_refuses_a_checkpoint_that_contradicts_the_plan(tmp_path, tiny_model_dir):
@@ -172,3 +358,25 @@ def test_llama3_rope_fields_survive_the_export(tmp_path, tiny_tokenizer_dir):
     scaling = config["rotary_scaling"]
     assert scaling["factor"] == 8.0 and scaling.get("rope_type", scaling.get("type")) == "llama3"
     assert scaling["original_max_position_embeddings"] == 256
+
+
+@pytest.mark.e2e
+def test_mixed_int4_int8_config_on_smollm2_exports_mixed_precision(default_work_root):
+    """engine_configs/smollm2-135m-cpu-int4-mixed.yaml: INT4 AWQ (group 64) with INT8 weight-only where the
+    budget allows, behind the accuracy gate; quant_cfg.json lists exactly the plan's quantized GEMMs."""
+    from conftest import REPO, run_invoke
+    from pipeline.quantize import trtllm_name
+
+    proc = run_invoke("quantize", "--config", str(REPO / "engine_configs" / "smollm2-135m-cpu-int4-mixed.yaml"),
+                      "--work-root", str(default_work_root), timeout=3600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    work = default_work_root / "smollm2-135m-cpu-int4-mixed"
+    plan = yaml.safe_load((work / "plan" / "plan.yaml").read_text())
+    ckpt = work / "quantize" / "trtllm_checkpoint"
+    assert json.loads((ckpt / "config.json").read_text())["quantization"]["quant_algo"] == "MIXED_PRECISION"
+    listed = json.loads((ckpt / "quant_cfg.json").read_text())["quantized_layers"]
+    algo = {"int4_awq": "W4A16_AWQ", "int8_wo": "W8A16"}
+    want = {trtllm_name(n): algo[e["format"]] for n, e in plan["layers"].items() if e["format"] != "high_precision"}
+    assert {m: e["quant_algo"] for m, e in listed.items()} == want
+    acc = json.loads((work / "quantize" / "manifest.json").read_text())["summary"]["accuracy"]
+    assert abs(acc["from_checkpoint"]["perplexity_quantized"] / acc["perplexity_quantized"] - 1) < 0.02

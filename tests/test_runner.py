@@ -124,7 +124,7 @@ def test_failure_keeps_previous_outputs_and_the_log(tmp_path):
         raise RuntimeError("disk on fire")
 
     with pytest.raises(StageFailed, match="disk on fire") as err:
-        runner(tmp_path, ["build.max_batch_size=2"], second_run=boom).run(["second"], echo=lambda s: None)
+        runner(tmp_path, ["build.max_batch_size=4"], second_run=boom).run(["second"], echo=lambda s: None)
     assert "second.failed.log" in str(err.value)
     assert (work / "second" / "out.txt").read_text() == before
     assert not (work / "second" / "partial.txt").exists()

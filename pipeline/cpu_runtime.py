@@ -1,0 +1,481 @@
+"""The ``cpu`` target's reference runtime: the exported quantized checkpoint, served on a CPU.
+
+A reference for correctness and wiring, not a TensorRT engine. What it computes is what the engine is built
+from:
+- weights: the TensorRT-LLM checkpoint read back by ``pipeline.checkpoint`` (INT8/FP8/INT4 codes times their
+  scales), with the calibrated activation quantization (SmoothQuant pre-scales, per-tensor INT8/FP8) applied
+  in front of each quantized GEMM;
+- KV cache: a paged block pool (``tokens_per_block`` tokens per block, blocks handed out as sequences grow)
+  that stores K and V as INT8 or FP8 codes with the checkpoint's per-layer ``kv_cache_scaling_factor``, as
+  TensorRT-LLM's quantized KV cache does. Like the engine's context phase (paged context FMHA is off with an
+  INT8 KV cache), a prompt attends to its own unquantized K/V; every later step reads the quantized cache;
+- scheduling: continuous batching. A scheduler thread admits new requests between decode steps (each
+  prompt is prefilled on its own, then joins the running batch), decodes all running sequences in one
+  forward, and streams each token to its request as soon as it exists.
+
+transformers' Llama code does the math: this module gives it a per-step cache view (``_StepCache``) that
+writes new K/V into the pool and hands back each sequence's dequantized history, padded, with a 4-D mask.
+
+API (what the Triton model and the tests use)::
+
+    rt = CpuRuntime.load(bundle_dir)
+    req = rt.submit(prompt_ids, SamplingParams(max_new_tokens=16))
+    for token_id in req.stream(): ...
+    req.cancel(); req.result(); req.finish_reason
+    rt.close()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from .errors import InputError, IntegrityError
+
+log = logging.getLogger(__name__)
+
+RUNTIME_FILE = "runtime.json"
+CHECKPOINT_SUBDIR = "checkpoint"
+MODEL_SUBDIR = "model"
+KV_STORAGE = {"INT8": torch.int8, "FP8": torch.float8_e4m3fn, None: torch.float32}
+_INT8_MAX, _FP8_MAX = 127.0, 448.0
+_DONE = object()  # end-of-stream marker in a request's token queue
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    end_id: Optional[int] = None  # default: the model's EOS
+    stop_token_ids: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise InputError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+# ---------------------------------------------------------------- the paged, quantized KV cache
+
+
+class KVBlockPool:
+    """K and V for every layer in fixed-size blocks: [num_blocks * tokens_per_block, kv_heads, head_dim] codes.
+
+    ``quant_algo`` INT8: codes = clamp(round(x / scale), +-127) as int8; FP8: (x / scale) as float8_e4m3fn;
+    None: float32. ``scales[layer]`` is the checkpoint's kv_cache_scaling_factor (amax / 127 or amax / 448).
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, tokens_per_block: int, num_blocks: int,
+                 quant_algo: Optional[str], scales: Optional[list[float]] = None):
+        if quant_algo not in KV_STORAGE:
+            raise IntegrityError(f"KV-cache quant_algo {quant_algo!r} is not supported (INT8, FP8 or none)")
+        if quant_algo is not None and (scales is None or len(scales) != num_layers):
+            raise IntegrityError(f"a {quant_algo} KV cache needs one scaling factor per layer ({num_layers})")
+        self.tokens_per_block, self.num_blocks, self.quant_algo = tokens_per_block, num_blocks, quant_algo
+        dtype = KV_STORAGE[quant_algo]
+        shape = (num_blocks * tokens_per_block, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.scales = [torch.tensor(float(s), dtype=torch.float32) for s in scales] if scales else None
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"KV block pool exhausted ({n} needed, {len(self._free)} free)")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def _slots(self, table: list[int], start: int, stop: int) -> torch.Tensor:
+        pos = torch.arange(start, stop)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // self.tokens_per_block]
+        return blocks * self.tokens_per_block + pos % self.tokens_per_block
+
+    def _encode(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.quant_algo == "INT8":
+            return torch.clamp(torch.round(x.float() / self.scales[layer]), -_INT8_MAX, _INT8_MAX).to(torch.int8)
+        if self.quant_algo == "FP8":
+            return (x.float() / self.scales[layer]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+        return x.float()
+
+    def _decode(self, codes: torch.Tensor, layer: int) -> torch.Tensor:
+        return codes.float() * self.scales[layer] if self.quant_algo else codes
+
+    def write(self, layer: int, table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [kv_heads, T, head_dim] for positions start .. start+T-1 of the sequence owning ``table``."""
+        slots = self._slots(table, start, start + k.shape[1])
+        self.k[layer][slots] = self._encode(k.transpose(0, 1), layer)
+        self.v[layer][slots] = self._encode(v.transpose(0, 1), layer)
+
+    def slots(self, table: list[int], start: int, stop: int) -> torch.Tensor:
+        """Pool rows of positions start .. stop-1 of the sequence owning ``table``."""
+        return self._slots(table, start, stop)
+
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [N, kv_heads, head_dim], one pool row each (a decode step: one row per sequence)."""
+        self.k[layer][rows] = self._encode(k, layer)
+        self.v[layer][rows] = self._encode(v, layer)
+
+    def gather(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows: [B, L] pool rows -> dequantized K, V as [B, kv_heads, L, head_dim]."""
+        return (self._decode(self.k[layer][rows], layer).permute(0, 2, 1, 3),
+                self._decode(self.v[layer][rows], layer).permute(0, 2, 1, 3))
+
+    def read(self, layer: int, table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's first ``length`` positions, dequantized: two [kv_heads, length, head_dim] tensors."""
+        slots = self._slots(table, 0, length)
+        return (self._decode(self.k[layer][slots], layer).transpose(0, 1),
+                self._decode(self.v[layer][slots], layer).transpose(0, 1))
+
+
+class _StepCache:
+    """The cache object transformers' attention calls for one forward over a batch of sequences.
+
+    ``update`` stores each sequence's new K/V in its blocks and returns what attention should see: in a
+    prefill (one sequence, empty history) its own unquantized K/V; in a decode step every sequence's
+    dequantized history including the new token, right-padded to the longest (the 4-D mask hides padding).
+    """
+
+    def __init__(self, pool: KVBlockPool, seqs: list["_Sequence"], prefill: bool):
+        self.pool, self.seqs, self.prefill = pool, seqs, prefill
+        self.is_compileable = False
+        if not prefill:  # the same rows for every layer: computed once per step
+            longest = max(s.cached + 1 for s in seqs)
+            self.new_rows = torch.cat([pool.slots(s.blocks, s.cached, s.cached + 1) for s in seqs])
+            # padding points at the sequence's own first row: finite values, hidden by the mask
+            self.read_rows = torch.stack([
+                torch.nn.functional.pad(pool.slots(s.blocks, 0, s.cached + 1), (0, longest - s.cached - 1),
+                                        value=int(pool.slots(s.blocks, 0, 1)[0]))
+                for s in seqs])
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if self.prefill:
+            s = self.seqs[0]
+            self.pool.write(layer_idx, s.blocks, 0, key_states[0], value_states[0])
+            return key_states, value_states
+        # key_states: [B, kv_heads, 1, head_dim], the new token of each sequence
+        self.pool.write_rows(layer_idx, self.new_rows, key_states[:, :, 0], value_states[:, :, 0])
+        keys, values = self.pool.gather(layer_idx, self.read_rows)
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # transformers asks; positions are passed explicitly
+        return 0
+
+    def get_mask_sizes(self, cache_position, layer_idx: int = 0) -> tuple[int, int]:
+        # prefill only (decode passes its own 4-D mask): keys are the prompt itself, so transformers builds
+        # the same causal mask as for a model without a cache
+        return cache_position.shape[0], 0
+
+
+# ---------------------------------------------------------------- requests and sequences
+
+
+class Request:
+    """One submitted prompt: stream its tokens, wait for all of them, or cancel it (thread-safe)."""
+
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams):
+        self.id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.output_ids: list[int] = []
+        self.finish_reason: Optional[str] = None  # length | stop | cancelled | error
+        self.error: Optional[str] = None
+        self._tokens: "queue.Queue" = queue.Queue()
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+
+    def stream(self) -> Iterator[int]:
+        while True:
+            item = self._tokens.get()
+            if item is _DONE:
+                if self.finish_reason == "error":
+                    raise RuntimeError(f"cpu runtime failed on request {self.id}: {self.error}")
+                return
+            yield item
+
+    def result(self, timeout: Optional[float] = None) -> list[int]:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if self.finish_reason == "error":
+            raise RuntimeError(f"cpu runtime failed on request {self.id}: {self.error}")
+        return list(self.output_ids)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _emit(self, token: int) -> None:
+        self.output_ids.append(token)
+        self._tokens.put(token)
+
+    def _finish(self, reason: str, error: Optional[str] = None) -> None:
+        if self._done.is_set():
+            return
+        self.finish_reason, self.error = reason, error
+        self._tokens.put(_DONE)
+        self._done.set()
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0  # positions whose K/V are in the pool
+    last_token: int = -1
+    generator: Optional[torch.Generator] = None
+    finish: Optional[str] = None  # set when the last token is out: stop | length
+
+
+# ---------------------------------------------------------------- the runtime
+
+
+class CpuRuntime:
+    """Loads a cpu bundle and serves it with continuous batching on a scheduler thread."""
+
+    def __init__(self, model, pool: KVBlockPool, settings: dict, eos_token_id: Optional[int]):
+        self.model, self.pool, self.settings = model, pool, settings
+        self.eos_token_id = eos_token_id
+        self.max_batch_size = settings["max_batch_size"]
+        self.max_input_len = settings["max_input_len"]
+        self.max_seq_len = settings["max_seq_len"]
+        self.tokens_per_block = settings["tokens_per_block"]
+        self._waiting: list[Request] = []
+        self._running: list[_Sequence] = []
+        self._lock = threading.Condition()
+        self._closed = False
+        self._next_id = 0
+        self.steps = {"prefill": 0, "decode": 0, "decode_sequences": 0}
+        self._thread = threading.Thread(target=self._loop, name="cpu-runtime-scheduler", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, bundle_dir: Path | str, quantize_kv_cache: bool = True, threads: Optional[int] = None) \
+            -> "CpuRuntime":
+        """``quantize_kv_cache=False`` keeps the KV cache in fp32 (for comparisons with the unquantized cache)."""
+        from safetensors import safe_open
+
+        from .checkpoint import rebuild
+
+        bundle = Path(bundle_dir)
+        settings_file = bundle / RUNTIME_FILE
+        if not settings_file.is_file():
+            raise InputError(f"{bundle} is not a cpu runtime bundle (no {RUNTIME_FILE}); run `invoke build` first")
+        settings = json.loads(settings_file.read_text())
+        if threads:
+            torch.set_num_threads(threads)
+        ckpt, model_dir = bundle / CHECKPOINT_SUBDIR, bundle / MODEL_SUBDIR
+        model, facts = rebuild(ckpt, model_dir)
+        model.eval()
+        cfg = model.config
+        kv_algo = facts.get("kv_cache_quant_algo") if quantize_kv_cache else None
+        scales = None
+        if kv_algo:
+            with safe_open(str(ckpt / "rank0.safetensors"), framework="pt") as f:
+                scales = [float(f.get_tensor(f"transformer.layers.{i}.attention.kv_cache_scaling_factor"))
+                          for i in range(cfg.num_hidden_layers)]
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, settings["tokens_per_block"],
+                           settings["num_blocks"], kv_algo, scales)
+        eos = getattr(model.generation_config, "eos_token_id", None) or cfg.eos_token_id
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0]
+        log.info("cpu runtime: %s weights, KV cache %s in %d blocks of %d tokens (%.1f MB)",
+                 facts.get("quant_algo"), kv_algo or "fp32", pool.num_blocks, pool.tokens_per_block, pool.bytes / 1e6)
+        return cls(model, pool, settings, eos)
+
+    # -- public API
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> Request:
+        prompt = [int(t) for t in prompt_ids]
+        params.check()
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise InputError("the prompt is empty: send at least one token id")
+        if len(prompt) > self.max_input_len:
+            raise InputError(f"the prompt has {len(prompt)} tokens; this build accepts at most max_input_len="
+                             f"{self.max_input_len}")
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
+            raise InputError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"max_seq_len={self.max_seq_len}; ask for at most {self.max_seq_len - len(prompt)} tokens")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the runtime is closed")
+            req = Request(self._next_id, prompt, params)
+            self._next_id += 1
+            self._waiting.append(req)
+            self._lock.notify()
+        return req
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> list[int]:
+        return self.submit(prompt_ids, params).result()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join(timeout=60)
+
+    def __enter__(self) -> "CpuRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- scheduler
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._lock:
+                while not self._closed and not self._waiting and not self._running:
+                    self._lock.wait()
+                if self._closed:
+                    pending = self._waiting + [s.request for s in self._running]
+                    self._waiting = []
+                    break
+                admit = []
+                while self._waiting and len(self._running) + len(admit) < self.max_batch_size and \
+                        self._blocks_for(len(self._waiting[0].prompt_ids) + 1) <= self._spare_blocks(admit):
+                    admit.append(self._waiting.pop(0))
+            try:
+                for req in admit:
+                    self._prefill(req)
+                self._drop_finished()
+                if self._running:
+                    self._decode()
+                    self._drop_finished()
+            except Exception as e:  # noqa: BLE001 - a crash ends the requests in flight with its message
+                log.exception("cpu runtime step failed")
+                for s in self._running:
+                    s.request._finish("error", f"{type(e).__name__}: {e}")
+                    self.pool.release(s.blocks)
+                self._running = []
+        for req in pending:
+            req._finish("cancelled")
+
+    def _blocks_for(self, positions: int) -> int:
+        return -(-positions // self.tokens_per_block)
+
+    def _spare_blocks(self, admitting: list[Request]) -> int:
+        """Free blocks not promised to running sequences (each may grow to its full length)."""
+        promised = sum(self._blocks_for(len(s.request.prompt_ids) + s.request.params.max_new_tokens) - len(s.blocks)
+                       for s in self._running)
+        promised += sum(self._blocks_for(len(r.prompt_ids) + r.params.max_new_tokens) for r in admitting)
+        return self.pool.free_blocks - promised
+
+    def _prefill(self, req: Request) -> None:
+        if req._cancelled.is_set():
+            req._finish("cancelled")
+            return
+        n = len(req.prompt_ids)
+        gen = None
+        if req.params.temperature > 0:
+            gen = torch.Generator().manual_seed(req.params.seed if req.params.seed is not None else req.id)
+        seq = _Sequence(req, blocks=self.pool.allocate(self._blocks_for(n)), generator=gen)
+        ids = torch.tensor([req.prompt_ids])
+        out = self.model(input_ids=ids, position_ids=torch.arange(n)[None], attention_mask=None,
+                         past_key_values=_StepCache(self.pool, [seq], prefill=True), use_cache=True,
+                         cache_position=torch.arange(n), logits_to_keep=1)
+        seq.cached = n
+        self.steps["prefill"] += 1
+        self._running.append(seq)
+        self._accept(seq, out.logits[0, -1])
+
+    def _decode(self) -> None:
+        seqs = self._running
+        for s in seqs:  # a block for the position this step writes
+            if s.cached // self.tokens_per_block >= len(s.blocks):
+                s.blocks += self.pool.allocate(1)
+        longest = max(s.cached + 1 for s in seqs)
+        mask = torch.full((len(seqs), 1, 1, longest), torch.finfo(torch.float32).min)
+        for i, s in enumerate(seqs):
+            mask[i, 0, 0, : s.cached + 1] = 0.0
+        ids = torch.tensor([[s.last_token] for s in seqs])
+        positions = torch.tensor([[s.cached] for s in seqs])
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                         past_key_values=_StepCache(self.pool, seqs, prefill=False), use_cache=True,
+                         cache_position=positions[0], logits_to_keep=1)
+        self.steps["decode"] += 1
+        self.steps["decode_sequences"] += len(seqs)
+        for i, s in enumerate(seqs):
+            s.cached += 1
+            self._accept(s, out.logits[i, -1])
+
+    def _accept(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        req, p = seq.request, seq.request.params
+        token = _sample(logits, p, seq.generator)
+        seq.last_token = token
+        req._emit(token)
+        end = p.end_id if p.end_id is not None else self.eos_token_id
+        if token == end or token in p.stop_token_ids:
+            seq.finish = "stop"
+        elif len(req.output_ids) >= p.max_new_tokens:
+            seq.finish = "length"
+
+    def _drop_finished(self) -> None:
+        """Release finished or cancelled sequences' blocks, then tell their requests (in that order, so a
+        caller that sees its result also sees the blocks back in the pool)."""
+        keep = []
+        for s in self._running:
+            reason = s.finish or ("cancelled" if s.request._cancelled.is_set() else None)
+            if reason:
+                self.pool.release(s.blocks)
+                s.request._finish(reason)
+            else:
+                keep.append(s)
+        self._running = keep
+
+
+def _sample(logits: torch.Tensor, p: SamplingParams, gen: Optional[torch.Generator]) -> int:
+    logits = logits.float()
+    if p.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / p.temperature
+    if p.top_k:
+        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
+        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum()
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def bundle_settings(build, quant_kv: Optional[str]) -> dict:
+    """runtime.json for a cpu bundle: the limits and the block pool sized so every sequence can reach max_seq_len."""
+    blocks_per_seq = -(-build.max_seq_len // build.kv_cache.tokens_per_block)
+    return {"max_batch_size": build.max_batch_size, "max_input_len": build.max_input_len,
+            "max_seq_len": build.max_seq_len, "max_num_tokens": build.max_num_tokens,
+            "tokens_per_block": build.kv_cache.tokens_per_block, "num_blocks": build.max_batch_size * blocks_per_seq,
+            "kv_cache_quant_algo": quant_kv}

@@ -1,0 +1,254 @@
+"""Kubernetes manifests for a published build, rendered from the plain YAML in ``deploy/``.
+
+The manifests under ``deploy/base`` (serving) and ``deploy/jobs`` (engine builds) are valid on their own (the
+tests validate them against the Kubernetes schemas); rendering loads them as data, sets what depends on the
+published build (names, image, GPU count, provenance annotations; the cpu target's CPU resources and CPU metric)
+and writes plain YAML plus a kustomization.yaml into ``<work dir>/deploy/``. Nothing is string-templated.
+
+Scaling rules (HorizontalPodAutoscaler, per-pod averages): scale out when GPU utilisation > 85 % or more than
+32 requests wait per replica; scale in when GPU utilisation < 50 % and the queue < 32 x 50/85 (one scale-down
+tolerance serves every metric of an HPA). The cpu target scales on CPU utilisation the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import yaml
+
+from . import constants
+from .config import PipelineConfig
+from .errors import ConfigError, InputError
+from .fsutil import atomic_write_text, remove_tree
+from .runner import WorkDirLock
+
+DEPLOY_DIR = constants.REPO_ROOT / "deploy"
+BASE_DIR = DEPLOY_DIR / "base"
+JOBS_DIR = DEPLOY_DIR / "jobs"
+JOB_TEMPLATE = "engine-build-job.yaml"
+JOBS_SHARED = ("engine-builds-pvc.yaml", "networkpolicy.yaml")  # rendered once, beside the Jobs
+RENDERED_DIR = "deploy"  # inside the config's work dir
+BASE_NAME = "triton-llm"  # the name every base resource carries; rendering replaces it
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+ANNOTATION_PREFIX = "trtllm-pipeline/"
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+
+SCALE_OUT_UTILIZATION_PCT = 85  # GPU (cpu target: CPU) utilisation, average over replicas
+SCALE_OUT_QUEUED_PER_REPLICA = 32
+SCALE_IN_UTILIZATION_PCT = 50
+GPU_METRIC = "triton_gpu_utilization_percent"
+QUEUE_METRIC = "triton_queued_requests"
+
+
+def scale_down_tolerance() -> str:
+    """HPA scale-down tolerance that puts the scale-in point at SCALE_IN_UTILIZATION_PCT."""
+    return f"{1 - SCALE_IN_UTILIZATION_PCT / SCALE_OUT_UTILIZATION_PCT:.4f}"
+
+
+def dns_name(text: str, limit: int = 63) -> str:
+    """A DNS-1123 label: lowercase letters, digits and '-', at most 63 characters."""
+    s = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    return s[:limit].rstrip("-") or "x"
+
+
+def load_yaml_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+
+
+def base_documents() -> list[tuple[str, dict]]:
+    """(file name, resource) of the serving base, in its kustomization's order."""
+    kustomization = load_yaml_docs(BASE_DIR / "kustomization.yaml")[0]
+    out = []
+    for name in kustomization["resources"]:
+        for doc in load_yaml_docs(BASE_DIR / name):
+            out.append((name, doc))
+    return out
+
+
+def _relabel(node, name: str) -> None:
+    """Every app.kubernetes.io/instance label (and selector) becomes the rendered instance name."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == INSTANCE_LABEL and isinstance(value, str):
+                node[key] = name
+            else:
+                _relabel(value, name)
+    elif isinstance(node, list):
+        for item in node:
+            _relabel(item, name)
+
+
+def _containers(doc: dict) -> list[dict]:
+    return doc["spec"]["template"]["spec"]["containers"]
+
+
+def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
+    """{file name: resource} for serving the published build ``pub`` (a pipeline.image.PublishedBuild)."""
+    name = dns_name(f"triton-{pub.config_name}")
+    gpus = cfg.build.tensor_parallel_size * cfg.build.pipeline_parallel_size
+    from .image import model_identity, quant_label
+
+    _, model_revision = model_identity(pub.provenance)
+    annotations = {
+        f"{ANNOTATION_PREFIX}config": pub.config_name,
+        f"{ANNOTATION_PREFIX}model-name": pub.model_name,
+        f"{ANNOTATION_PREFIX}model-revision": model_revision,
+        f"{ANNOTATION_PREFIX}quantization": quant_label(pub),
+        f"{ANNOTATION_PREFIX}build-target": pub.target,
+        f"{ANNOTATION_PREFIX}trtllm-version": pub.trtllm_version or "none",
+        f"{ANNOTATION_PREFIX}repository-digest": f"sha256:{pub.repository_digest}",
+    }
+    out: dict[str, dict] = {}
+    for file_name, base in base_documents():
+        doc = copy.deepcopy(base)
+        doc["metadata"]["name"] = name
+        _relabel(doc, name)
+        kind = doc["kind"]
+        if kind == "Deployment":
+            doc["metadata"]["annotations"] = dict(annotations)
+            pod = doc["spec"]["template"]
+            pod.setdefault("metadata", {})["annotations"] = dict(annotations)
+            pod["spec"]["serviceAccountName"] = name
+            container = _containers(doc)[0]
+            container["image"] = image_ref
+            res = container["resources"]
+            if pub.target == "cpu":
+                for part in ("requests", "limits"):
+                    res[part].pop(GPU_RESOURCE, None)
+                res["requests"].update({"cpu": "2", "memory": "8Gi"})
+                res["limits"].update({"cpu": "4", "memory": "8Gi"})
+                pod["spec"].pop("tolerations", None)
+                # the CPU runtime loads in seconds, not minutes
+                container["startupProbe"]["failureThreshold"] = 30
+            else:
+                for part in ("requests", "limits"):
+                    res[part][GPU_RESOURCE] = str(gpus)
+        elif kind == "HorizontalPodAutoscaler":
+            doc["spec"]["scaleTargetRef"]["name"] = name
+            metrics = doc["spec"]["metrics"]
+            for m in metrics:
+                if m["type"] == "Pods" and m["pods"]["metric"]["name"] == GPU_METRIC:
+                    m["pods"]["target"]["averageValue"] = str(SCALE_OUT_UTILIZATION_PCT)
+                    if pub.target == "cpu":  # no GPU: the same thresholds on CPU utilisation
+                        m.clear()
+                        m.update({"type": "Resource", "resource": {"name": "cpu", "target": {
+                            "type": "Utilization", "averageUtilization": SCALE_OUT_UTILIZATION_PCT}}})
+                elif m["type"] == "Pods" and m["pods"]["metric"]["name"] == QUEUE_METRIC:
+                    m["pods"]["target"]["averageValue"] = str(SCALE_OUT_QUEUED_PER_REPLICA)
+            doc["spec"]["behavior"]["scaleUp"]["tolerance"] = "0"
+            doc["spec"]["behavior"]["scaleDown"]["tolerance"] = scale_down_tolerance()
+        out[file_name] = doc
+    return out
+
+
+def render_jobs(cfg: PipelineConfig, config_path: Path, overrides: Sequence[str], gpu_types: Sequence[str],
+                builder_ref: str) -> dict[str, dict]:
+    """{file name: resource}: the shared volume and network policy, then one engine-build Job per GPU type."""
+    if cfg.build.target == "cpu":
+        raise ConfigError("build.target is cpu: engine-build Jobs are for the GPU targets. Render them for a "
+                          "tensorrt or pytorch config (or --set build.target=tensorrt).")
+    try:
+        rel_config = config_path.resolve().relative_to(constants.REPO_ROOT).as_posix()
+    except ValueError:
+        rel_config = None
+    if rel_config is None or not rel_config.startswith("engine_configs/"):
+        raise InputError(f"Engine-build Jobs run the configs baked into the builder image (engine_configs/); "
+                         f"{config_path} is not there. Add it to engine_configs/ and rebuild the builder image "
+                         f"(`invoke image --builder`).")
+    template = load_yaml_docs(JOBS_DIR / JOB_TEMPLATE)[0]
+    out = {name: load_yaml_docs(JOBS_DIR / name)[0] for name in JOBS_SHARED}
+    gpus = cfg.build.tensor_parallel_size * cfg.build.pipeline_parallel_size
+    seen = set()
+    for gpu_type in gpu_types:
+        if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?", gpu_type):
+            raise ConfigError(f"--gpu-type {gpu_type!r} is not a node label value (letters, digits, '-', '_', '.'; "
+                              f"e.g. NVIDIA-H100-80GB-HBM3, the value of the {GPU_PRODUCT_LABEL} node label).")
+        slug = dns_name(gpu_type, 30)
+        if slug in seen:
+            raise ConfigError(f"--gpu-type {gpu_type!r} given twice")
+        seen.add(slug)
+        job = copy.deepcopy(template)
+        job_name = dns_name(f"engine-build-{cfg.name[:24]}-{slug}")
+        job["metadata"]["name"] = job_name
+        for meta in (job["metadata"], job["spec"]["template"]["metadata"]):
+            meta["labels"][INSTANCE_LABEL] = job_name
+            meta["annotations"] = {f"{ANNOTATION_PREFIX}config": cfg.name, f"{ANNOTATION_PREFIX}gpu-type": gpu_type,
+                                   f"{ANNOTATION_PREFIX}trtllm-version": cfg.build.trtllm_version}
+        pod = job["spec"]["template"]["spec"]
+        pod["nodeSelector"] = {GPU_PRODUCT_LABEL: gpu_type}
+        container = pod["containers"][0]
+        container["image"] = builder_ref
+        container["args"] = ["publish", "--config", rel_config,
+                             *[a for o in overrides for a in ("--set", o)],
+                             "--work-root", f"/workspace/builds/{slug}"]
+        for part in ("requests", "limits"):
+            container["resources"][part][GPU_RESOURCE] = str(gpus)
+        out[f"{job_name}.yaml"] = job
+    return out
+
+
+def _kustomization(files: Sequence[str], comment: str) -> str:
+    body = yaml.safe_dump({"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                           "resources": list(files)}, sort_keys=False)
+    return f"# {comment}\n{body}"
+
+
+def write_rendered(out_dir: Path, serving: dict[str, dict], jobs: dict[str, dict], header: str) -> Path:
+    """Write the rendered manifests into out_dir (replaced whole: written beside it, then renamed)."""
+    staging = out_dir.with_name(out_dir.name + ".staging")
+    remove_tree(staging)
+    staging.mkdir(parents=True)
+
+    def dump(path: Path, doc: dict) -> None:
+        atomic_write_text(path, f"# {header}\n" + yaml.safe_dump(doc, sort_keys=False))
+
+    for file_name, doc in serving.items():
+        dump(staging / file_name, doc)
+    atomic_write_text(staging / "kustomization.yaml",
+                      _kustomization(list(serving), f"{header}. Apply: kubectl apply -k <this folder>"))
+    if jobs:
+        (staging / "jobs").mkdir()
+        for file_name, doc in jobs.items():
+            dump(staging / "jobs" / file_name, doc)
+        atomic_write_text(staging / "jobs" / "kustomization.yaml",
+                          _kustomization(list(jobs), f"{header}. Engine builds: kubectl apply -k <this folder>"))
+    old = out_dir.with_name(out_dir.name + ".old")
+    remove_tree(old)
+    if out_dir.exists():
+        out_dir.rename(old)
+    staging.rename(out_dir)
+    remove_tree(old)
+    return out_dir
+
+
+def deploy_manifests_task(config: Optional[str], overrides: Sequence[str], work_root: Path,
+                          gpu_types: Sequence[str] = (), echo: Callable[[str], None] = print) -> Path:
+    from .cli import open_runner
+    from .image import _published, builder_tag, content_tag, image_repository, source_revision
+
+    runner = open_runner(config, overrides, work_root)
+    cfg = runner.loaded.config
+    with WorkDirLock(runner.work_dir):
+        pub = _published(runner, echo)
+        image_ref = f"{image_repository(cfg.image)}:{cfg.image.tag or content_tag(pub)}"
+        serving = render_serving(cfg, pub, image_ref)
+        jobs = {}
+        if gpu_types:
+            builder_ref = f"{image_repository(cfg.image)}:{builder_tag(cfg.build.trtllm_version, source_revision())}"
+            jobs = render_jobs(cfg, runner.loaded.path, overrides, gpu_types, builder_ref)
+        header = (f"Rendered by `invoke deploy-manifests` from deploy/ for {pub.config_name} "
+                  f"(repository sha256:{pub.short_digest}...); edit deploy/, not this file")
+        out = write_rendered(runner.work_dir / RENDERED_DIR, serving, jobs, header)
+    echo(f"image: {image_ref}")
+    echo(f"manifests: {out} (kubectl apply -k {out})")
+    if jobs:
+        echo(f"engine-build Jobs: {out / 'jobs'} ({len(jobs) - len(JOBS_SHARED)} job(s); kubectl apply -k {out / 'jobs'})")
+    elif cfg.build.target != "cpu":
+        echo("engine-build Jobs: pass --gpu-type <node label value> (repeatable) to render them")
+    if cfg.image.repository is None:
+        echo("note: image.repository is not set: the image name is local; a cluster cannot pull it")
+    return out

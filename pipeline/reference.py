@@ -1,0 +1,106 @@
+"""The plain reference a served model's greedy tokens are checked against, and the tie check.
+
+The reference is the checkpoint rebuilt by pipeline.checkpoint and decoded one sequence at a time with
+transformers' own contiguous cache; with ``kv_cache_quant_algo`` set, the cache fake-quantizes what it stores
+(same per-layer scales, same rule as the runtime: a prompt attends to its own unquantized K/V, later steps
+to the quantized cache). It shares no code with the runtime's paged pool, batching or scheduling, which is
+what a comparison against it tests.
+
+Small models have many near-ties: a top-2 logit gap under 1e-3 is common, and any change in summation order
+(a batch of 8 instead of 1) may flip such an argmax. So two greedy runs "agree" when they are equal, or when
+at the first token where they differ the reference's logits for the two tokens are within ``tie_bound``:
+the divergence is a float-rounding tie, not a wrong cache or position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+# logits. Measured on SmolLM2 INT8 SmoothQuant + INT8 KV (8 prompts x 24 tokens, batch 8 vs the reference):
+# divergences at gaps of 0.003-0.05. Batching changes GEMM summation order by ~1e-6; a per-tensor INT8
+# activation that sat on a rounding boundary then moves a whole step, which moves logits by up to ~0.05.
+# A wrong cache block or position moves them by whole units.
+TIE_BOUND = 0.1
+
+
+@dataclass
+class Greedy:
+    tokens: list[int]
+    logits: list  # one fp32 row per generated token (the reference's scores for that step)
+
+
+def _fake_quant_cache(config, quant_algo: str, scales: list[float]):
+    """A transformers DynamicCache whose stored K/V go through INT8/FP8 quantize-dequantize."""
+    from transformers import DynamicCache
+
+    from .cpu_runtime import KVBlockPool
+
+    codec = KVBlockPool(len(scales), 1, 1, 1, 1, quant_algo, scales)  # for its encode/decode rule only
+
+    class FakeQuantKVCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+            fresh = len(self.layers) <= layer_idx or self.get_seq_length(layer_idx) == 0
+            kq = codec._decode(codec._encode(key_states, layer_idx), layer_idx).to(key_states.dtype)
+            vq = codec._decode(codec._encode(value_states, layer_idx), layer_idx).to(value_states.dtype)
+            keys, values = super().update(kq, vq, layer_idx, cache_kwargs)
+            if fresh:  # a prompt attends to its own unquantized K/V (the engine's context phase)
+                return key_states, value_states
+            return keys, values
+
+    return FakeQuantKVCache(config=config)
+
+
+def load_reference(bundle_dir: Path):
+    """The rebuilt model, its KV-cache quant algo and per-layer KV scales, from a cpu bundle."""
+    from safetensors import safe_open
+
+    from .checkpoint import rebuild
+    from .cpu_runtime import CHECKPOINT_SUBDIR, MODEL_SUBDIR
+
+    ckpt = Path(bundle_dir) / CHECKPOINT_SUBDIR
+    model, facts = rebuild(ckpt, Path(bundle_dir) / MODEL_SUBDIR)
+    algo, scales = facts.get("kv_cache_quant_algo"), None
+    if algo:
+        with safe_open(str(ckpt / "rank0.safetensors"), framework="pt") as f:
+            scales = [float(f.get_tensor(f"transformer.layers.{i}.attention.kv_cache_scaling_factor"))
+                      for i in range(model.config.num_hidden_layers)]
+    return model.eval(), algo, scales
+
+
+def greedy(model, prompt_ids: list[int], max_new_tokens: int, kv_quant_algo: Optional[str] = None,
+           kv_scales: Optional[list[float]] = None, end_id: Optional[int] = None) -> Greedy:
+    """Greedy decoding, one token per forward, keeping every step's logits."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = (_fake_quant_cache(model.config, kv_quant_algo, kv_scales) if kv_quant_algo
+             else DynamicCache(config=model.config))
+    tokens, rows = [], []
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            row = out.logits[0, -1].float()
+            token = int(row.argmax())
+            tokens.append(token)
+            rows.append(row)
+            if end_id is not None and token == end_id:
+                break
+            ids = torch.tensor([[token]])
+    return Greedy(tokens, rows)
+
+
+def compare(got: list[int], ref: Greedy, tie_bound: float = TIE_BOUND) -> dict:
+    """Equal, or diverging first at a near-tie of the reference's logits (then nothing after is compared)."""
+    n = min(len(got), len(ref.tokens))
+    first = next((i for i in range(n) if got[i] != ref.tokens[i]), None)
+    if first is None:
+        same_length = len(got) == len(ref.tokens)
+        return {"equal": same_length, "ok": same_length, "diverged_at": None if same_length else n,
+                "margin": None}
+    row = ref.logits[first]
+    margin = float(row[ref.tokens[first]] - row[got[first]])
+    return {"equal": False, "ok": margin <= tie_bound, "diverged_at": first, "margin": round(margin, 6),
+            "reference_token": ref.tokens[first], "got_token": got[first]}

@@ -1,0 +1,491 @@
+"""Start a real Triton Inference Server and always stop it: the one place that knows how.
+
+On a CPU machine the server is the Triton 2.51 binary inside the ``nvidia-pytriton`` package (Python backend
+and ensembles only). Running it by hand has traps (design brief §6), each handled here:
+
+- the Python-backend stub ships per Python version beside the backend, not in it: we build a backends
+  folder of our own (in a temporary folder, never inside site-packages) with the backend library linked and
+  the stub for the serving Python's version copied in;
+- that stub and the backend find their bundled libraries through an ``$ORIGIN`` rpath that no longer points
+  anywhere once copied, so the package's library folder goes on ``LD_LIBRARY_PATH``;
+- the stub runs the ``python3`` first on ``PATH`` and links the ``libpython`` it finds: the serving
+  environment's ``bin`` goes first on ``PATH`` and its Python's ``LIBDIR`` first on ``LD_LIBRARY_PATH``
+  (otherwise a pyenv-built Python fails inside model.py with ``undefined symbol: _PyModule_Add``);
+- with numpy 2 in that environment every output tensor silently comes back empty: refused up front;
+- the Python backend's shared-memory regions get a prefix unique to this server, and whatever a killed
+  server leaves in /dev/shm under it is removed when it stops.
+
+Every server binds 127.0.0.1 only (unless told otherwise), on free ports, runs in its own process group,
+and is stopped by ``stop()`` / leaving the ``with`` block: SIGTERM to the process and its group, SIGKILL
+after a grace period. On Linux the server also gets SIGKILL if the process that started it dies.
+
+On a GPU machine (inside the Triton TensorRT-LLM image) pass ``binary=`` the image's ``tritonserver`` and
+``backend_dir=None``: it has its own backends, stub and Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .errors import EnvironmentProblem, InputError, StageFailed
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+STUB_NAME = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+READY_TIMEOUT_S = 120.0
+STOP_GRACE_S = 15.0
+LOG_TAIL_LINES = 40
+_PR_SET_PDEATHSIG = 1
+_NOISE = "CudaDriverHelper has not been initialized"  # logged by every start on a machine without a GPU
+
+
+@dataclass(frozen=True)
+class PytritonDist:
+    """Where the server pieces are inside the installed nvidia-pytriton package."""
+
+    root: Path  # .../site-packages/pytriton/tritonserver
+    libs: Path  # .../site-packages/nvidia_pytriton.libs (bundled shared libraries)
+
+    @property
+    def binary(self) -> Path:
+        return self.root / "bin" / "tritonserver"
+
+    @property
+    def python_backend(self) -> Path:
+        return self.root / "backends" / "python"
+
+    @property
+    def caches(self) -> Path:
+        return self.root / "caches"
+
+    def stub(self, py_version: str) -> Path:
+        return self.root / "python_backend_stubs" / py_version / STUB_NAME
+
+
+def find_pytriton() -> PytritonDist:
+    """Locate the server inside the nvidia-pytriton package without importing it (its import is heavy)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise EnvironmentProblem(
+            "Triton Inference Server is not installed: the CPU server comes from the `nvidia-pytriton` package "
+            "(pip install -e '.[dev]' installs it). On a GPU machine run inside the Triton TensorRT-LLM image."
+        )
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    dist = PytritonDist(pkg / "tritonserver", pkg.parent / "nvidia_pytriton.libs")
+    if not dist.binary.is_file():
+        raise EnvironmentProblem(f"the nvidia-pytriton package at {pkg} has no server binary ({dist.binary}); "
+                                 f"reinstall it")
+    return dist
+
+
+@dataclass(frozen=True)
+class PythonEnv:
+    """The Python environment the Python-backend stub runs model.py in."""
+
+    bin_dir: Path  # first on the server's PATH: its python3 is the stub's interpreter
+    version: str  # "3.11"
+    libdir: Path  # where its libpython lives
+    numpy_version: str
+
+
+def probe_python_env(bin_dir: Optional[Path] = None) -> PythonEnv:
+    """Ask the environment's python3 for its version, libpython folder and numpy; refuse numpy >= 2."""
+    bin_dir = Path(bin_dir) if bin_dir else Path(sys.executable).parent  # not resolved: a venv's bin
+    exe = bin_dir / "python3"
+    if not exe.exists():
+        exe = bin_dir / "python"
+    code = ("import json, sys, sysconfig\n"
+            "try:\n import numpy; nv = numpy.__version__\nexcept ImportError:\n nv = None\n"
+            "print(json.dumps({'version': '%d.%d' % sys.version_info[:2], "
+            "'libdir': sysconfig.get_config_var('LIBDIR'), 'numpy': nv}))")
+    try:
+        out = subprocess.run([str(exe), "-c", code], capture_output=True, text=True, timeout=60, check=True)
+        facts = json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        raise EnvironmentProblem(f"cannot run the serving Python {exe}: {e}") from None
+    if facts["numpy"] is None:
+        raise EnvironmentProblem(f"the serving Python {exe} has no numpy; the Triton Python backend needs numpy<2")
+    if int(facts["numpy"].split(".")[0]) >= 2:
+        raise EnvironmentProblem(
+            f"the serving Python {exe} has numpy {facts['numpy']}: with numpy 2 the Triton Python-backend stub "
+            f"returns every output tensor empty. Give the Triton models an environment with numpy<2."
+        )
+    return PythonEnv(bin_dir, facts["version"], Path(facts["libdir"] or "/usr/lib"), facts["numpy"])
+
+
+def prepare_backends_dir(dest: Path, dist: PytritonDist, env: PythonEnv) -> Path:
+    """A backends folder for the pytriton server: python/ holds the backend (linked) and the stub (copied)."""
+    stub = dist.stub(env.version)
+    if not stub.is_file():
+        have = sorted(p.name for p in (dist.root / "python_backend_stubs").iterdir())
+        raise EnvironmentProblem(f"nvidia-pytriton has no Python-backend stub for Python {env.version} "
+                                 f"(it has: {', '.join(have)}); serve from a Python of one of those versions")
+    py = dest / "python"
+    py.mkdir(parents=True, exist_ok=True)
+    for item in dist.python_backend.iterdir():
+        if item.is_file() and item.suffix in (".so", ".py"):
+            target = py / item.name
+            if not target.exists():
+                target.symlink_to(item)
+    shutil.copy2(stub, py / STUB_NAME)
+    os.chmod(py / STUB_NAME, 0o755)
+    return dest
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+try:  # resolved here, not between fork and exec, where loading a library could deadlock
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes in a process group, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The server log's error lines, then its last lines, without the ASCII tables it prints."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    text = [l for l in text if l.strip() and not l.startswith(("+", "|")) and _NOISE not in l]
+    errors = [l for l in text if l[:1] == "E" and l[1:5].isdigit()]
+    tail = [l for l in text[-lines:] if l not in errors]
+    return "\n".join(errors[-lines:] + (["..."] if errors and tail else []) + tail)
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver process on a model repository. Use as a context manager; ``start()`` waits for ready.
+
+    ``load_models``: start in explicit model-control mode with these models loaded (``["*"]``: all); None:
+    the default mode, where a model that fails to load stops the server.
+    """
+
+    model_repository: Path
+    http_port: int = 0  # 0: a free port
+    grpc_port: int = 0
+    metrics_port: int = 0
+    host: str = LOOPBACK
+    load_models: Optional[Sequence[str]] = None
+    log_path: Optional[Path] = None  # default: a temporary file, removed on stop (its tail is in any error)
+    python_bin_dir: Optional[Path] = None  # the stub's environment; default: this interpreter's bin/
+    binary: Optional[Path] = None  # default: the nvidia-pytriton binary
+    backend_dir: Optional[Path] = None  # default: prepared for the pytriton binary; with binary=: its own
+    log_verbose: int = 0
+    extra_args: Sequence[str] = ()
+    ready_timeout_s: float = READY_TIMEOUT_S
+
+    process: Optional[subprocess.Popen] = field(default=None, init=False, repr=False)
+    shm_prefix: str = field(default="", init=False)
+    startup_s: Optional[float] = field(default=None, init=False)
+    _tmp: Optional[Path] = field(default=None, init=False, repr=False)
+    _backends: Optional[Path] = field(default=None, init=False, repr=False)
+    _log_file: object = field(default=None, init=False, repr=False)
+
+    # ------------------------------------------------------------ endpoints
+
+    @property
+    def http_url(self) -> str:  # host:port, as tritonclient wants it
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.process.pid if self.process else None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def command(self) -> list[str]:
+        """The tritonserver command line (ports must be chosen already)."""
+        binary = self.binary or find_pytriton().binary
+        cmd = [str(binary), f"--model-repository={self.model_repository}",
+               f"--http-address={self.host}", f"--http-port={self.http_port}",
+               f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+               f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+               "--disable-auto-complete-config", "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}",
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"]
+        if self.binary is None:  # the CPU server: no GPU to report on, no pinned host memory to pool
+            cmd += ["--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0"]
+        if self._backends is not None:
+            cmd.append(f"--backend-directory={self._backends}")
+        if self.binary is None:
+            cmd.append(f"--cache-directory={find_pytriton().caches}")
+        if self.load_models is not None:
+            cmd.append("--model-control-mode=explicit")
+            cmd += [f"--load-model={m}" for m in self.load_models]
+        return cmd + list(self.extra_args)
+
+    def start(self) -> "TritonServer":
+        if self.process is not None:
+            raise RuntimeError("server already started")
+        repo = Path(self.model_repository)
+        if not repo.is_dir():
+            raise InputError(f"model repository {repo} does not exist; run `invoke publish` first")
+        self.model_repository = repo.resolve()
+        self._tmp = Path(tempfile.mkdtemp(prefix="tritonserver-"))
+        self.shm_prefix = f"tps{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        env = dict(os.environ)
+        self._backends = self.backend_dir
+        if self.binary is None:
+            dist = find_pytriton()
+            pyenv = probe_python_env(self.python_bin_dir)
+            if self._backends is None:
+                self._backends = prepare_backends_dir(self._tmp / "backends", dist, pyenv)
+            env["PATH"] = os.pathsep.join([str(pyenv.bin_dir), env.get("PATH", "")])
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                p for p in (str(pyenv.libdir), str(dist.libs), env.get("LD_LIBRARY_PATH", "")) if p)
+        if self.log_path is None:
+            self.log_path = self._tmp / "tritonserver.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        want = (self.http_port, self.grpc_port, self.metrics_port)
+        t0 = time.monotonic()
+        try:
+            for attempt in range(3):  # a free port can be taken between choosing it and binding it
+                self.http_port, self.grpc_port, self.metrics_port = (p or free_port(self.host) for p in want)
+                self._spawn(env)
+                if self._wait_ready():
+                    break
+                if attempt < 2 and not all(want) and "ddress already in use" in log_tail(self.log_path):
+                    log.info("a chosen port was taken meanwhile; retrying with new ports")
+                    self._terminate()
+                    continue
+                raise StageFailed(self._failure_message())
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = round(time.monotonic() - t0, 2)
+        log.info("tritonserver ready in %.1f s (pid %d): http %s, grpc %s", self.startup_s, self.pid,
+                 self.http_url, self.grpc_url)
+        return self
+
+    def _spawn(self, env: dict) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+        self._log_file = open(self.log_path, "ab")
+        cmd = self.command()
+        log.info("starting %s", " ".join(cmd))
+        self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, cwd=str(self._tmp),
+                                        start_new_session=True, preexec_fn=_set_pdeathsig)
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.ready_timeout_s
+        url = f"http://{self.host}:{self.http_port}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        return False
+
+    def _failure_message(self) -> str:
+        code = self.process.poll() if self.process else None
+        state = (f"exited with code {code}" if code is not None
+                 else f"was not ready after {self.ready_timeout_s:.0f} s")
+        where = "" if self._tmp is not None and self._tmp in self.log_path.parents else f" {self.log_path}"
+        return f"tritonserver {state}. From its log{where} (errors first):\n{log_tail(self.log_path)}"
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def _terminate(self) -> None:
+        """SIGTERM to the server and its process group (Python-backend stubs), SIGKILL after a grace period."""
+        proc = self.process
+        if proc is None:
+            return
+        pid = proc.pid  # with start_new_session the process group id is the server's pid
+        if proc.poll() is None:
+            for send in (lambda: os.kill(pid, signal.SIGTERM), lambda: os.killpg(pid, signal.SIGTERM)):
+                try:
+                    send()
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver (pid %d) ignored SIGTERM for %.0f s; killing it", pid, STOP_GRACE_S)
+                proc.kill()
+                proc.wait(timeout=30)
+        # stubs left behind by a server that died hard are still in its group
+        deadline = time.monotonic() + STOP_GRACE_S
+        while group_members(pid) and time.monotonic() < deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.1)
+        self.process = None
+
+    def stop(self) -> None:
+        """Stop the server (if running), remove its shared-memory regions and its temporary folder."""
+        self._terminate()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self.shm_prefix and SHM_DIR.is_dir():
+            for leftover in SHM_DIR.glob(self.shm_prefix + "*"):
+                try:
+                    leftover.unlink()
+                except OSError:
+                    pass
+        if self._tmp is not None:  # the backends folder, and the log unless log_path named another place
+            if self.log_path is not None and self._tmp in self.log_path.parents:
+                self.log_path = None
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    # ------------------------------------------------------------ model control
+
+    def load_model(self, name: str) -> None:
+        self._post(f"/v2/repository/models/{name}/load")
+
+    def unload_model(self, name: str) -> None:
+        self._post(f"/v2/repository/models/{name}/unload")
+
+    def model_ready(self, name: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{name}/ready", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _post(self, path: str) -> None:
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300):
+                pass
+        except urllib.error.HTTPError as e:
+            raise StageFailed(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+
+
+def server_for_target(target: str, repository: Path, **kwargs) -> TritonServer:
+    """The nvidia-pytriton server for the cpu target; the image's ``tritonserver`` for the GPU targets."""
+    if target == "cpu":
+        return TritonServer(repository, **kwargs)
+    binary = shutil.which("tritonserver")
+    if binary is None:
+        raise EnvironmentProblem(
+            f"serving the {target} target needs the Triton TensorRT-LLM image's tritonserver and a GPU: run this "
+            f"inside that image on a GPU machine (there is no tritonserver on PATH here)"
+        )
+    return TritonServer(repository, binary=Path(binary), **{"ready_timeout_s": 1800.0, **kwargs})
+
+
+# ---------------------------------------------------------------- invoke serve
+
+
+def serve_published(config: Optional[str], overrides: Sequence[str], work_root: Path, http_port: int = 8000,
+                    grpc_port: int = 8001, metrics_port: int = 8002, host: str = LOOPBACK,
+                    echo=print) -> None:
+    """Run a server on the config's published repository in the foreground until Ctrl-C (or SIGTERM)."""
+    from .cli import open_runner
+    from .publish import MODEL_REPOSITORY_DIR, PROVENANCE_FILE, model_names
+
+    runner = open_runner(config, overrides, work_root)
+    repo = runner.stage_dir("publish") / MODEL_REPOSITORY_DIR
+    try:
+        prov = json.loads((repo / PROVENANCE_FILE).read_text())
+    except (OSError, ValueError):
+        raise InputError(f"nothing published at {repo}: run `invoke publish` (or `invoke all`) for this config "
+                         f"first") from None
+    names = model_names(prov["model_name"])
+    log_path = runner.work_dir / "logs" / "tritonserver-serve.log"
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with server_for_target(prov["build"]["target"], repo, http_port=http_port, grpc_port=grpc_port,
+                               metrics_port=metrics_port, host=host, log_path=log_path) as server:
+            echo(serve_banner(server, names.ensemble, names.stream if (repo / names.stream).is_dir() else None,
+                              prov, repo, log_path))
+            while server.is_alive():
+                time.sleep(0.5)
+            raise StageFailed(f"tritonserver stopped by itself. Last lines of its log {log_path}:\n"
+                              f"{log_tail(log_path)}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame):  # SIGTERM: leave the with block (stopping the server) like Ctrl-C
+    raise KeyboardInterrupt
+
+
+def serve_banner(server: TritonServer, ensemble: str, stream: Optional[str], prov: dict, repo: Path,
+                 log_path: Path) -> str:
+    http = f"http://{server.http_url}"
+    body = json.dumps({"text_input": "The capital of France is", "max_tokens": 32})
+    lines = [
+        f"serving {ensemble} version {prov['version']} ({prov['build']['target']} target) from {repo}",
+        f"  HTTP     {http}   (KServe v2: /v2/models/{ensemble}/infer, /generate)",
+        f"  gRPC     {server.grpc_url}",
+        f"  metrics  {server.metrics_url}",
+        f"  log      {log_path}",
+        "",
+        "try:",
+        f"  curl -s -X POST {http}/v2/models/{ensemble}/generate -d '{body}'",
+    ]
+    if stream:
+        lines.append(f"  curl -sN -X POST {http}/v2/models/{stream}/generate_stream -d '{body}'")
+    lines += ["", "Ctrl-C stops the server."]
+    return "\n".join(lines)

@@ -1,0 +1,305 @@
+"""bench: the statistics on known samples, the knee, Triton's metrics, and the load generator on a real server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline import bench
+from pipeline.bench import (RequestRecord, find_knee, level_figures, metrics_delta, padding_factor, parse_metrics,
+                            percentile, summarize)
+
+# ---------------------------------------------------------------- statistics on known samples
+
+
+def test_percentiles_on_a_known_sample():
+    # 1..100: order statistics x_k = k; the q-th percentile interpolates at rank 1 + 99 q / 100
+    values = list(range(1, 101))
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 90) == pytest.approx(90.1)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    # four values, worked by hand: rank 3 * q / 100 between 10, 20, 30, 40
+    s = summarize([40, 10, 30, 20])
+    assert (s["p50"], s["p90"], s["p99"]) == pytest.approx((25.0, 37.0, 39.7))
+    assert s["mean"] == 25 and s["min"] == 10 and s["max"] == 40 and s["n"] == 4
+    assert s["std"] == pytest.approx(125 ** 0.5)  # population std: sqrt(((15^2 + 5^2) * 2) / 4)
+    assert s["jitter"] == pytest.approx(125 ** 0.5 / 25)
+    assert s["p99_over_p50"] == pytest.approx(39.7 / 25)
+
+
+def test_summary_of_constant_and_empty_samples():
+    s = summarize([7.0] * 5)
+    assert s["jitter"] == 0 and s["p99_over_p50"] == 1
+    assert summarize([]) == {"n": 0}
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_request_record_ttft_itl_and_gaps():
+    # sent at 0; responses at 100 ms (1 token), 150 ms (2 tokens: a held-back multi-byte character), 200 ms
+    r = RequestRecord(prompt_tokens=64, sent=0.0, arrivals=[(0.100, 1), (0.150, 2), (0.200, 1)])
+    assert r.output_tokens == 4
+    assert r.ttft_ms == pytest.approx(100)
+    assert r.e2e_ms == pytest.approx(200)
+    assert r.itl_ms == pytest.approx(100 / 3)  # (e2e - ttft) / (tokens - 1)
+    assert r.token_gaps_ms() == pytest.approx([25, 25, 50])
+    assert RequestRecord(8, 0.0, [(0.05, 1)]).itl_ms is None
+
+
+def test_level_figures_throughput_and_errors():
+    recs = [RequestRecord(10, 0.0, [(0.1, 1), (0.2, 1), (0.3, 1), (0.4, 1)]),
+            RequestRecord(12, 0.0, [(0.2, 1), (0.4, 1), (0.6, 1), (0.8, 1)]),
+            RequestRecord(11, 0.0, error="boom")]
+    f = level_figures(recs, wall_s=2.0, concurrency=2)
+    assert f["errors"] == 1 and f["requests"] == 3
+    assert f["output_tokens"] == 8 and f["output_tokens_per_s"] == pytest.approx(4.0)
+    assert f["requests_per_s"] == pytest.approx(1.0)  # successful requests only
+    assert f["ttft_ms"]["p50"] == pytest.approx(150)
+    assert f["e2e_ms"]["p50"] == pytest.approx(600)
+    assert f["itl_ms"]["mean"] == pytest.approx((100 + 200) / 2)
+    assert f["prompt_tokens_mean"] == 11
+
+
+def test_knee_where_throughput_stops_paying():
+    knee = find_knee([1, 2, 4, 8, 16], [10, 19, 34, 36, 36.5], 0.10)
+    assert knee["found"] and knee["concurrency"] == 4
+    assert knee["next_gain_per_doubling"] == pytest.approx(36 / 34 - 1)
+    assert [round(g["gain_per_doubling"], 3) for g in knee["gains"]] == [0.9, 0.789, 0.059, 0.014]
+    # uneven steps are judged per doubling: 1 -> 4 with +20 % is +9.5 % per doubling
+    assert find_knee([1, 4], [10, 12], 0.10)["concurrency"] == 1
+    assert not find_knee([1, 4], [10, 12.5], 0.10)["found"]
+    still_rising = find_knee([1, 2, 4], [10, 20, 40], 0.10)
+    assert not still_rising["found"] and still_rising["concurrency"] == 4
+    levels = [{"concurrency": c, "output_tokens_per_s": t, "e2e_ms": {"p50": 100.0 * c}} for c, t in
+              zip([1, 2, 4, 8, 16], [10, 19, 34, 36, 36.5])]
+    assert "the knee is at concurrency 4" in bench.knee_sentence(knee, levels)
+    assert "beyond this sweep" in bench.knee_sentence(still_rising, levels[:3])
+
+
+def test_padding_factor_from_build_settings():
+    cpu = {"target": "cpu", "max_batch_size": 8, "cuda_graphs": {"enabled": False}}
+    assert padding_factor(cpu, 4)["value"] == 1.0
+    gpu = {"target": "tensorrt", "max_batch_size": 8,
+           "cuda_graphs": {"enabled": True, "enable_padding": True, "batch_sizes": [1, 2, 4, 8]}}
+    assert padding_factor(gpu, 3)["value"] == pytest.approx(3 / 4)
+    assert padding_factor(gpu, 16)["value"] == 1.0  # 8 live sequences fill the largest graph
+    assert padding_factor(None, 2)["value"] is None
+
+
+METRICS_BEFORE = """# HELP nv_inference_request_success Number of successful inference requests
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="m_stream",version="1"} 2
+nv_inference_request_success{model="m_preprocessing",version="1"} 2
+nv_inference_queue_duration_us{model="m_preprocessing",version="1"} 100
+nv_inference_compute_infer_duration_us{model="m_preprocessing",version="1"} 1000
+nv_inference_exec_count{model="m_preprocessing",version="1"} 2
+nv_inference_count{model="m_preprocessing",version="1"} 2
+nv_inference_first_response_histogram_ms_bucket{model="m_stream",version="1",le="100"} 1
+nv_inference_first_response_histogram_ms_sum{model="m_stream",version="1"} 150
+nv_inference_first_response_histogram_ms_count{model="m_stream",version="1"} 2
+nv_cpu_utilization 0.5
+"""
+METRICS_AFTER = """nv_inference_request_success{model="m_stream",version="1"} 6
+nv_inference_request_success{model="m_preprocessing",version="1"} 6
+nv_inference_queue_duration_us{model="m_preprocessing",version="1"} 900
+nv_inference_compute_infer_duration_us{model="m_preprocessing",version="1"} 9000
+nv_inference_exec_count{model="m_preprocessing",version="1"} 4
+nv_inference_count{model="m_preprocessing",version="1"} 6
+nv_inference_first_response_histogram_ms_sum{model="m_stream",version="1"} 550
+nv_inference_first_response_histogram_ms_count{model="m_stream",version="1"} 6
+"""
+
+
+def test_triton_metrics_parsed_and_differenced():
+    before, after = parse_metrics(METRICS_BEFORE), parse_metrics(METRICS_AFTER)
+    assert before[("nv_inference_request_success", "m_stream")] == 2
+    assert ("nv_cpu_utilization", "") not in before  # not a per-model counter
+    d = metrics_delta(before, after, ["m_stream", "m_preprocessing", "m_absent"])
+    assert set(d) == {"m_stream", "m_preprocessing"}
+    pre = d["m_preprocessing"]
+    assert pre["requests"] == 4
+    assert pre["queue_ms"] == pytest.approx(800 / 4 / 1000)
+    assert pre["compute_infer_ms"] == pytest.approx(8000 / 4 / 1000)
+    assert pre["avg_batch_size"] == pytest.approx(4 / 2)
+    assert d["m_stream"]["first_response_ms"] == pytest.approx(400 / 4)
+    assert metrics_delta(None, after, ["m_stream"]) is None
+
+
+def test_prompts_are_windows_of_the_evaluation_text(tmp_path, tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    samples = tmp_path / "evaluation_samples.jsonl"
+    samples.write_text("\n".join(json.dumps({"index": i, "text": f"The statement number {i} is about loops and "
+                                                                 f"classes.</s>Another document starts here."})
+                                 for i in range(3)) + "\n")
+    prompts = bench.make_prompts(samples, tok, 8, 40)
+    assert len(prompts) == 40
+    assert all("</s>" not in p.text for p in prompts)
+    assert all(6 <= p.tokens <= 10 for p in prompts)  # re-tokenized windows of 8 tokens
+    distinct = {p.text for p in prompts}
+    assert 1 < len(distinct) < 40  # windows repeat once the text is used up
+    with pytest.raises(Exception, match="fewer than bench.prompt_tokens"):
+        bench.make_prompts(samples, tok, 10_000, 1)
+
+
+# ---------------------------------------------------------------- a real server on the tiny published model
+
+
+@pytest.fixture(scope="module")
+def published_tiny(tmp_path_factory, tiny_model_dir):
+    """The tiny model through publish (a real Triton repository), with a small bench section."""
+    from conftest import tiny_config
+
+    from pipeline.config import load_config
+    from pipeline.runner import Runner
+    from pipeline.stages import STAGES
+
+    tmp = tmp_path_factory.mktemp("bench_tiny")
+    cfg = tiny_config(tmp, tiny_model_dir, "quantization: {kv_cache: int8, accuracy: {max_perplexity_increase_pct: "
+                                           "100, min_top1_agreement: 0.3, max_kl_divergence: 2}}")
+    overrides = ["bench.concurrency=[1,2,4]", "bench.requests_per_level=6", "bench.warmup_requests=1",
+                 "bench.prompt_tokens=16", "bench.output_tokens=8", "triton.model_name=tiny"]
+    loaded = load_config(cfg, overrides)
+    runner = Runner(loaded, STAGES, tmp / "work")
+    runner.run(["publish"], echo=lambda s: None)
+    return loaded, runner, cfg, overrides
+
+
+@pytest.mark.e2e
+def test_bench_stage_on_a_real_server(published_tiny):
+    loaded, runner, _, _ = published_tiny
+    said = []
+    runner.run(["bench"], echo=said.append)
+    out = runner.work_dir / "bench"
+    results = json.loads((out / bench.RESULTS_FILE).read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    (t,) = results["targets"]
+    assert [l["concurrency"] for l in t["levels"]] == [1, 2, 4]
+    for level in t["levels"]:
+        assert level["requests"] == 6 and level["errors"] == 0
+        assert level["output_tokens"] == 6 * 8  # end_id -1: every request generates exactly output_tokens
+        assert level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
+        assert level["ttft_ms"]["p50"] <= level["ttft_ms"]["p90"] <= level["ttft_ms"]["p99"]
+        assert level["padding_factor"]["value"] == 1.0
+        tri = level["triton"]
+        assert tri["tiny_stream"]["requests"] == 6  # Triton counted exactly this level's requests
+        assert tri["tiny_tensorrt_llm"]["requests"] == 6 and tri["tiny_preprocessing"]["requests"] >= 6
+        assert tri["tiny_stream"]["queue_ms"] >= 0 and tri["tiny_preprocessing"]["compute_infer_ms"] > 0
+    assert t["knee"]["concurrency"] in (1, 2, 4)
+    assert (out / bench.THROUGHPUT_PNG).stat().st_size > 10_000 and (out / bench.LATENCY_PNG).stat().st_size > 10_000
+    s = manifest["summary"]
+    assert s["levels"][0]["output_tokens_per_s"] == round(t["levels"][0]["output_tokens_per_s"], 2)
+    prov = json.loads((runner.work_dir / "publish" / "model_repository" / "provenance.json").read_text())
+    assert s["repository_digest"] == prov["repository_digest"]
+
+
+@pytest.mark.e2e
+def test_bench_drives_an_existing_server(published_tiny):
+    """bench.grpc_url: no server of its own; a server without this build's models is refused before any load."""
+    from pipeline.config import load_config
+    from pipeline.errors import InputError
+    from pipeline.runner import Runner
+    from pipeline.stages import STAGES
+    from pipeline.triton_server import TritonServer
+
+    _, runner, cfg, overrides = published_tiny
+    repo = runner.work_dir / "publish" / "model_repository"
+    small = overrides + ["bench.concurrency=[1,2]", "bench.requests_per_level=2"]
+    with TritonServer(repo) as server:
+        loaded = load_config(cfg, small + [f"bench.grpc_url={server.grpc_url}",
+                                           f"bench.metrics_url={server.metrics_url}"])
+        Runner(loaded, STAGES, runner.work_dir.parent).run(["bench"], echo=lambda s: None)
+    (t,) = json.loads((runner.work_dir / "bench" / bench.RESULTS_FILE).read_text())["targets"]
+    assert t["server"] == f"existing server at {server.grpc_url}"
+    assert [l["errors"] for l in t["levels"]] == [0, 0]
+    assert all(l["triton"]["tiny_stream"]["requests"] == 2 for l in t["levels"])
+    with TritonServer(repo, load_models=["tiny_preprocessing"]) as server:
+        loaded = load_config(cfg, small + [f"bench.grpc_url={server.grpc_url}"])
+        with pytest.raises(InputError, match="does not serve version 1"):
+            Runner(loaded, STAGES, runner.work_dir.parent).run(["bench"], echo=lambda s: None)
+
+
+@pytest.mark.e2e
+def test_comparison_mode_alternates_two_servers(published_tiny, tmp_path):
+    """A second build (unquantized KV cache: another repository digest) as the baseline, in the same run."""
+    from pipeline.config import load_config
+    from pipeline.runner import Runner
+    from pipeline.stages import STAGES
+
+    loaded, runner, cfg, overrides = published_tiny
+    base_root = tmp_path / "baseline"
+    base = Runner(load_config(cfg, overrides + ["quantization.kv_cache=none"]), STAGES, base_root)
+    base.run(["publish"], echo=lambda s: None)
+    repo = base.work_dir / "publish" / "model_repository"
+    cmp = Runner(load_config(cfg, overrides + ["bench.concurrency=[1,2]", "bench.requests_per_level=3",
+                                               f"bench.compare_repository={base.work_dir}"]), STAGES,
+                 runner.work_dir.parent)
+    cmp.run(["bench"], echo=lambda s: None)
+    results = json.loads((cmp.work_dir / "bench" / bench.RESULTS_FILE).read_text())
+    this, baseline = results["targets"]
+    assert baseline["repository"] == str(repo) and baseline["label"] == "baseline"
+    assert this["repository_digest"] != baseline["repository_digest"]
+    ratios = results["comparison"]["levels"]
+    assert [r["concurrency"] for r in ratios] == [1, 2]
+    for r, a, b in zip(ratios, this["levels"], baseline["levels"]):
+        assert r["output_tokens_per_s"] == pytest.approx(a["output_tokens_per_s"] / b["output_tokens_per_s"])
+        assert r["e2e_p50"] == pytest.approx(a["e2e_ms"]["p50"] / b["e2e_ms"]["p50"])
+    # the baseline is an input: republishing it would make bench stale, and so would dropping it
+    manifest = json.loads((cmp.work_dir / "bench" / "manifest.json").read_text())
+    assert manifest["inputs"]["external"]["compare_repository_digest"] == baseline["repository_digest"]
+
+
+def _perf_analyzer() -> str | None:
+    """A perf_analyzer that runs here (tritonclient 2.51's wheel carries one; it needs libb64 and libcudart)."""
+    exe = os.environ.get("PERF_ANALYZER") or shutil.which("perf_analyzer")
+    if not exe:
+        return None
+    try:
+        ok = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).returncode == 0
+    except OSError:
+        return None
+    return exe if ok else None
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(_perf_analyzer() is None, reason="perf_analyzer not available (set PERF_ANALYZER)")
+def test_client_agrees_with_perf_analyzer(published_tiny):
+    """The same server, the same prompts: our client's request latency and throughput vs perf_analyzer's."""
+    from transformers import AutoTokenizer
+
+    from pipeline.triton_server import TritonServer
+
+    loaded, runner, _, _ = published_tiny
+    repo = runner.work_dir / "publish" / "model_repository"
+    prov = json.loads((repo / "provenance.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(repo / f"tiny_preprocessing/{prov['version']}/tokenizer"))
+    prompts = bench.make_prompts(runner.work_dir / "text" / "evaluation_samples.jsonl", tok, 16, 8)
+    with TritonServer(repo) as server, tempfile.TemporaryDirectory() as tmp:
+        bench.drive(server.grpc_url, "tiny_stream", prompts[:2], 1, 8)  # warm-up
+        records, wall = bench.drive(server.grpc_url, "tiny_stream", prompts, 2, 8)
+        ours = level_figures(records, wall, 2)
+        data = {"data": [{"text_input": [p.text], "max_tokens": [8], "end_id": [-1]} for p in prompts]}
+        Path(tmp, "input.json").write_text(json.dumps(data))
+        export = Path(tmp, "profile.json")
+        proc = subprocess.run([_perf_analyzer(), "-m", "tiny_stream", "-i", "grpc", "-u", server.grpc_url,
+                               "--streaming", "--input-data", str(Path(tmp, "input.json")), "--concurrency-range",
+                               "2", "--measurement-mode", "count_windows", "--measurement-request-count", "8",
+                               "--profile-export-file", str(export), "--stability-percentage", "999",
+                               "--max-trials", "3"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        doc = json.loads(export.read_text())
+    reqs = [r for exp in doc["experiments"] for r in exp["requests"]]
+    # perf_analyzer asks for the empty final response: the last timestamp is that flag, right after the last token
+    e2e = [(r["response_timestamps"][-1] - r["timestamp"]) / 1e6 for r in reqs]
+    ttft = [(r["response_timestamps"][0] - r["timestamp"]) / 1e6 for r in reqs]
+    # the two clients measure the same server within a loose band (2 shared cores: noise is large)
+    assert np.median(e2e) == pytest.approx(ours["e2e_ms"]["p50"], rel=0.6)
+    assert np.median(ttft) == pytest.approx(ours["ttft_ms"]["p50"], rel=0.6, abs=20)

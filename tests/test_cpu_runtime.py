@@ -1,0 +1,197 @@
+"""The cpu target's reference runtime on a tiny real Llama: the paged quantized KV pool, greedy tokens equal
+to the plain reference (solo and batched), streaming, cancel, continuous batching, input checks, and the
+build stage that assembles the bundle."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from pipeline import quant_math as qm
+from pipeline import reference
+from pipeline.config import load_config
+from pipeline.cpu_runtime import CpuRuntime, KVBlockPool, SamplingParams
+from pipeline.errors import InputError
+from pipeline.runner import Runner
+from pipeline.stages import STAGES
+
+from conftest import tiny_config
+
+pytest.importorskip("modelopt.torch.quantization")
+
+
+# ---------------------------------------------------------------- the block pool
+
+
+def _kv(t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, t, 8, generator=g) * 3, torch.randn(2, t, 8, generator=g)
+
+
+@pytest.mark.parametrize("algo", [None, "INT8", "FP8"])
+def test_pool_round_trip_across_blocks(algo):
+    scales = [0.05, 0.02]
+    pool = KVBlockPool(2, kv_heads=2, head_dim=8, tokens_per_block=4, num_blocks=8, quant_algo=algo,
+                       scales=scales if algo else None)
+    table = pool.allocate(3)  # 12 positions, written as 5 + 1 + 4 (crossing block edges)
+    k, v = _kv(10)
+    pool.write(1, table, 0, k[:, :5], v[:, :5])
+    pool.write(1, table, 5, k[:, 5:6], v[:, 5:6])
+    pool.write(1, table, 6, k[:, 6:], v[:, 6:])
+    rk, rv = pool.read(1, table, 10)
+    if algo is None:
+        assert torch.equal(rk, k) and torch.equal(rv, v)
+    elif algo == "INT8":  # the stored codes are what ModelOpt's INT8 quantizer with amax = scale * 127 gives
+        assert pool.k[1].dtype == torch.int8
+        assert torch.allclose(rk, qm.int_fake_quant(k, torch.tensor(scales[1] * 127)), atol=1e-6)
+        assert torch.allclose(rv, qm.int_fake_quant(v, torch.tensor(scales[1] * 127)), atol=1e-6)
+    else:
+        assert pool.k[1].dtype == torch.float8_e4m3fn
+        assert torch.allclose(rk, qm.fp8_fake_quant(k, torch.tensor(scales[1] * 448)), rtol=1e-6, atol=1e-7)
+    other = pool.allocate(1)  # another sequence's block is untouched by this one's writes
+    assert other[0] not in table
+
+
+def test_pool_sizes_allocation_and_release():
+    fp32 = KVBlockPool(3, 2, 8, 4, 10, None)
+    int8 = KVBlockPool(3, 2, 8, 4, 10, "INT8", [0.1] * 3)
+    assert fp32.bytes == 4 * int8.bytes == 2 * 3 * 10 * 4 * 2 * 8 * 4
+    a = int8.allocate(6)
+    assert int8.free_blocks == 4
+    with pytest.raises(RuntimeError, match="exhausted"):
+        int8.allocate(5)
+    int8.release(a)
+    assert int8.free_blocks == 10 and len(set(int8.allocate(10))) == 10
+
+
+def test_pool_refuses_missing_scales():
+    from pipeline.errors import IntegrityError
+
+    with pytest.raises(IntegrityError, match="one scaling factor per layer"):
+        KVBlockPool(3, 2, 8, 4, 10, "INT8", [0.1])
+
+
+# ---------------------------------------------------------------- a real bundle of the tiny model
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("cpu_bundle")
+    cfg = tiny_config(tmp, tiny_model_dir, "quantization: {kv_cache: int8, accuracy: {max_perplexity_increase_pct: 100, "
+                                           "min_top1_agreement: 0.3, max_kl_divergence: 2}}")
+    said = []
+    Runner(load_config(cfg, ["build.kv_cache.tokens_per_block=4"]), STAGES, tmp / "work").run(["build"],
+                                                                                             echo=said.append)
+    out = tmp / "work" / "tiny" / "build"
+    return out
+
+
+@pytest.fixture(scope="module")
+def runtime(bundle):
+    with CpuRuntime.load(bundle / "cpu_bundle") as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def ref(bundle):
+    return reference.load_reference(bundle / "cpu_bundle")
+
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12], [8, 8, 8, 9, 10, 11, 400, 401, 402, 20, 21], [100], [45, 46, 47, 48, 49],
+           [200, 199, 198, 197, 196, 195]]
+
+
+def test_build_writes_the_bundle_and_settings(bundle):
+    settings = json.loads((bundle / "build_settings.json").read_text())
+    assert settings["target"] == "cpu" and settings["artifact_dir"] == "cpu_bundle"
+    assert settings["kv_cache"]["quant_algo"] == "INT8" and settings["kv_cache"]["tokens_per_block"] == 4
+    assert settings["max_batch_size"] == 4 and settings["max_seq_len"] == 128
+    runtime = json.loads((bundle / "cpu_bundle" / "runtime.json").read_text())
+    assert runtime["num_blocks"] == 4 * 128 // 4
+    assert not list((bundle / "cpu_bundle" / "model").glob("*.safetensors"))  # weights come from the checkpoint
+    from pipeline.build import checkpoint_sha256
+
+    assert settings["checkpoint_sha256"] == checkpoint_sha256(bundle / "cpu_bundle" / "checkpoint")
+    summary = json.loads((bundle / "manifest.json").read_text())["summary"]
+    assert len(summary["smoke_test"]["output_ids"]) >= 1
+
+
+def test_greedy_equals_the_reference_solo_and_batched(runtime, ref):
+    model, algo, scales = ref
+    assert algo == "INT8"
+    params = SamplingParams(max_new_tokens=12, end_id=-1)
+    solo = [runtime.generate(p, params) for p in PROMPTS]
+    batched = [r.result(timeout=120) for r in [runtime.submit(p, params) for p in PROMPTS]]
+    for p, s, b in zip(PROMPTS, solo, batched):
+        want = reference.greedy(model, p, 12, algo, scales)
+        assert reference.compare(s, want)["equal"], (p, s, want.tokens)  # batch of one: same arithmetic
+        check = reference.compare(b, want)
+        assert check["ok"], (p, b, want.tokens, check)
+
+
+def test_the_quantized_cache_is_what_is_read(runtime, ref):
+    """Against a reference with an unquantized cache the INT8 runtime drifts: the pool really quantizes."""
+    model, algo, scales = ref
+    with_q = [reference.greedy(model, p, 12, algo, scales).logits for p in PROMPTS[:3]]
+    without = [reference.greedy(model, p, 12).logits for p in PROMPTS[:3]]
+    diff = max(float((a[-1] - b[-1]).abs().max()) for a, b in zip(with_q, without))
+    assert diff > 1e-4
+
+
+def test_stream_cancel_and_continuous_batching(runtime):
+    long = runtime.submit(PROMPTS[0], SamplingParams(max_new_tokens=60, end_id=-1))
+    stream = long.stream()
+    first = [next(stream) for _ in range(3)]  # the long request is decoding
+    before = dict(runtime.steps)
+    short = runtime.submit(PROMPTS[1], SamplingParams(max_new_tokens=4, end_id=-1))
+    assert len(short.result(timeout=60)) == 4 and short.finish_reason == "length"
+    assert not long.done  # the short one joined the running batch and left it first
+    after = runtime.steps
+    assert after["decode_sequences"] - before["decode_sequences"] > after["decode"] - before["decode"]
+    long.cancel()
+    rest = list(stream)
+    assert long.finish_reason == "cancelled" and first + rest == long.output_ids and len(long.output_ids) < 60
+    # the runtime keeps serving after a cancel, and freed the blocks
+    assert runtime.generate(PROMPTS[3], SamplingParams(max_new_tokens=3, end_id=-1))
+    assert runtime.pool.free_blocks == runtime.pool.num_blocks
+
+
+def test_stop_tokens_and_seeded_sampling(runtime):
+    first = runtime.generate(PROMPTS[2], SamplingParams(max_new_tokens=5, end_id=-1))
+    stopped = runtime.submit(PROMPTS[2], SamplingParams(max_new_tokens=5, end_id=-1, stop_token_ids=(first[1],)))
+    assert stopped.result(timeout=60) == first[:2] and stopped.finish_reason == "stop"
+    sampled = [runtime.generate(PROMPTS[0], SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=s,
+                                                           end_id=-1)) for s in (3, 3, 4)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], SamplingParams(), "empty"),
+    (list(range(65)), SamplingParams(), "max_input_len=64"),
+    ([1] * 60, SamplingParams(max_new_tokens=100), "exceeds max_seq_len=128"),
+    ([1, 99999], SamplingParams(), "outside the vocabulary"),
+    ([1], SamplingParams(max_new_tokens=0), "at least 1"),
+    ([1], SamplingParams(top_p=0), "top_p"),
+    ([1], SamplingParams(temperature=-1), "temperature"),
+])
+def test_bad_requests_are_refused_and_the_runtime_keeps_serving(runtime, prompt, params, match):
+    with pytest.raises(InputError, match=match):
+        runtime.submit(prompt, params)
+    assert len(runtime.generate([1, 2, 3], SamplingParams(max_new_tokens=2, end_id=-1))) == 2
+
+
+def test_many_threads_submitting_at_once(runtime):
+    results = {}
+
+    def worker(i):
+        results[i] = runtime.generate(PROMPTS[i % len(PROMPTS)], SamplingParams(max_new_tokens=6, end_id=-1))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(10)]  # more than max_batch_size
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(results) == list(range(10)) and all(len(v) == 6 for v in results.values())

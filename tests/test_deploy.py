@@ -1,0 +1,244 @@
+"""Kubernetes manifests (issue #8): deploy/ and what `invoke deploy-manifests` renders from it, validated offline
+against the Kubernetes schemas bundled in kubernetes-validate, checked for their wiring (selectors, ports,
+probes, scaling thresholds) and, in the slow suite, scanned by checkov from its own environment."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import DEFAULT_CONFIG, REPO, run_invoke
+from test_image import DEFAULT_NAME, PUSH_TO, make_published
+
+from pipeline import deploy
+from pipeline.config import load_config
+from pipeline.errors import ConfigError, InputError
+from pipeline.image import content_tag, read_published
+
+K8S_VERSION = "1.35.0"  # per-HPA tolerances need 1.33+ (beta, on by default, from 1.35)
+CHECKOV_VERSION = "3.3.30"
+CHECKOV_VENV = REPO / "build" / ".tools" / f"checkov-{CHECKOV_VERSION}"
+# checkov findings that are decisions, not oversights:
+CHECKOV_SKIPS = {
+    "CKV_K8S_21": "the namespace is chosen when applying (kubectl -n, or a kustomize overlay's namespace:)",
+    "CKV_K8S_43": "images are tagged by content (repository digest in the tag); the registry digest only exists "
+                  "after the push",
+    "CKV_K8S_15": "a content-derived tag never changes content, so IfNotPresent is right; Always would re-check "
+                  "a multi-GB image on every pod start",
+    "CKV_DOCKER_7": "FROM images come from ARGs whose defaults are pinned (tests/test_image.py checks them)",
+}
+
+
+def docs_in(folder: Path) -> list[tuple[Path, dict]]:
+    out = []
+    for path in sorted(folder.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                out.append((path, doc))
+    return out
+
+
+def validate_offline(docs: list[tuple[Path, dict]]) -> set[str]:
+    """Strict schema validation of every built-in kind; returns the kinds without a bundled schema."""
+    import kubernetes_validate
+
+    no_schema = set()
+    for path, doc in docs:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            no_schema.add(doc["kind"])
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{path}: {doc['kind']} {doc['metadata'].get('name')}: {'.'.join(map(str, e.path))}: {e.message}")
+    return no_schema
+
+
+def by_kind(docs) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for _, doc in docs:
+        out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+def check_serving_wiring(kinds: dict[str, list[dict]], gpus: int | None) -> None:
+    (dep,) = kinds["Deployment"]
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    sec = c["securityContext"]
+    assert sec["readOnlyRootFilesystem"] and not sec["allowPrivilegeEscalation"] and sec["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
+    assert pod["automountServiceAccountToken"] is False
+    for part in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(c["resources"][part])
+        assert c["resources"][part].get(deploy.GPU_RESOURCE) == (str(gpus) if gpus else None)
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/tmp", "/dev/shm"}
+
+    (svc,) = kinds["Service"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {n: n for n in ports}
+    (mon,) = kinds["PodMonitor"]
+    assert mon["apiVersion"] == "monitoring.coreos.com/v1"
+    assert mon["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert [(e["port"], e["path"]) for e in mon["spec"]["podMetricsEndpoints"]] == [("metrics", "/metrics")]
+    (pdb,) = kinds["PodDisruptionBudget"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (netpol,) = kinds["NetworkPolicy"]
+    assert netpol["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert {p["port"] for rule in netpol["spec"]["ingress"] for p in rule["ports"]} == set(ports.values())
+    (sa,) = kinds["ServiceAccount"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"] and sa["automountServiceAccountToken"] is False
+
+    (hpa,) = kinds["HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": dep["metadata"]["name"]}
+    assert hpa["spec"]["minReplicas"] >= 2 and pdb["spec"]["maxUnavailable"] == 1  # a drain keeps one replica
+    behavior = hpa["spec"]["behavior"]
+    up, down = float(behavior["scaleUp"]["tolerance"]), float(behavior["scaleDown"]["tolerance"])
+    targets = {}
+    for m in hpa["spec"]["metrics"]:
+        if m["type"] == "Pods":
+            targets[m["pods"]["metric"]["name"]] = float(m["pods"]["target"]["averageValue"])
+        else:
+            assert m["resource"]["name"] == "cpu"
+            targets["cpu"] = float(m["resource"]["target"]["averageUtilization"])
+    util = targets["cpu" if gpus is None else deploy.GPU_METRIC]
+    # scale out above 85 % utilisation or 32 queued per replica; scale in under 50 % utilisation
+    assert util * (1 + up) == 85 and targets[deploy.QUEUE_METRIC] * (1 + up) == 32
+    assert abs(util * (1 - down) - 50) < 0.01
+    assert abs(targets[deploy.QUEUE_METRIC] * (1 - down) - 32 * 50 / 85) < 0.01
+
+
+def test_deploy_folder_validates_offline_and_is_wired():
+    docs = docs_in(REPO / "deploy" / "base") + docs_in(REPO / "deploy" / "jobs")
+    assert validate_offline(docs) == {"Kustomization", "PodMonitor"}
+    kinds = by_kind(docs_in(REPO / "deploy" / "base"))
+    check_serving_wiring(kinds, gpus=1)
+    (kust,) = kinds["Kustomization"]
+    assert sorted(kust["resources"]) == sorted(p.name for p in (REPO / "deploy" / "base").glob("*.yaml")
+                                               if p.name != "kustomization.yaml")
+
+
+def test_the_adapter_rules_serve_the_metrics_the_hpa_asks_for():
+    rules = yaml.safe_load((REPO / "deploy" / "monitoring" / "prometheus-adapter-rules.yaml").read_text())
+    served = {r["name"]["as"] for r in rules["rules"]["custom"]}
+    (hpa,) = by_kind(docs_in(REPO / "deploy" / "base"))["HorizontalPodAutoscaler"]
+    asked = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert asked == served == {deploy.GPU_METRIC, deploy.QUEUE_METRIC}
+    queue_rule = next(r for r in rules["rules"]["custom"] if r["name"]["as"] == deploy.QUEUE_METRIC)
+    assert "nv_trt_llm_request_metrics" in queue_rule["metricsQuery"] and 'request_type=~"|waiting"' in queue_rule["metricsQuery"]
+
+
+@pytest.fixture
+def rendered_gpu(tmp_path) -> tuple[Path, object]:
+    make_published(tmp_path, target="tensorrt")
+    done = run_invoke("deploy-manifests", "--work-root", str(tmp_path), "--set", "build.target=tensorrt",
+                      "--set", f"image.repository={PUSH_TO}", "--gpu-type", "NVIDIA-H100-80GB-HBM3",
+                      "--gpu-type", "NVIDIA-L40S")
+    assert done.returncode == 0, done.stderr
+    return tmp_path / DEFAULT_NAME / deploy.RENDERED_DIR, read_published(tmp_path / DEFAULT_NAME / "publish" / "model_repository")
+
+
+def test_rendered_gpu_manifests(rendered_gpu):
+    out, pub = rendered_gpu
+    serving = [(p, d) for p, d in docs_in(out) if p.parent == out]
+    assert validate_offline(docs_in(out)) == {"Kustomization", "PodMonitor"}
+    kinds = by_kind(serving)
+    check_serving_wiring(kinds, gpus=1)
+    (dep,) = kinds["Deployment"]
+    assert dep["metadata"]["name"] == f"triton-{DEFAULT_NAME}"
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == f"{PUSH_TO}:{content_tag(pub)}"
+    notes = dep["spec"]["template"]["metadata"]["annotations"]
+    assert notes["trtllm-pipeline/repository-digest"] == f"sha256:{pub.repository_digest}"
+    assert notes["trtllm-pipeline/trtllm-version"] == "1.2.1"
+    assert {d["metadata"]["labels"]["app.kubernetes.io/instance"] for _, d in serving if d["kind"] != "Kustomization"} \
+        == {f"triton-{DEFAULT_NAME}"}
+    kust = yaml.safe_load((out / "kustomization.yaml").read_text())
+    assert sorted(kust["resources"]) == sorted(p.name for p, _ in serving if p.name != "kustomization.yaml")
+
+    jobs = by_kind(docs_in(out / "jobs"))["Job"]
+    assert sorted(j["spec"]["template"]["spec"]["nodeSelector"][deploy.GPU_PRODUCT_LABEL] for j in jobs) == \
+        ["NVIDIA-H100-80GB-HBM3", "NVIDIA-L40S"]
+    roots = set()
+    for job in jobs:
+        pod = job["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        args = c["args"]
+        assert args[:3] == ["publish", "--config", "engine_configs/smollm2-135m-cpu.yaml"]
+        assert args[args.index("--set") + 1] == "build.target=tensorrt"
+        roots.add(args[args.index("--work-root") + 1])
+        assert c["image"].startswith(f"{PUSH_TO}:builder-trtllm1.2.1-")
+        assert c["resources"]["limits"][deploy.GPU_RESOURCE] == "1"
+        assert c["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
+        assert all("valueFrom" not in e for e in c["env"])  # the Hub token is a mounted Secret file
+        claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        assert claims == {"engine-builds"}
+    assert len(roots) == 2  # one work root per GPU type: engines are specific to a GPU
+
+
+def test_rendered_cpu_manifests_have_no_gpu(tmp_path):
+    make_published(tmp_path)
+    done = run_invoke("deploy-manifests", "--work-root", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / DEFAULT_NAME / deploy.RENDERED_DIR
+    assert validate_offline(docs_in(out)) == {"Kustomization", "PodMonitor"}
+    assert not (out / "jobs").exists()
+    check_serving_wiring(by_kind(docs_in(out)), gpus=None)
+    assert deploy.GPU_RESOURCE not in (out / "deployment.yaml").read_text()
+    assert deploy.GPU_METRIC not in (out / "hpa.yaml").read_text()
+
+
+def test_rendering_refusals(tmp_path):
+    pub = read_published(make_published(tmp_path, target="tensorrt"))
+    cfg = load_config(DEFAULT_CONFIG, ["build.target=tensorrt", "build.tensor_parallel_size=2"]).config
+    serving = deploy.render_serving(cfg, pub, "img:tag")
+    assert serving["deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][deploy.GPU_RESOURCE] == "2"
+    with pytest.raises(ConfigError, match="engine-build Jobs are for the GPU targets"):
+        deploy.render_jobs(load_config(DEFAULT_CONFIG).config, DEFAULT_CONFIG, [], ["NVIDIA-L40S"], "b:t")
+    outside = tmp_path / "mine.yaml"
+    outside.write_text(f"extends: {DEFAULT_CONFIG}\nbuild: {{target: tensorrt}}\n")
+    with pytest.raises(InputError, match="engine_configs/"):
+        deploy.render_jobs(cfg, outside, [], ["NVIDIA-L40S"], "b:t")
+    with pytest.raises(ConfigError, match="not a node label value"):
+        deploy.render_jobs(cfg, DEFAULT_CONFIG, [], ["H100 80GB"], "b:t")
+    done = run_invoke("deploy-manifests", "--work-root", str(tmp_path / "empty"))
+    assert done.returncode == 2 and "Run `invoke publish`" in done.stderr
+
+
+def _checkov() -> Path:
+    """checkov from its own venv: its pins (networkx 2.6, packaging 23.2, ...) would downgrade this project's."""
+    exe = CHECKOV_VENV / "bin" / "checkov"
+    if exe.is_file():
+        return exe
+    subprocess.run([sys.executable, "-m", "venv", str(CHECKOV_VENV)], check=True, timeout=300)
+    done = subprocess.run([str(CHECKOV_VENV / "bin" / "pip"), "install", "-q", f"checkov=={CHECKOV_VERSION}"],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        pytest.skip(f"could not install checkov {CHECKOV_VERSION} into its own venv: {done.stderr[-500:]}")
+    return exe
+
+
+@pytest.mark.e2e
+def test_checkov_finds_nothing_unjustified(rendered_gpu, tmp_path):
+    out, _ = rendered_gpu
+    exe = _checkov()
+    for framework, target in (("kubernetes", ["-d", str(out)]), ("dockerfile", ["-f", str(REPO / "Dockerfile")])):
+        done = subprocess.run([str(exe), *target, "--framework", framework, "--skip-download", "--compact",
+                               "-o", "json", "--skip-check", ",".join(CHECKOV_SKIPS)],
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        report = json.loads(done.stdout or "{}")
+        reports = report if isinstance(report, list) else [report]
+        failed = [f"{c['check_id']} {c['resource']} ({c['file_path']})"
+                  for r in reports for c in r.get("results", {}).get("failed_checks", [])]
+        assert not failed, f"checkov {framework}: " + "; ".join(failed)
+        passed = sum(len(r.get("results", {}).get("passed_checks", [])) for r in reports)
+        assert passed > 10, f"checkov {framework} checked almost nothing: {done.stdout[-500:]} {done.stderr[-500:]}"

@@ -1,0 +1,397 @@
+"""The publish stage on build folders laid out as the build stage writes them (build_settings.json + the
+target's artifact): generated configs parsed back, the GPU targets' parameters against the build's
+decisions (contract), versions and their pruning, an atomic swap that a kill cannot tear, and every refusal.
+
+The engine and checkpoint files here are stand-ins (publish only copies them); loading and serving a real
+repository is tests/test_verify.py's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import publish as pub
+from pipeline.config import load_config
+from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UserError
+from pipeline.fsutil import digest_of_files, list_files, sha256_file
+
+from conftest import tiny_config, tree_snapshot
+
+pytest.importorskip("tritonclient.grpc.model_config_pb2")
+
+ENGINE_STAND_IN = b"stand-in for rank0.engine: publish copies it, nothing loads it\n"
+
+
+def make_build(work: Path, target: str, tokenizer_dir: Path, **overrides) -> Path:
+    """<work>/build as the build stage leaves it for ``target``, and <work>/model/hf_model's tokenizer."""
+    build = work / "build"
+    artifact = build / pub.ARTIFACT_DIRS[target]
+    artifact.mkdir(parents=True)
+    hf = work / "model" / "hf_model"
+    hf.mkdir(parents=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy2(f, hf / f.name)
+    if target == "cpu":
+        (artifact / "runtime.json").write_text(json.dumps({"max_batch_size": 4}))
+        (artifact / "checkpoint").mkdir()
+        (artifact / "checkpoint" / "config.json").write_text("{}")
+        (artifact / "checkpoint" / "rank0.safetensors").write_bytes(b"\0" * 64)
+        shutil.copytree(tokenizer_dir, artifact / "model")
+    elif target == "tensorrt":
+        (artifact / "config.json").write_text(json.dumps({"version": "1.2.1", "build_config": {}}))
+        (artifact / "rank0.engine").write_bytes(ENGINE_STAND_IN)
+    else:
+        (artifact / pub.LLM_API_OPTIONS_FILE).write_text(yaml.safe_dump({
+            "max_batch_size": 4, "max_num_tokens": 256, "max_seq_len": 128,
+            "cuda_graph_config": {"batch_sizes": [1, 2, 4], "enable_padding": True},
+            "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.85, "enable_block_reuse": False,
+                                "tokens_per_block": 32}}))
+        (artifact / "checkpoint").mkdir()
+        (artifact / "checkpoint" / "config.json").write_text("{}")
+        (artifact / "checkpoint" / "hf_quant_config.json").write_text("{}")
+    settings = {
+        "target": target, "artifact_dir": pub.ARTIFACT_DIRS[target],
+        "max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 256,
+        "kv_cache": {"quant_algo": "FP8" if target == "pytorch" else "INT8", "tokens_per_block": 32,
+                     "free_gpu_memory_fraction": 0.85, "enable_block_reuse": False},
+        "cuda_graphs": {"enabled": target != "cpu", "batch_sizes": [1, 2, 4] if target != "cpu" else [],
+                        "enable_padding": target != "cpu", "cuda_graph_mode": target == "tensorrt",
+                        "cuda_graph_cache_size": 3 if target == "tensorrt" else 0},
+        "trtllm_version": None if target == "cpu" else "1.2.1",
+        "provenance": {"gpu": "stand-in"} if target != "cpu" else {"runtime": "pipeline.cpu_runtime"},
+        "checkpoint_sha256": "ab" * 32,
+    }
+    settings.update(overrides)
+    (build / pub.SETTINGS_FILE).write_text(json.dumps(settings))
+    return build
+
+
+TARGET_SETS = {
+    "cpu": [],
+    "tensorrt": ["build.target=tensorrt"],
+    "pytorch": ["build.target=pytorch", "quantization.export_hf_checkpoint=true", "quantization.kv_cache=fp8"],
+}
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_model_dir, tiny_tokenizer_dir):
+    """(load(target, *overrides) -> config, work dir, publish(config) -> (summary, snapshot))."""
+    yaml_path = tiny_config(tmp_path, tiny_model_dir)
+    work = tmp_path / "work" / "tiny"
+    made = {}
+
+    def load(target="cpu", *overrides, **build_overrides):
+        if target not in made:
+            shutil.rmtree(work / "build", ignore_errors=True)
+            shutil.rmtree(work / "model", ignore_errors=True)
+            made.clear()
+            made[target] = make_build(work, target, tiny_tokenizer_dir, **build_overrides)
+        return load_config(yaml_path, TARGET_SETS[target] + list(overrides)).config
+
+    counter = iter(range(1000))
+
+    def run(config, name="tiny"):
+        out = work / ".staging" / f"publish-{next(counter)}"
+        out.mkdir(parents=True)
+        summary = pub.publish(config, name, work, work / "build", work / "model" / "hf_model", out)
+        return summary, out / pub.MODEL_REPOSITORY_DIR
+
+    return load, work, run
+
+
+def _configs(repo: Path) -> dict:
+    return {p.parent.name: pub.read_config(p) for p in repo.glob("*/config.pbtxt")}
+
+
+def _params(msg) -> dict:
+    return {k: v.string_value for k, v in msg.parameters.items()}
+
+
+def _io(msg) -> tuple:
+    return ([(i.name, i.data_type, list(i.dims), i.optional, list(i.reshape.shape)) for i in msg.input],
+            [(o.name, o.data_type, list(o.dims)) for o in msg.output])
+
+
+def test_cpu_repository_configs_parse_back_and_wire_the_ensemble(setup):
+    load, work, run = setup
+    summary, snap = run(load("cpu"))
+    names = pub.model_names("llm")
+    assert summary["version"] == 1 and summary["target"] == "cpu"
+    configs = _configs(snap)
+    assert set(configs) == set(names.all())
+    for name, msg in configs.items():
+        assert msg.name == name
+        assert pub.config_text(msg) == (snap / name / "config.pbtxt").read_text()  # what was written parses back
+        assert "${" not in (snap / name / "config.pbtxt").read_text()
+    ens = configs["llm"]
+    assert ens.platform == "ensemble" and ens.max_batch_size == 4
+    steps = [s.model_name for s in ens.ensemble_scheduling.step]
+    assert steps == [names.preprocessing, names.unary, names.postprocessing]
+    assert [i.name for i in ens.input][:2] == ["text_input", "max_tokens"]
+    assert all(i.optional for i in ens.input[2:])
+    assert configs[names.tensorrt_llm].model_transaction_policy.decoupled
+    assert configs[names.stream].model_transaction_policy.decoupled
+    assert not configs[names.unary].model_transaction_policy.decoupled
+    assert not ens.model_transaction_policy.decoupled
+    llm = configs[names.tensorrt_llm]
+    assert llm.backend == "python" and _params(llm) == {"bundle_dir": "cpu_bundle", "cpu_threads": "0"}
+    assert _params(configs[names.preprocessing])["max_input_len"] == "64"
+    v1 = snap / names.tensorrt_llm / "1"
+    assert (v1 / "model.py").read_text() == (pub.TRITON_SOURCE / "tensorrt_llm_cpu" / "model.py").read_text()
+    assert (v1 / "cpu_bundle" / "runtime.json").is_file()
+    assert (snap / names.preprocessing / "1" / "tokenizer" / "tokenizer.json").is_file()
+    assert (snap / "llm" / "1").is_dir() and not list((snap / "llm" / "1").iterdir())
+
+
+def test_provenance_follows_the_contract_and_the_live_repository_matches(setup):
+    load, work, run = setup
+    summary, snap = run(load("cpu"))
+    prov = json.loads((snap / pub.PROVENANCE_FILE).read_text())
+    assert set(prov) >= {"pipeline_version", "config_name", "model_name", "version", "model_source", "plan_sha256",
+                         "quantization", "checkpoint_sha256", "build", "repository_digest"}
+    assert prov["config_name"] == "tiny" and prov["model_name"] == "llm" and prov["version"] == 1
+    assert prov["quantization"] == {"weight_format": "int8_sq", "kv_cache": "int8"}
+    assert prov["build"]["target"] == "cpu" and prov["checkpoint_sha256"] == "ab" * 32
+    files = {rel: sha256_file(snap / rel) for rel in list_files(snap) if rel != pub.PROVENANCE_FILE}
+    assert prov["repository_digest"] == digest_of_files(files)
+    live = work / pub.DEFAULT_REPOSITORY_DIR
+    assert summary["repository_dir"] == str(live)
+    assert {r for r in list_files(live) if r != pub.PROVENANCE_FILE} == set(files)
+    assert json.loads((live / pub.PROVENANCE_FILE).read_text())["versions"] == [1]
+
+
+@pytest.mark.parametrize("target", ["tensorrt", "pytorch"])
+def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
+    """Contract: for the GPU targets the repository parses and carries exactly the build stage's settings."""
+    load, work, run = setup
+    config = load(target, "triton.serving_repository_path=/models", "build.trtllm_version=1.2.1")
+    summary, snap = run(config)
+    settings = json.loads((work / "build" / pub.SETTINGS_FILE).read_text())
+    names = pub.model_names("llm")
+    configs = _configs(snap)
+    llm = configs[names.tensorrt_llm]
+    params = _params(llm)
+    cpu_io = _io(pub.build_model_configs(config.triton, {**settings, "target": "cpu"}, names, 1,
+                                         "/models")[names.tensorrt_llm])
+    assert _io(llm) == cpu_io  # one I/O for every target: everything around tensorrt_llm is shared
+    assert llm.max_batch_size == settings["max_batch_size"]
+    assert llm.model_transaction_policy.decoupled
+    if target == "tensorrt":
+        kv, graphs = settings["kv_cache"], settings["cuda_graphs"]
+        assert llm.backend == "tensorrtllm"
+        assert params["gpt_model_type"] == "inflight_fused_batching"
+        assert params["kv_cache_free_gpu_mem_fraction"] == str(kv["free_gpu_memory_fraction"])
+        assert params["enable_kv_cache_reuse"] == str(kv["enable_block_reuse"]).lower()
+        assert params["cuda_graph_mode"] == str(graphs["cuda_graph_mode"]).lower()
+        assert params["cuda_graph_cache_size"] == str(graphs["cuda_graph_cache_size"])
+        assert params["exclude_input_in_output"] == "true" and params["max_beam_width"] == "1"
+        path = params["gpt_model_path"]
+        assert path == f"/models/{names.tensorrt_llm}/1/engine"
+        engine = snap / path[len("/models/"):]
+        assert (engine / "rank0.engine").read_bytes() == ENGINE_STAND_IN
+        assert not (snap / names.tensorrt_llm / "1" / "model.py").exists()
+    else:
+        assert llm.backend == "python" and llm.instance_group[0].kind == llm.instance_group[0].KIND_MODEL
+        assert params == {"checkpoint_dir": "checkpoint", "llm_api_options": pub.LLM_API_OPTIONS_FILE}
+        v1 = snap / names.tensorrt_llm / "1"
+        assert (v1 / pub.LLM_API_OPTIONS_FILE).read_bytes() == \
+            (work / "build" / "llm_api" / pub.LLM_API_OPTIONS_FILE).read_bytes()
+        assert (v1 / "checkpoint" / "hf_quant_config.json").is_file()
+        code = (v1 / "model.py").read_text()
+        assert "import tensorrt_llm" not in code.split("class ")[0]  # never imported at module level
+        assert "from tensorrt_llm import" in code
+    prov = json.loads((snap / pub.PROVENANCE_FILE).read_text())
+    assert prov["build"] == {"target": target, "trtllm_version": "1.2.1", "provenance": {"gpu": "stand-in"}}
+
+
+def setup_yaml(work: Path) -> Path:
+    return work.parent.parent / "tiny.yaml"
+
+
+def test_each_publish_adds_a_version_and_old_ones_are_pruned(setup):
+    load, work, run = setup
+    config = load("cpu", "triton.keep_versions=3")
+    live = work / pub.DEFAULT_REPOSITORY_DIR
+    for expect in (1, 2, 3, 4):
+        summary, snap = run(config)
+        assert summary["version"] == expect
+        assert pub._versions(snap / "llm_tensorrt_llm") == [expect]  # the stage's snapshot: this version only
+    names = pub.model_names("llm")
+    for name in names.all():
+        assert pub._versions(live / name) == [2, 3, 4], name
+    prov = json.loads((live / pub.PROVENANCE_FILE).read_text())
+    assert prov["version"] == 4 and prov["versions"] == [2, 3, 4]
+    assert [h["version"] for h in prov["history"]] == [2, 3, 4]
+    a = live / names.tensorrt_llm / "2" / "cpu_bundle" / "checkpoint" / "rank0.safetensors"
+    b = live / names.tensorrt_llm / "4" / "cpu_bundle" / "checkpoint" / "rank0.safetensors"
+    assert a.read_bytes() == b.read_bytes()
+    assert not list(live.parent.glob(f".{live.name}.publishing*"))
+
+
+KILL_AT = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    from pipeline import publish as pub
+    from pipeline.config import load_config
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    setattr(pub, sys.argv[1], die)
+    work = Path(sys.argv[3])
+    out = work / ".staging" / "publish-killed"
+    out.mkdir(parents=True)
+    config = load_config(sys.argv[2], sys.argv[4:]).config
+    pub.publish(config, "tiny", work, work / "build", work / "model" / "hf_model", out)
+    """)
+
+
+@pytest.mark.parametrize("point", ["exchange_dirs", "_copy_tokenizer"])
+def test_a_publish_killed_midway_leaves_the_previous_repository(setup, point):
+    load, work, run = setup
+    config = load("cpu")
+    run(config)
+    live = work / pub.DEFAULT_REPOSITORY_DIR
+    before = tree_snapshot(live)
+    proc = subprocess.run([sys.executable, "-c", KILL_AT, point, str(setup_yaml(work)), str(work)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr
+    assert tree_snapshot(live) == before  # not a file touched: the server still sees version 1, whole
+    summary, _ = run(config)  # the next publish clears what the killed one left and goes on
+    assert summary["version"] == 2
+    assert not list(live.parent.glob(f".{live.name}.publishing*"))
+
+
+def test_refuses_a_target_the_build_did_not_make(setup):
+    load, work, run = setup
+    config = load("tensorrt")
+    cpu = load_config(setup_yaml(work), []).config
+    with pytest.raises(InputError, match="target/engine mismatch.*'cpu'.*'tensorrt' build"):
+        run(cpu)
+    (work / "build" / "engine" / "rank0.engine").unlink()
+    with pytest.raises(InputError, match="target/engine mismatch.*rank0.engine"):
+        run(config)
+    assert not (work / pub.DEFAULT_REPOSITORY_DIR).exists()
+
+
+def test_refuses_an_engine_from_another_tensorrt_llm(setup):
+    load, work, run = setup
+    config = load("tensorrt", "build.trtllm_version=1.2.1", trtllm_version="1.1.0")
+    with pytest.raises(InputError, match=r"built with TensorRT-LLM 1\.1\.0.*serves 1\.2\.1 \(build\.trtllm_version\)"):
+        run(config)
+    image_says = load("tensorrt", "build.trtllm_version=1.1.0", "image.base_tag=26.07-trtllm-python-py3")
+    with pytest.raises(InputError, match=r"serves 1\.2\.1 \(image\.base_tag 26\.07"):
+        run(image_says)
+    summary, _ = run(load("tensorrt", "build.trtllm_version=1.1.0"))
+    assert summary["version"] == 1
+
+
+def test_refuses_unsafe_model_names(setup):
+    load, work, run = setup
+    with pytest.raises(ConfigError, match="triton.model_name"):
+        load("cpu", "triton.model_name=../escape")
+    with pytest.raises(InputError, match="not a safe directory name"):
+        run(load("cpu", "triton.model_name=with.dot"))
+    with pytest.raises(InputError, match="not a safe directory name"):
+        pub.model_names("x" * 90)
+
+
+def test_refuses_a_destination_holding_models_it_did_not_write(setup, tmp_path):
+    load, work, run = setup
+    dest = tmp_path / "served"
+    (dest / "someone_elses" / "1").mkdir(parents=True)
+    (dest / "someone_elses" / "config.pbtxt").write_text('name: "someone_elses"\n')
+    (dest / "llm" / "7").mkdir(parents=True)
+    (dest / "llm" / "config.pbtxt").write_text('name: "llm"\n')
+    before = tree_snapshot(dest)
+    config = load("cpu", f"triton.repository_dir={dest}")
+    with pytest.raises(UserError, match="did not write: llm, someone_elses.*overwrite: true to replace llm"):
+        run(config)
+    assert tree_snapshot(dest) == before
+    summary, _ = run(load("cpu", f"triton.repository_dir={dest}", "triton.overwrite=true"))
+    assert summary["version"] == 8 and summary["foreign_models_kept"] == ["someone_elses"]
+    assert (dest / "someone_elses" / "config.pbtxt").read_text() == 'name: "someone_elses"\n'
+    assert pub._versions(dest / "llm") == [8]  # the replaced model's own versions are not kept
+    # from now on the models are this pipeline's; the other one is still not
+    with pytest.raises(UserError, match="did not write: someone_elses"):
+        run(load("cpu", f"triton.repository_dir={dest}"))
+    # another config publishing into the same place is someone else too
+    with pytest.raises(UserError, match="config 'tiny'"):
+        run(load("cpu", f"triton.repository_dir={dest}", "triton.overwrite=false"), name="other-config")
+
+
+def test_refuses_a_destination_the_runner_would_replace(setup):
+    load, work, run = setup
+    with pytest.raises(InputError, match="overlaps the publish stage folder"):
+        run(load("cpu", f"triton.repository_dir={work / 'publish' / 'model_repository'}"))
+    with pytest.raises(ConfigError, match="absolute path"):
+        load("cpu", "triton.repository_dir=relative/repo")
+
+
+def test_reload_asks_the_configured_server_and_says_when_it_cannot(setup):
+    load, work, run = setup
+    from pipeline.triton_server import free_port
+
+    config = load("cpu", f"triton.server_url=http://127.0.0.1:{free_port()}")
+    with pytest.raises(EnvironmentProblem, match="published, but the server .* could not be reached"):
+        run(config)
+    assert pub._versions(work / pub.DEFAULT_REPOSITORY_DIR / "llm") == [1]
+
+
+def test_the_atomic_exchange_swaps_two_folders(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "new").write_text("new")
+    (b / "old").write_text("old")
+    pub.exchange_dirs(a, b)
+    assert os.listdir(b) == ["new"] and os.listdir(a) == ["old"]
+
+
+def _llm_io():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llm_io", pub.TRITON_SOURCE / "common" / "llm_io.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stop_words_layout_round_trips():
+    llm_io = _llm_io()
+    words = [[5, 6], [7], [8, 9, 10]]
+    arr = llm_io.words_to_list(words)
+    assert arr.tolist() == [[5, 6, 7, 8, 9, 10], [2, 3, 6, -1, -1, -1]]
+    assert llm_io.list_to_words(arr) == words
+    assert llm_io.list_to_words(llm_io.words_to_list([])) == []
+    assert llm_io.ends_with_any([1, 8, 9, 10], words) and not llm_io.ends_with_any([9, 10, 1], words)
+
+
+def test_streamed_pieces_concatenate_to_the_full_decode(tiny_tokenizer_dir):
+    """The streaming model's rule: decode new ids in the context of the last shown ones, hold back a piece
+    that ends inside a multi-byte character."""
+    from transformers import AutoTokenizer
+
+    llm_io = _llm_io()
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    ids = tok("Grüße aus Köln — 日本語 and plain words, café.", add_special_tokens=False).input_ids
+    shown, pending, pieces = [], [], []
+    for t in ids:
+        pending.append(t)
+        text = llm_io.decode_delta(tok, shown[-8:], pending)
+        if text.endswith(llm_io.REPLACEMENT_CHAR):
+            continue
+        pieces.append(text)
+        shown, pending = shown + pending, []
+    assert not pending
+    assert "".join(pieces) == llm_io.decode(tok, ids) == "Grüße aus Köln — 日本語 and plain words, café."
+    assert len(pieces) < len(ids)  # some characters spanned several byte tokens and were held back

@@ -1,0 +1,177 @@
+"""report: every figure on the page and in summary.json is the one its stage's manifest recorded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline import report
+from pipeline.report import Doc, render
+
+
+def _manifest(stage: str, summary: dict, upstream: dict | None = None, digest: str = "d" * 64) -> dict:
+    """A manifest in the runner's layout (format 1), as the stages write them."""
+    return {"format_version": 1, "stage": stage, "status": "ok", "config_name": "synthetic", "config_files": [],
+            "overrides": [], "input_hash": "0" * 64,
+            "inputs": {"stage": stage, "stage_version": 1, "pipeline_version": "0.1.0", "config": {},
+                       "upstream": upstream or {}, "external": {}},
+            "outputs": {"digest": digest, "total_bytes": 0, "files": {}}, "summary": summary,
+            "tool_versions": {"python": "3.11", "torch": "2.13.0+cpu"}, "started_at": "2026-11-30T10:00:00+00:00",
+            "finished_at": "2026-11-30T10:00:01+00:00", "duration_s": 1.0}
+
+
+def test_stages_not_run_are_said_so(tmp_path):
+    work = tmp_path / "synthetic"
+    (work / "model").mkdir(parents=True)
+    model_summary = {"model": {"architecture": "LlamaForCausalLM", "num_parameters": 1234567, "weight_bytes": 4938268},
+                     "source": {"kind": "local"}}
+    (work / "model" / "manifest.json").write_text(json.dumps(_manifest("model", model_summary)))
+    (work / "text").mkdir()
+    failed = _manifest("text", {}, {"model": "d" * 64})
+    failed["status"] = "failed"  # a failed run is not a result
+    (work / "text" / "manifest.json").write_text(json.dumps(failed))
+    out = tmp_path / "report"
+    out.mkdir()
+    summary = render(work, out)
+    assert summary["stages"] == {s: ("ok" if s == "model" else "not run") for s in report.STAGES}
+    assert summary["model"] == model_summary["model"]
+    assert summary["sizes"]["model_weight_bytes"] == 4938268
+    assert summary["accuracy"] is None and summary["bench"] is None and summary["verify"] is None
+    md = (out / "index.md").read_text()
+    for stage, task in (("quantize", "quantize"), ("verify", "verify"), ("bench", "bench"), ("plan", "sensitivity"),
+                        ("text", "download")):
+        assert f"**not run**: the `{stage}` stage has no manifest in this work dir (`invoke {task}` runs it)." in md
+    assert "4,938,268" in md  # the model's weight bytes, as recorded
+    lines = report.five_lines(summary)
+    assert len(lines) == 5 and lines[1] == "accuracy: not run" and lines[4] == "speed: bench not run"
+    html = (out / "index.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and "<strong>not run</strong>" in html
+
+
+def test_markdown_and_html_say_the_same():
+    doc = Doc()
+    doc.h(2, "A <section> & more")
+    doc.p("value `a|b` and **bold** ✓")
+    doc.table(["k", "v"], [["pipe|cell", 1.23456789], ["none", None], ["big", 123456]])
+    md, html = doc.markdown(), doc.html("t")
+    assert "## A <section> & more" in md and "pipe\\|cell" in md and "1.235" in md and "123,456" in md and "—" in md
+    assert "A &lt;section&gt; &amp; more" in html and "<code>a|b</code>" in html and "<strong>bold</strong>" in html
+    assert '<span class="ok">✓</span>' in html and "<td>1.235</td>" in html and "<td>123,456</td>" in html
+    assert 'href="#a--section----more"' in html
+
+
+# ---------------------------------------------------------------- a real (tiny) run, through the report
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_model_dir):
+    """The tiny model through every stage, the report included, with a small bench."""
+    from conftest import tiny_config
+
+    from pipeline.config import load_config
+    from pipeline.runner import Runner
+    from pipeline.stages import STAGES
+
+    tmp = tmp_path_factory.mktemp("report_tiny")
+    cfg = tiny_config(tmp, tiny_model_dir, "quantization: {kv_cache: int8, accuracy: {max_perplexity_increase_pct: "
+                                           "100, min_top1_agreement: 0.3, max_kl_divergence: 2}}")
+    loaded = load_config(cfg, ["bench.concurrency=[1,2]", "bench.requests_per_level=4", "bench.warmup_requests=1",
+                               "bench.prompt_tokens=16", "bench.output_tokens=8", "triton.model_name=tiny"])
+    runner = Runner(loaded, STAGES, tmp / "work")
+    runner.run(["report"], echo=lambda s: None)
+    return runner.work_dir
+
+
+def _m(work: Path, stage: str) -> dict:
+    return json.loads((work / stage / "manifest.json").read_text())
+
+
+@pytest.mark.e2e
+def test_report_figures_equal_the_manifests(tiny_run):
+    work = tiny_run
+    out = work / "report"
+    s = json.loads((out / "summary.json").read_text())
+    q, p, b, mo = (_m(work, x)["summary"] for x in ("quantize", "plan", "build", "model"))
+    prov = json.loads((work / "publish" / "model_repository" / "provenance.json").read_text())
+    verify = json.loads((work / "verify" / "verify_results.json").read_text())
+    bench_summary = _m(work, "bench")["summary"]
+
+    assert s["stages"] == {st: "ok" for st in report.STAGES}
+    assert s["model"] == mo["model"]
+    assert s["accuracy"] == q["accuracy"]
+    assert s["accuracy_gate"] == _m(work, "quantize")["inputs"]["config"]["quantization"]["accuracy"]
+    assert s["quantization"]["kept_high_precision"] == p["kept_high_precision"]
+    assert s["quantization"]["effective_bits_per_weight"] == p["effective_bits_per_weight"]
+    assert s["quantization"]["quant_algo"] == q["checkpoint"]["quant_algo"]
+    assert s["sizes"]["checkpoint_bytes"] == q["checkpoint_bytes"]
+    assert s["sizes"]["weight_bytes_planned"] == p["weight_bytes_planned"]
+    assert s["sizes"]["kv_cache_pool_bytes"] == b["smoke_test"]["kv_pool_bytes"]
+    assert s["sizes"]["kv_cache_bytes_per_token"] == b["smoke_test"]["kv_pool_bytes"] / (b["kv_blocks"] *
+                                                                                        b["tokens_per_block"])
+    assert s["repository"]["repository_digest"] == prov["repository_digest"] == bench_summary["repository_digest"]
+    assert s["verify"]["checks"] == len(verify["checks"]) and s["verify"]["ok"] is verify["ok"] is True
+    assert s["bench"]["levels"] == bench_summary["levels"]
+    assert s["bench"]["peak_output_tokens_per_s"] == bench_summary["peak_output_tokens_per_s"]
+    assert s["hash_chain_ok"] is True
+    links = {(l["stage"], l["upstream"]) for l in s["hash_chain"]}
+    assert {("quantize", "model"), ("build", "quantize"), ("publish", "build"), ("bench", "publish"),
+            ("publish", "build (checkpoint_sha256)"), ("bench", "publish (repository_digest)")} <= links
+
+    md, html = (out / "index.md").read_text(), (out / "index.html").read_text()
+    for text in (md, html):
+        assert "not run" not in text.replace("Comparison with a baseline: not run", "")
+        assert prov["repository_digest"] in text
+        assert f"{q['checkpoint_bytes']:,}" in text
+        assert mo["model"]["architecture"] in text
+        assert f"{bench_summary['levels'][0]['ttft_p50_ms']}" in report.five_lines(s)[4]
+    for line in report.five_lines(s):
+        assert line in md
+    assert f"+{q['accuracy']['perplexity_increase_pct']:.2f} %" in report.five_lines(s)[1]
+    for img in ("sensitivity_heatmap.png", "plan_errors.png", "throughput_vs_concurrency.png",
+                "latency_vs_concurrency.png"):
+        assert (out / "img" / img).stat().st_size > 5_000
+        assert f"img/{img}" in md and f'src="img/{img}"' in html
+    # the stage's own summary carries the five lines `invoke all` prints
+    assert _m(work, "report")["summary"]["five_lines"] == report.five_lines(s)
+
+
+@pytest.mark.e2e
+def test_a_broken_link_in_the_hash_chain_shows(tiny_run, tmp_path):
+    work = tmp_path / "tiny"
+    shutil.copytree(tiny_run, work, symlinks=True)
+    m = _m(work, "build")
+    m["inputs"]["upstream"]["quantize"] = "f" * 64  # as if the build had read another checkpoint
+    (work / "build" / "manifest.json").write_text(json.dumps(m))
+    out = tmp_path / "out"
+    out.mkdir()
+    s = render(work, out)
+    assert s["hash_chain_ok"] is False
+    bad = [l for l in s["hash_chain"] if l["ok"] is False]
+    assert [(l["stage"], l["upstream"]) for l in bad] == [("build", "quantize")]
+    assert "| build | quantize | `ffffffffffffffff…` |" in (out / "index.md").read_text()
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium-headless-shell") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(_chromium() is None, reason="no headless Chromium (Debian: chromium-headless-shell)")
+def test_the_page_renders_in_headless_chromium(tiny_run, tmp_path):
+    """A person's view: Chromium lays the page out and paints it, plots included."""
+    import numpy as np
+    from PIL import Image
+
+    shot = tmp_path / "page.png"
+    proc = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                           f"--screenshot={shot}", "--window-size=1280,2400",
+                           (tiny_run / "report" / "index.html").as_uri()], capture_output=True, text=True, timeout=120)
+    assert shot.is_file(), proc.stdout + proc.stderr
+    img = np.asarray(Image.open(shot).convert("L"), dtype=np.float32)
+    assert img.shape[0] >= 2000 and img.shape[1] >= 1200
+    rows_with_ink = (img < 200).any(axis=1).mean()
+    assert rows_with_ink > 0.3  # text and tables down the page, not a blank or error page

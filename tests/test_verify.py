@@ -1,0 +1,247 @@
+"""publish + verify + serve end to end on a real Triton server: the tiny model through the whole pipeline
+(download -> ... -> build -> publish -> verify), versions and a killed publish against a server, a reload
+through the model-control API, `invoke serve`, and (e2e) the default SmolLM2 config.
+
+Every test leaves no server process and no shared-memory region behind: servers started here carry this
+process's id in their shared-memory prefix (``tps<pid>_``), which is what the clean-up check looks for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline import publish as pub
+from pipeline import reference
+from pipeline.config import load_config
+from pipeline.runner import Runner
+from pipeline.stages import STAGES
+from pipeline.triton_server import SHM_DIR, TritonServer, free_port
+from pipeline.verify import RESULTS_FILE, SERVER_LOG, Expected
+
+from conftest import REPO, run_invoke, tiny_config
+
+pytest.importorskip("pytriton", reason="nvidia-pytriton provides the server")
+pytest.importorskip("modelopt.torch.quantization")
+
+TINY_SETS = ["build.kv_cache.tokens_per_block=4"]
+TINY_EXTRA = ("quantization: {kv_cache: int8, accuracy: {max_perplexity_increase_pct: 100, min_top1_agreement: 0.3, "
+              "max_kl_divergence: 2}}")
+
+
+def _leftovers(pid: int) -> list[str]:
+    """Processes (server, stubs) and shared-memory regions of servers started by process ``pid``."""
+    mark = f"tps{pid}_"
+    procs = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if mark in text:
+            procs.append(f"{cmdline.parent.name}: {text[:120]}")
+    return procs + [p.name for p in SHM_DIR.glob(mark + "*")]
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    time.sleep(0.5)
+    assert not _leftovers(os.getpid()), _leftovers(os.getpid())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tiny_model_dir):
+    """The tiny model through verify, once: (config yaml, work root, work dir, what the runner said)."""
+    root = tmp_path_factory.mktemp("tiny_verify")
+    cfg = tiny_config(root, tiny_model_dir, TINY_EXTRA)
+    said: list[str] = []
+    Runner(load_config(cfg, TINY_SETS), STAGES, root / "work").run(["verify"], echo=said.append)
+    return cfg, root / "work", root / "work" / "tiny", said
+
+
+def _run(cfg, work_root, target, *sets, force=True):
+    said: list[str] = []
+    Runner(load_config(cfg, TINY_SETS + list(sets)), STAGES, work_root).run([target], force=[target] if force else False,
+                                                                           echo=said.append)
+    return said
+
+
+def _generate(http_url: str, model: str, text: str = "The capital of France is", max_tokens: int = 4,
+              **extra) -> dict:
+    req = urllib.request.Request(f"http://{http_url}/v2/models/{model}/generate", method="POST",
+                                 data=json.dumps({"text_input": text, "max_tokens": max_tokens, **extra}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_verify_passes_every_check_on_a_real_server(tiny):
+    _, _, work, said = tiny
+    assert any(line.startswith("verify: done") for line in said), said
+    results = json.loads((work / "verify" / RESULTS_FILE).read_text())
+    assert results["ok"] and results["target"] == "cpu" and results["version"] == 1
+    checks = {c["name"]: c for c in results["checks"]}
+    assert set(checks) == {"http_infer_ensemble", "grpc_infer_ensemble", "http_generate_ensemble",
+                           "http_generate_stream", "grpc_stream", "concurrent_16", "malformed_requests"}
+    assert all(c["ok"] for c in checks.values())
+    solo = {r["prompt"]: r["tokens"] for r in checks["http_infer_ensemble"]["results"]}
+    for name in ("grpc_infer_ensemble", "http_generate_ensemble", "http_generate_stream", "grpc_stream",
+                 "concurrent_16"):
+        for r in checks[name]["results"]:
+            assert r["text_equals_decode"]
+            # the tiny model's random weights leave no near-ties: every path gives the runtime's tokens exactly
+            assert r["equal"] is True and r["tokens"] == solo[r["prompt"]], (name, r)
+    assert len(checks["concurrent_16"]["results"]) == 16
+    assert all(n > 1 for n in checks["grpc_stream"]["pieces_per_request"])  # it streamed, not one lump
+    assert all(400 <= a["status"] < 500 for a in checks["malformed_requests"]["answers"].values())
+    assert checks["malformed_requests"]["server_still_answering"]
+    assert results["server"]["startup_s"] > 0 and results["latency"]["grpc_stream_first_piece"]["median_ms"] > 0
+    assert "successfully loaded 'llm'" in (work / "verify" / SERVER_LOG).read_text()
+    summary = json.loads((work / "verify" / "manifest.json").read_text())["summary"]
+    assert summary["all_ok"] and summary["tie_divergences"] == 0
+
+
+def test_a_wrong_token_is_caught_and_a_near_tie_is_not(tiny):
+    _, _, work, _ = tiny
+    from transformers import AutoTokenizer
+
+    repo = work / "publish" / pub.MODEL_REPOSITORY_DIR
+    bundle = repo / "llm_tensorrt_llm" / "1" / "cpu_bundle"
+    tok = AutoTokenizer.from_pretrained(str(repo / "llm_preprocessing" / "1" / "tokenizer"))
+    expected = Expected(bundle, [tok("The capital of France is").input_ids], 8)
+    expected.compute()
+    good = expected.tokens[0]
+    assert expected.judge(0, good) == {"ok": True, "equal": True}
+    model, algo, scales = reference.load_reference(bundle)
+    ref = reference.greedy(model, expected.prompt_ids[0], 8, algo, scales, end_id=expected.end_id)
+    row = ref.logits[2]
+    runner_up = int(row.topk(2).indices[1])
+    worst = int(row.argmin())
+    wrong = good[:2] + [worst] + good[3:]
+    verdict = expected.judge(0, wrong)
+    assert not verdict["ok"] and verdict["diverged_at"] == 2 and verdict["margin"] > reference.TIE_BOUND
+    gap = float(row[ref.tokens[2]] - row[runner_up])
+    tie = expected.judge(0, good[:2] + [runner_up] + good[3:])
+    assert tie["ok"] == (gap <= reference.TIE_BOUND) and tie["margin"] == pytest.approx(gap, abs=1e-5)
+
+
+def test_publishing_twice_gives_versions_1_and_2(tiny):
+    cfg, work_root, work, _ = tiny
+    live = work / pub.DEFAULT_REPOSITORY_DIR
+    assert pub._versions(live / "llm") == [1]
+    said = _run(cfg, work_root, "publish")
+    assert any(line.startswith("publish: done") for line in said)
+    for name in pub.model_names("llm").all():
+        assert pub._versions(live / name) == [1, 2], name
+    snap = work / "publish" / pub.MODEL_REPOSITORY_DIR
+    assert json.loads((snap / pub.PROVENANCE_FILE).read_text())["version"] == 2
+    assert pub._versions(snap / "llm") == [2]
+    assert all("up to date" in line for line in _run(cfg, work_root, "publish", force=False))  # no new version
+
+
+KILL_BEFORE_SWAP = """
+import os, signal, sys
+from pathlib import Path
+from pipeline import publish as pub
+from pipeline.config import load_config
+pub.exchange_dirs = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+work = Path(sys.argv[2])
+out = work / ".staging" / "publish-killed"
+out.mkdir(parents=True, exist_ok=True)
+config = load_config(sys.argv[1], sys.argv[3:]).config
+pub.publish(config, "tiny", work, work / "build", work / "model" / "hf_model", out)
+"""
+
+
+def test_a_killed_publish_leaves_the_previous_version_served_and_a_reload_brings_the_next(tiny):
+    cfg, work_root, work, _ = tiny
+    live = work / pub.DEFAULT_REPOSITORY_DIR
+    served = max(pub._versions(live / "llm"))
+    proc = subprocess.run([sys.executable, "-c", KILL_BEFORE_SWAP, str(cfg), str(work), *TINY_SETS],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr
+    assert max(pub._versions(live / "llm")) == served
+    # explicit model control, everything loaded: what a platform server polling nothing would run
+    with TritonServer(live, load_models=["*"]) as server:
+        answer = _generate(server.http_url, "llm")
+        assert answer["model_version"] == str(served) and len(answer["output_ids"]) == 4
+        said = _run(cfg, work_root, "publish", f"triton.server_url=http://{server.http_url}")
+        assert any(line.startswith("publish: done") for line in said)
+        summary = json.loads((work / "publish" / "manifest.json").read_text())["summary"]
+        assert summary["version"] == served + 1
+        assert summary["reloaded"]["models"] == [n for n in pub.model_names("llm").all()]
+        assert _generate(server.http_url, "llm")["model_version"] == str(served + 1)
+        _stop_words_and_seeded_sampling(server, work)
+
+
+def _stop_words_and_seeded_sampling(server, work):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(work / "model" / "hf_model"))
+    ids = _generate(server.http_url, "llm", max_tokens=8)["output_ids"]
+    at = next((i for i in range(1, 8) if tok(tok.decode([ids[i]]), add_special_tokens=False).input_ids == [ids[i]]
+               and ids[i] not in ids[:i]), None)
+    assert at is not None, "no generated token that is a word of its own"
+    stopped = _generate(server.http_url, "llm", max_tokens=8, stop_words=[tok.decode([ids[at]])])
+    assert stopped["output_ids"] == ids[: at + 1]  # ends with the stop word, as TensorRT-LLM does
+    sampled = [_generate(server.http_url, "llm", max_tokens=8, temperature=1.0, top_k=20, random_seed=seed)["output_ids"]
+               for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1] and sampled[0] != ids
+
+
+def test_invoke_serve_prints_endpoints_answers_and_stops_on_ctrl_c(tiny):
+    cfg, work_root, _, _ = tiny
+    ports = [free_port() for _ in range(3)]
+    cmd = [sys.executable, "-m", "invoke", "serve", "--config", str(cfg), "--work-root", str(work_root),
+           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
+    for s in TINY_SETS:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    banner = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            banner.append(line.rstrip("\n"))
+            if "Ctrl-C stops the server" in line:
+                break
+        text = "\n".join(banner)
+        assert f"http://127.0.0.1:{ports[0]}" in text and f"127.0.0.1:{ports[1]}" in text, text
+        curl = next(l.strip() for l in banner if l.strip().startswith("curl -s -X POST"))
+        assert "/v2/models/llm/generate" in curl and "generate_stream" in text
+        answer = _generate(f"127.0.0.1:{ports[0]}", "llm")
+        assert answer["model_name"] == "llm" and len(answer["output_ids"]) == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not _leftovers(proc.pid)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(3600)  # sensitivity and quantization of the real model come first (~25 min on 2 busy cores)
+def test_default_config_publishes_and_verifies_on_a_real_server(default_work_root):
+    """`invoke verify` on the embedded SmolLM2 config: quantize, build, publish, then the real server checks."""
+    proc = run_invoke("verify", "--work-root", str(default_work_root), timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verify: done" in proc.stdout
+    work = default_work_root / "smollm2-135m-cpu"
+    results = json.loads((work / "verify" / RESULTS_FILE).read_text())
+    assert results["ok"] and results["model_name"] == "smollm2"
+    first = next(c for c in results["checks"] if c["name"] == "http_infer_ensemble")["results"][0]
+    assert "Paris" in first["text"]  # a real model, greedy: "The capital of France is Paris."
+    for check in results["checks"]:
+        for r in check.get("results", []):
+            assert r["equal"] or (r["margin"] is not None and r["margin"] <= reference.TIE_BOUND), r

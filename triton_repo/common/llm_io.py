@@ -1,0 +1,89 @@
+"""Helpers shared by the Triton Python models (copied into each model's version folder by publish).
+
+Plain numpy and the standard library: this file runs inside the Triton Python-backend stub, in whatever
+environment serves the models, and must not import the pipeline package.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+# TensorRT-LLM's stop/bad-words layout: [2, L] per request: row 0 the token ids of all words back to back
+# (padded with 0), row 1 the end offset of each word (padded with -1).
+WORDS_PAD_ID, WORDS_PAD_OFFSET = 0, -1
+REPLACEMENT_CHAR = "\ufffd"  # what a tokenizer's decode gives for an incomplete UTF-8 sequence
+
+
+def parameters(model_config: dict) -> dict[str, str]:
+    """The model config's ``parameters`` as plain strings."""
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def words_to_list(word_ids: list[list[int]]) -> np.ndarray:
+    """[[ids of word 1], [ids of word 2], ...] -> the [2, L] stop-words tensor."""
+    flat, offsets = [], []
+    for ids in word_ids:
+        if ids:
+            flat += ids
+            offsets.append(len(flat))
+    width = max(1, len(flat))
+    out = np.full((2, width), WORDS_PAD_OFFSET, dtype=np.int32)
+    out[0, :] = WORDS_PAD_ID
+    out[0, : len(flat)] = flat
+    out[1, : len(offsets)] = offsets
+    return out
+
+
+def list_to_words(words: Optional[np.ndarray]) -> list[list[int]]:
+    """The [2, L] stop-words tensor -> [[ids of word 1], ...] (the inverse of words_to_list)."""
+    if words is None:
+        return []
+    words = np.asarray(words).reshape(2, -1)
+    out, start = [], 0
+    for end in words[1]:
+        end = int(end)
+        if end < 0:
+            break
+        if end > start:
+            out.append([int(t) for t in words[0, start:end]])
+        start = end
+    return out
+
+
+def ends_with_any(ids: list[int], sequences: list[list[int]]) -> bool:
+    return any(len(ids) >= len(s) and ids[len(ids) - len(s):] == s for s in sequences)
+
+
+def decode_delta(tokenizer, prefix_ids: list[int], ids: list[int]) -> str:
+    """The text that ``ids`` add after ``prefix_ids`` (tokens already shown): decoding them in context gets
+    the leading space and merged bytes right, where decoding them alone would not."""
+    if not ids:
+        return ""
+    if not prefix_ids:
+        return decode(tokenizer, ids)
+    before = decode(tokenizer, prefix_ids)
+    both = decode(tokenizer, prefix_ids + ids)
+    if both.startswith(before) and not before.endswith(REPLACEMENT_CHAR):
+        return both[len(before):]
+    return decode(tokenizer, ids)
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """The text of ``ids`` as served: special tokens (EOS) dropped, no clean-up of spaces (a clean-up
+    would make the streamed pieces differ from the whole)."""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def as_str(value) -> str:
+    return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def scalar(tensor, default=None):
+    """The first element of an optional [batch, 1] input (None when the request omitted it)."""
+    if tensor is None:
+        return default
+    arr = tensor.as_numpy() if hasattr(tensor, "as_numpy") else np.asarray(tensor)
+    return arr.reshape(-1)[0].item() if arr.size else default
+

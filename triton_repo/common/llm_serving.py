@@ -1,0 +1,165 @@
+"""The ``tensorrt_llm`` model's request handling for the Python-backend variants (cpu and pytorch targets).
+
+Both variants speak exactly the I/O of the ``tensorrtllm`` backend's model, so everything around them
+(preprocessing, postprocessing, the ensemble, the streaming model) is shared by all three targets:
+
+inputs (with the batch dimension; one sequence per request): ``input_ids`` INT32 [-1], ``input_lengths``
+INT32 [1], ``request_output_len`` INT32 [1]; optional ``end_id``, ``pad_id`` INT32 [1], ``temperature`` FP32
+[1], ``runtime_top_k`` INT32 [1], ``runtime_top_p`` FP32 [1], ``random_seed`` UINT64 [1], ``streaming`` BOOL
+[1], ``stop_words_list`` INT32 [2, -1];
+outputs: ``output_ids`` INT32 [-1, -1] (beam x generated tokens, the prompt excluded), ``sequence_length``
+INT32 [-1] (tokens per beam in this response).
+
+``execute`` only validates and submits: every request is answered from its own thread through its response
+sender, so one model instance serves many sequences at once (the engine batches them). Non-streaming: one
+response with all tokens. Streaming (decoupled models only): one response per generated token, then an
+empty final flag. A stop word ends the sequence with the word included (as TensorRT-LLM does); a request
+the client cancelled stops the sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import llm_io
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class BadRequest(ValueError):
+    pass
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_new_tokens: int
+    end_id: Optional[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: Optional[int]
+    streaming: bool
+    stop_words: list[list[int]]
+
+
+class Handle:
+    """What an engine gives back for a submitted job."""
+
+    def stream(self) -> Iterator[int]:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+
+class GenerationModel:
+    """Subclasses implement ``load(version_dir, params)`` and ``submit(job) -> Handle``."""
+
+    def initialize(self, args):
+        from pathlib import Path
+
+        self.model_config = json.loads(args["model_config"])
+        self.params = llm_io.parameters(self.model_config)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
+        self.load(Path(args["model_repository"]) / args["model_version"], self.params)
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def load(self, version_dir, params: dict) -> None:
+        raise NotImplementedError
+
+    def submit(self, job: Job) -> Handle:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                job = self._parse(request)
+                handle = self.submit(job)
+            except (BadRequest, ValueError) as e:  # the engines' input errors are ValueErrors too
+                sender.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+                continue
+            except Exception as e:  # noqa: BLE001 - answered, logged by the server
+                sender.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+                continue
+            t = threading.Thread(target=self._respond, args=(request, sender, handle, job), daemon=True)
+            with self._lock:
+                self._threads.add(t)
+            t.start()
+        return None
+
+    def finalize(self):
+        self.close()
+
+    # ------------------------------------------------------------ one request
+
+    def _parse(self, request) -> Job:
+        get = lambda name: pb_utils.get_input_tensor_by_name(request, name)  # noqa: E731
+        ids = get("input_ids").as_numpy()
+        if ids.shape[0] != 1:
+            raise BadRequest(f"one sequence per request (batch dimension 1), got {ids.shape[0]}")
+        lengths = get("input_lengths")
+        n = int(llm_io.scalar(lengths)) if lengths is not None else ids.shape[-1]
+        if not 0 < n <= ids.shape[-1]:
+            raise BadRequest(f"input_lengths {n} does not fit input_ids of length {ids.shape[-1]}")
+        streaming = bool(llm_io.scalar(get("streaming"), False))
+        if streaming and not self.decoupled:
+            raise BadRequest("streaming needs the decoupled model (triton.decoupled: true)")
+        end_id = llm_io.scalar(get("end_id"))
+        seed = llm_io.scalar(get("random_seed"))
+        words = get("stop_words_list")
+        return Job(
+            prompt=[int(t) for t in ids.reshape(-1)[:n]],
+            max_new_tokens=int(llm_io.scalar(get("request_output_len"))),
+            end_id=int(end_id) if end_id is not None else None,
+            temperature=float(llm_io.scalar(get("temperature"), 0.0)),
+            top_k=int(llm_io.scalar(get("runtime_top_k"), 0)),
+            top_p=float(llm_io.scalar(get("runtime_top_p"), 1.0)),
+            seed=int(seed) if seed is not None else None,
+            streaming=streaming,
+            stop_words=llm_io.list_to_words(words.as_numpy()[0] if words is not None else None),
+        )
+
+    def _respond(self, request, sender, handle: Handle, job: Job) -> None:
+        tokens: list[int] = []
+        try:
+            for token in handle.stream():
+                tokens.append(token)
+                if job.streaming:
+                    sender.send(_tokens([token]))
+                if llm_io.ends_with_any(tokens, job.stop_words) or request.is_cancelled():
+                    handle.cancel()
+                    break
+            if job.streaming:
+                sender.send(flags=FINAL)
+            else:
+                sender.send(_tokens(tokens), flags=FINAL)
+        except Exception as e:  # noqa: BLE001 - the request gets the error; the model keeps serving
+            handle.cancel()
+            sender.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+
+def _tokens(ids: list[int]):
+    return pb_utils.InferenceResponse([
+        pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
+        pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32)),
+    ])
+
+
+def _error(message: str, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+

@@ -1,0 +1,112 @@
+"""The streaming model: text in, text out token by token (Triton Python backend, decoupled, BLS).
+
+For gRPC streams and the HTTP ``generate_stream`` endpoint. Per request it calls the preprocessing model,
+then the ``tensorrt_llm`` model with ``streaming`` on, and turns each new token into text with the
+postprocessing model, giving it the tokens already shown as context. A token that ends inside a multi-byte
+character is held back until the character is complete, so the pieces a client concatenates are exactly
+the full decode.
+
+Inputs: those of the ensemble (``text_input``, ``max_tokens``; optional ``stop_words``,
+``apply_chat_template``, ``temperature``, ``top_k``, ``top_p``, ``random_seed``, ``end_id``). Outputs per
+response: ``text_output`` STRING [1] (the new text) and ``output_ids`` INT32 [-1] (the tokens behind it).
+Parameters: ``preprocessing_model``, ``tensorrt_llm_model``, ``postprocessing_model``.
+"""
+
+import json
+import os
+import sys
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llm_io  # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+PRE_INPUTS = ("text_input", "max_tokens", "stop_words", "apply_chat_template", "end_id")
+PRE_OUTPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list")
+SAMPLING = {"temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
+            "random_seed": "random_seed"}
+CONTEXT_TOKENS = 8  # tokens of already-shown text passed to postprocessing as decoding context
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        p = llm_io.parameters(self.model_config)
+        self.pre, self.llm, self.post = p["preprocessing_model"], p["tensorrt_llm_model"], p["postprocessing_model"]
+
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self._serve, args=(request, request.get_response_sender()), daemon=True).start()
+        return None
+
+    def _serve(self, request, sender):
+        try:
+            self._generate(request, sender)
+        except _Failed as e:
+            sender.send(pb_utils.InferenceResponse(error=e.error), flags=FINAL)
+        except Exception as e:  # noqa: BLE001 - the request gets the error; the model keeps serving
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)), flags=FINAL)
+
+    def _generate(self, request, sender):
+        pre_in = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in PRE_INPUTS) if t is not None]
+        pre = _check(pb_utils.InferenceRequest(model_name=self.pre, inputs=pre_in,
+                                               requested_output_names=list(PRE_OUTPUTS)).exec())
+        llm_in = [pb_utils.get_output_tensor_by_name(pre, n) for n in PRE_OUTPUTS]
+        for ours, theirs in SAMPLING.items():
+            t = pb_utils.get_input_tensor_by_name(request, ours)
+            if t is not None:
+                llm_in.append(pb_utils.Tensor(theirs, t.as_numpy()))
+        llm_in.append(pb_utils.Tensor("streaming", np.array([[True]])))
+        stream = pb_utils.InferenceRequest(model_name=self.llm, inputs=llm_in,
+                                           requested_output_names=["output_ids", "sequence_length"]
+                                           ).exec(decoupled=True)
+        shown, pending = [], []
+        for response in stream:
+            _check(response)
+            if request.is_cancelled():
+                break  # leaving the loop drops the inner request's stream
+            ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
+            if ids is None:
+                continue  # the final flag arrives as an empty response
+            n = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
+            pending += [int(t) for t in ids.as_numpy().reshape(-1)[:n]]
+            text = self._text(shown[-CONTEXT_TOKENS:], pending)
+            if text.endswith(llm_io.REPLACEMENT_CHAR):
+                continue  # a character split across tokens: wait for the rest of it
+            sender.send(_piece(text, pending))
+            shown, pending = shown + pending, []
+        if pending:
+            sender.send(_piece(self._text(shown[-CONTEXT_TOKENS:], pending), pending))
+        sender.send(flags=FINAL)
+
+    def _text(self, context, ids):
+        inputs = [pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
+                  pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32))]
+        if context:
+            inputs.append(pb_utils.Tensor("prefix_ids", np.asarray(context, dtype=np.int32).reshape(1, -1)))
+        out = _check(pb_utils.InferenceRequest(model_name=self.post, inputs=inputs,
+                                               requested_output_names=["text_output"]).exec())
+        return llm_io.as_str(pb_utils.get_output_tensor_by_name(out, "text_output").as_numpy().reshape(-1)[0])
+
+
+class _Failed(Exception):
+    def __init__(self, error):
+        super().__init__(error.message())
+        self.error = error
+
+
+def _check(response):
+    if response.has_error():
+        raise _Failed(response.error())
+    return response
+
+
+def _piece(text, ids):
+    return pb_utils.InferenceResponse([
+        pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)),
+        pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, -1)),
+    ])

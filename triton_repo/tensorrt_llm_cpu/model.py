@@ -1,0 +1,42 @@
+"""tensorrt_llm for the ``cpu`` target: the CPU reference runtime (pipeline.cpu_runtime) in the Python backend.
+
+A reference for correctness and wiring, not TensorRT: it runs the exported quantized checkpoint with its
+paged INT8/FP8 KV cache and continuous batching. Same inputs and outputs as the ``tensorrtllm`` backend's
+model (see llm_serving.py). Parameters: ``bundle_dir`` (relative to the version folder), ``cpu_threads``
+(torch threads; 0: torch's default).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llm_serving import GenerationModel, Handle  # noqa: E402
+
+
+class _RuntimeHandle(Handle):
+    def __init__(self, request):
+        self.request = request
+
+    def stream(self):
+        return self.request.stream()
+
+    def cancel(self):
+        self.request.cancel()
+
+
+class TritonPythonModel(GenerationModel):
+    def load(self, version_dir, params):
+        from pipeline.cpu_runtime import CpuRuntime, SamplingParams
+
+        self._sampling = SamplingParams
+        threads = int(params.get("cpu_threads", "0") or 0)
+        self.runtime = CpuRuntime.load(version_dir / params["bundle_dir"], threads=threads or None)
+
+    def submit(self, job):
+        params = self._sampling(max_new_tokens=job.max_new_tokens, temperature=job.temperature, top_k=job.top_k,
+                                top_p=job.top_p, seed=job.seed, end_id=job.end_id,
+                                stop_token_ids=tuple(w[0] for w in job.stop_words if len(w) == 1))
+        return _RuntimeHandle(self.runtime.submit(job.prompt, params))
+
+    def close(self):
+        self.runtime.close()

@@ -1,0 +1,54 @@
+"""The ``tensorrt_llm`` model seen as one request -> one response, for the ensemble (Python backend, BLS).
+
+Triton counts an ensemble with a decoupled step as decoupled, and then refuses it on the HTTP and gRPC infer
+endpoints (501 / UNIMPLEMENTED). ``tensorrt_llm`` is decoupled so that it can stream; the ensemble calls this
+model instead, which forwards each request to ``tensorrt_llm`` with ``streaming`` off and answers with its
+single response. Same inputs and outputs as ``tensorrt_llm``. Each request is answered from its own thread
+(the response sender works in default mode too), so requests are not serialized here.
+Parameters: ``tensorrt_llm_model``.
+"""
+
+import json
+import os
+import sys
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llm_io  # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "temperature",
+          "runtime_top_k", "runtime_top_p", "random_seed")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.llm = llm_io.parameters(json.loads(args["model_config"]))["tensorrt_llm_model"]
+
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self._forward, args=(request, request.get_response_sender()), daemon=True).start()
+        return None
+
+    def _forward(self, request, sender):
+        try:
+            inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in INPUTS) if t is not None]
+            stream = pb_utils.InferenceRequest(model_name=self.llm, inputs=inputs,
+                                               requested_output_names=["output_ids", "sequence_length"]
+                                               ).exec(decoupled=True)
+            answer = None
+            for response in stream:
+                if response.has_error():
+                    answer = pb_utils.InferenceResponse(error=response.error())
+                    break
+                if pb_utils.get_output_tensor_by_name(response, "output_ids") is not None:
+                    answer = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
+            if answer is None:
+                answer = pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"{self.llm} gave no response", pb_utils.TritonError.INTERNAL))
+            sender.send(answer, flags=FINAL)
+        except Exception as e:  # noqa: BLE001 - the request gets the error; the model keeps serving
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)), flags=FINAL)
