@@ -90,17 +90,6 @@ def clean(c, config=None, set=None, work_root=str(WORK_ROOT)):
         print(f"removed {cli.clean(config, set or [], Path(work_root))}")
 
 
-def _not_built(name: str, issue: int, doc: str):
-    @task(name=name)
-    def _task(c, config=None):
-        print(f"error: `invoke {name}` is not built yet (issue #{issue}).", file=sys.stderr)
-        raise SystemExit(2)
-
-    _task.__doc__ = doc
-    _task.body.__doc__ = doc
-    return _task
-
-
 @task(iterable=["set"], help={**CONFIG_HELP, "http_port": "HTTP port (default 8000)",
                                "grpc_port": "gRPC port (default 8001)", "metrics_port": "metrics port (default 8002)",
                                "host": "address to bind (default 127.0.0.1: this machine only)"})

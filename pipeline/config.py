@@ -247,6 +247,11 @@ class QuantizationSection(Strict):
 
     @model_validator(mode="after")
     def _combos(self) -> "QuantizationSection":
+        if self.weight_format == "none" and self.kv_cache != "none":
+            raise ValueError(
+                "weight_format: none builds the unquantized baseline, whose KV cache is unquantized too: "
+                "set kv_cache: none"
+            )
         if self.export_hf_checkpoint and self.kv_cache == "int8":
             raise ValueError(
                 "an INT8 KV cache cannot be exported as an HF unified checkpoint (ModelOpt refuses it); "

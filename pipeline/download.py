@@ -18,7 +18,6 @@ from pathlib import Path
 from . import constants
 from .config import (
     GGUFFileSource,
-    GGUFPackageSource,
     HubSource,
     LoadedConfig,
     LocalSource,

@@ -344,7 +344,7 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
         excluded = {m for pat in (q.get("exclude_modules") or []) for m in [*dtypes, "lm_head"]
                     if fnmatch.fnmatchcase(m, pat)}
         linear_excluded = {m for m in excluded if not m.endswith("layernorm")}
-        if linear_excluded != kept:
+        if formats and linear_excluded != kept:  # an unquantized checkpoint needs no exclusions
             problems.append(f"exclude_modules differ from the plan's high-precision layers: "
                             f"{sorted(linear_excluded ^ kept)[:4]}")
     else:
@@ -436,9 +436,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     table_layers = {l["name"]: l for l in table["layers"]}
     plan_doc = read_plan(plan_file, list(table_layers))
     model_config = json.loads((model_dir / "config.json").read_text())
-    if quant.weight_format == "none":
-        raise InputError("quantization.weight_format is none: there is nothing to quantize (the unquantized "
-                         "baseline for comparisons comes with the bench issue)")
+    baseline = quant.weight_format == "none"  # the unquantized baseline: exported as it is, nothing to gate
     check_rules(plan_doc, quant, build, model_config, table_layers)
 
     calib = torch.as_tensor(load_file(str(calibration_file))[constants.TOKENS_KEY])
@@ -449,24 +447,26 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
 
     import modelopt.torch.quantization as mtq
 
-    cfg = modelopt_config(plan_doc, quant)
+    cfg = None if baseline else modelopt_config(plan_doc, quant)
 
     def forward_loop(m):
         for b in range(0, calib.shape[0], EVAL_BATCH):
             m(calib[b:b + EVAL_BATCH])
 
-    with torch.no_grad():
-        mtq.quantize(model, cfg, forward_loop)
-        for algorithm, layers in calibration_phases(plan_doc, quant):
-            log.info("calibrating %d layer(s) with %s", len(layers), algorithm)
-            _calibrate_phase(model, algorithm, layers, forward_loop)
+    if not baseline:
+        with torch.no_grad():
+            mtq.quantize(model, cfg, forward_loop)
+            for algorithm, layers in calibration_phases(plan_doc, quant):
+                log.info("calibrating %d layer(s) with %s", len(layers), algorithm)
+                _calibrate_phase(model, algorithm, layers, forward_loop)
     t_quant = time.perf_counter() - t0
     log.info("calibrated in %.1f s", t_quant)
 
     accuracy = _accuracy(original, model, evals)
     generations = _generations(original, model, tokenizer)
     log.info("accuracy: %s", accuracy)
-    _gate(accuracy, quant, plan_doc, table_layers)
+    if not baseline:
+        _gate(accuracy, quant, plan_doc, table_layers)
 
     ckpt = out_dir / CHECKPOINT_DIR
     from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint

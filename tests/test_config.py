@@ -3,7 +3,6 @@ with a message that names the file, the YAML path, the value and the fix, throug
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

@@ -380,3 +380,20 @@ def test_mixed_int4_int8_config_on_smollm2_exports_mixed_precision(default_work_
     assert {m: e["quant_algo"] for m, e in listed.items()} == want
     acc = json.loads((work / "quantize" / "manifest.json").read_text())["summary"]["accuracy"]
     assert abs(acc["from_checkpoint"]["perplexity_quantized"] / acc["perplexity_quantized"] - 1) < 0.02
+
+
+def test_weight_format_none_exports_the_unquantized_baseline(tmp_path, tiny_model_dir):
+    """The baseline bench compares against: same config, nothing quantized, nothing gated, every layer F16."""
+    cfg = _tiny_config(tmp_path, tiny_model_dir)
+    work = tmp_path / "work"
+    with pytest.raises(Exception, match="set kv_cache: none"):
+        load_config(cfg, ["quantization.weight_format=none"])
+    _run(cfg, work, "quantization.weight_format=none", "quantization.kv_cache=none")
+    ckpt = work / "tiny" / "quantize" / "trtllm_checkpoint"
+    q = json.loads((ckpt / "config.json").read_text())["quantization"]
+    assert q["quant_algo"] is None and q["kv_cache_quant_algo"] is None and not q.get("exclude_modules")
+    assert {d for k, d in _dtypes(ckpt).items() if k.endswith(".weight")} == {"F16"}
+    acc = json.loads((work / "tiny" / "quantize" / "manifest.json").read_text())["summary"]["accuracy"]
+    assert acc["perplexity_increase_pct"] == 0 and acc["top1_agreement"] == 1
+    # read back: only the fp16 storage separates it from the fp32 original
+    assert abs(acc["from_checkpoint"]["perplexity_increase_pct"]) < 0.5
