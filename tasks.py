@@ -140,12 +140,16 @@ def deploy_manifests(c, config=None, set=None, work_root=str(WORK_ROOT), gpu_typ
         deploy_manifests_task(config, set or [], Path(work_root), gpu_types=gpu_type or [])
 
 
-@task(help={"quick": "skip the slow end-to-end tests (marked e2e)", "k": "pytest -k expression"})
-def test(c, quick=False, k=None):
-    """Run the test suite (the whole suite unless --quick)."""
+@task(help={"quick": "skip the slow end-to-end tests (marked e2e)",
+            "heavy": "also run the tests marked heavy (INT4 AWQ calibration of the real model: ~15 min on 2 cores)",
+            "k": "pytest -k expression"})
+def test(c, quick=False, heavy=False, k=None):
+    """Run the test suite: everything but the heavy tests (--heavy adds them; --quick also skips e2e)."""
     args = [sys.executable, "-m", "pytest", "-q"]
     if quick:
-        args += ["-m", "not e2e"]
+        args += ["-m", "not e2e and not heavy"]
+    elif not heavy:
+        args += ["-m", "not heavy"]
     if k:
         args += ["-k", k]
     c.run(shlex.join(args), pty=False)

@@ -361,6 +361,8 @@ def test_llama3_rope_fields_survive_the_export(tmp_path, tiny_tokenizer_dir):
 
 
 @pytest.mark.e2e
+@pytest.mark.heavy
+@pytest.mark.timeout(3600)
 def test_mixed_int4_int8_config_on_smollm2_exports_mixed_precision(default_work_root):
     """engine_configs/smollm2-135m-cpu-int4-mixed.yaml: INT4 AWQ (group 64) with INT8 weight-only where the
     budget allows, behind the accuracy gate; quant_cfg.json lists exactly the plan's quantized GEMMs."""
