@@ -17,6 +17,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Optional
 
 from . import constants
 from .fsutil import digest_of_files, list_files, sha256_file
@@ -36,6 +37,20 @@ SMOKE_TOKENS = 8
 def checkpoint_sha256(ckpt_dir: Path) -> str:
     """One content digest for a checkpoint folder (names and bytes of every file)."""
     return digest_of_files({rel: sha256_file(ckpt_dir / rel) for rel in list_files(ckpt_dir)})
+
+
+def build_settings(cfg, target: str, artifact_dir: str, kv_algo: Optional[str], cuda_graphs: dict,
+                   trtllm_version: Optional[str], provenance: dict, ckpt_hash: str) -> dict:
+    """build_settings.json, the same shape for every target (publish and the report read it)."""
+    b = cfg.build
+    return {"target": target, "artifact_dir": artifact_dir,
+            "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
+            "max_num_tokens": b.max_num_tokens,
+            "kv_cache": {"quant_algo": kv_algo, "tokens_per_block": b.kv_cache.tokens_per_block,
+                         "free_gpu_memory_fraction": b.kv_cache.free_gpu_memory_fraction,
+                         "enable_block_reuse": b.kv_cache.enable_block_reuse},
+            "cuda_graphs": cuda_graphs, "trtllm_version": trtllm_version, "provenance": provenance,
+            "checkpoint_sha256": ckpt_hash}
 
 
 def copy_model_files(model_dir: Path, dest: Path) -> list[str]:
@@ -64,21 +79,11 @@ def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> dict:
     (bundle / RUNTIME_FILE).write_text(json.dumps(runtime, indent=2) + "\n")
     smoke, peak_rss = run_in_child(smoke_test, bundle, log_path=out_dir / constants.STAGE_LOG_FILE)
     ckpt_hash = checkpoint_sha256(ckpt_dir)
-    settings = {
-        "target": "cpu", "artifact_dir": CPU_BUNDLE_DIR,
-        "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
-        "max_num_tokens": b.max_num_tokens,
-        "kv_cache": {"quant_algo": kv_algo, "tokens_per_block": b.kv_cache.tokens_per_block,
-                     "free_gpu_memory_fraction": b.kv_cache.free_gpu_memory_fraction,
-                     "enable_block_reuse": b.kv_cache.enable_block_reuse},
-        # no CUDA on this target; recorded so every target's settings have the same shape
-        "cuda_graphs": {"enabled": False, "batch_sizes": [], "enable_padding": False, "cuda_graph_mode": False,
-                        "cuda_graph_cache_size": 0},
-        "trtllm_version": None,
-        "provenance": {"runtime": "pipeline.cpu_runtime (reference, not TensorRT)", "torch": _version("torch"),
-                       "transformers": _version("transformers")},
-        "checkpoint_sha256": ckpt_hash,
-    }
+    no_cuda_graphs = {"enabled": False, "batch_sizes": [], "enable_padding": False, "cuda_graph_mode": False,
+                      "cuda_graph_cache_size": 0}
+    provenance = {"runtime": "pipeline.cpu_runtime (reference, not TensorRT)", "torch": _version("torch"),
+                  "transformers": _version("transformers")}
+    settings = build_settings(cfg, "cpu", CPU_BUNDLE_DIR, kv_algo, no_cuda_graphs, None, provenance, ckpt_hash)
     (out_dir / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     return {"target": "cpu", "checkpoint_sha256": ckpt_hash, "kv_cache_quant_algo": kv_algo,
             "kv_blocks": runtime["num_blocks"], "tokens_per_block": runtime["tokens_per_block"],

@@ -116,21 +116,21 @@ class KVBlockPool:
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.tokens_per_block]
         return blocks * self.tokens_per_block + pos % self.tokens_per_block
 
-    def _encode(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         if self.quant_algo == "INT8":
             return torch.clamp(torch.round(x.float() / self.scales[layer]), -_INT8_MAX, _INT8_MAX).to(torch.int8)
         if self.quant_algo == "FP8":
             return (x.float() / self.scales[layer]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
         return x.float()
 
-    def _decode(self, codes: torch.Tensor, layer: int) -> torch.Tensor:
+    def decode(self, codes: torch.Tensor, layer: int) -> torch.Tensor:
         return codes.float() * self.scales[layer] if self.quant_algo else codes
 
     def write(self, layer: int, table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [kv_heads, T, head_dim] for positions start .. start+T-1 of the sequence owning ``table``."""
         slots = self._slots(table, start, start + k.shape[1])
-        self.k[layer][slots] = self._encode(k.transpose(0, 1), layer)
-        self.v[layer][slots] = self._encode(v.transpose(0, 1), layer)
+        self.k[layer][slots] = self.encode(k.transpose(0, 1), layer)
+        self.v[layer][slots] = self.encode(v.transpose(0, 1), layer)
 
     def slots(self, table: list[int], start: int, stop: int) -> torch.Tensor:
         """Pool rows of positions start .. stop-1 of the sequence owning ``table``."""
@@ -138,19 +138,19 @@ class KVBlockPool:
 
     def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [N, kv_heads, head_dim], one pool row each (a decode step: one row per sequence)."""
-        self.k[layer][rows] = self._encode(k, layer)
-        self.v[layer][rows] = self._encode(v, layer)
+        self.k[layer][rows] = self.encode(k, layer)
+        self.v[layer][rows] = self.encode(v, layer)
 
     def gather(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows: [B, L] pool rows -> dequantized K, V as [B, kv_heads, L, head_dim]."""
-        return (self._decode(self.k[layer][rows], layer).permute(0, 2, 1, 3),
-                self._decode(self.v[layer][rows], layer).permute(0, 2, 1, 3))
+        return (self.decode(self.k[layer][rows], layer).permute(0, 2, 1, 3),
+                self.decode(self.v[layer][rows], layer).permute(0, 2, 1, 3))
 
     def read(self, layer: int, table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sequence's first ``length`` positions, dequantized: two [kv_heads, length, head_dim] tensors."""
         slots = self._slots(table, 0, length)
-        return (self._decode(self.k[layer][slots], layer).transpose(0, 1),
-                self._decode(self.v[layer][slots], layer).transpose(0, 1))
+        return (self.decode(self.k[layer][slots], layer).transpose(0, 1),
+                self.decode(self.v[layer][slots], layer).transpose(0, 1))
 
 
 class _StepCache:
@@ -278,8 +278,6 @@ class CpuRuntime:
     def load(cls, bundle_dir: Path | str, quantize_kv_cache: bool = True, threads: Optional[int] = None) \
             -> "CpuRuntime":
         """``quantize_kv_cache=False`` keeps the KV cache in fp32 (for comparisons with the unquantized cache)."""
-        from safetensors import safe_open
-
         from .checkpoint import rebuild
 
         bundle = Path(bundle_dir)
@@ -294,11 +292,7 @@ class CpuRuntime:
         model.eval()
         cfg = model.config
         kv_algo = facts.get("kv_cache_quant_algo") if quantize_kv_cache else None
-        scales = None
-        if kv_algo:
-            with safe_open(str(ckpt / "rank0.safetensors"), framework="pt") as f:
-                scales = [float(f.get_tensor(f"transformer.layers.{i}.attention.kv_cache_scaling_factor"))
-                          for i in range(cfg.num_hidden_layers)]
+        scales = kv_cache_scales(ckpt, cfg.num_hidden_layers) if kv_algo else None
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, settings["tokens_per_block"],
                            settings["num_blocks"], kv_algo, scales)
@@ -371,7 +365,7 @@ class CpuRuntime:
                     self._prefill(req)
                 self._drop_finished()
                 if self._running:
-                    self._decode()
+                    self._decode_step()
                     self._drop_finished()
             except Exception as e:  # noqa: BLE001 - a crash ends the requests in flight with its message
                 log.exception("cpu runtime step failed")
@@ -410,7 +404,7 @@ class CpuRuntime:
         self._running.append(seq)
         self._accept(seq, out.logits[0, -1])
 
-    def _decode(self) -> None:
+    def _decode_step(self) -> None:
         seqs = self._running
         for s in seqs:  # a block for the position this step writes
             if s.cached // self.tokens_per_block >= len(s.blocks):
@@ -453,6 +447,15 @@ class CpuRuntime:
             else:
                 keep.append(s)
         self._running = keep
+
+
+def kv_cache_scales(ckpt_dir: Path, num_layers: int) -> list[float]:
+    """The checkpoint's per-layer ``kv_cache_scaling_factor`` (one scale for K and V, as TensorRT-LLM uses)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(ckpt_dir) / "rank0.safetensors"), framework="pt") as f:
+        return [float(f.get_tensor(f"transformer.layers.{i}.attention.kv_cache_scaling_factor"))
+                for i in range(num_layers)]
 
 
 def _sample(logits: torch.Tensor, p: SamplingParams, gen: Optional[torch.Generator]) -> int:

@@ -22,7 +22,7 @@ import yaml
 from . import constants
 from .config import PipelineConfig
 from .errors import ConfigError, InputError
-from .fsutil import atomic_write_text, remove_tree
+from .fsutil import atomic_write_text, remove_tree, replace_dir
 from .runner import WorkDirLock
 
 DEPLOY_DIR = constants.REPO_ROOT / "deploy"
@@ -216,12 +216,7 @@ def write_rendered(out_dir: Path, serving: dict[str, dict], jobs: dict[str, dict
             dump(staging / "jobs" / file_name, doc)
         atomic_write_text(staging / "jobs" / "kustomization.yaml",
                           _kustomization(list(jobs), f"{header}. Engine builds: kubectl apply -k <this folder>"))
-    old = out_dir.with_name(out_dir.name + ".old")
-    remove_tree(old)
-    if out_dir.exists():
-        out_dir.rename(old)
-    staging.rename(out_dir)
-    remove_tree(old)
+    replace_dir(staging, out_dir)
     return out_dir
 
 

@@ -134,3 +134,13 @@ def link_or_copy(src: Path, dst: Path) -> None:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def replace_dir(staging: Path, dest: Path) -> None:
+    """Put a finished folder at dest, replacing what was there (kept as dest.old until the rename is done)."""
+    old = dest.with_name(dest.name + ".old")
+    remove_tree(old)
+    if dest.exists():
+        dest.rename(old)
+    staging.rename(dest)
+    remove_tree(old)

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 from . import __version__, constants
 from .config import ImageSection, PipelineConfig
 from .errors import ConfigError, EnvironmentProblem, InputError, StageFailed, StageNotBuilt
-from .fsutil import atomic_write_json, canonical_json, link_or_copy, list_files, remove_tree, sha256_bytes, sha256_file
+from .fsutil import atomic_write_json, canonical_json, link_or_copy, list_files, remove_tree, replace_dir, sha256_bytes, sha256_file
 from .runner import WorkDirLock
 
 PUBLISHED_REPOSITORY = Path("publish") / "model_repository"  # inside the config's work dir
@@ -460,12 +460,7 @@ def stage_release_files(plan: ImagePlan, pub: PublishedBuild, report_dir: Option
         for rel in _report_files(report_dir):
             link_or_copy(report_dir / rel, staging / "report" / rel)
     atomic_write_json(staging / IMAGE_RECORD_FILE, plan.record())
-    old = dest.with_name(dest.name + ".old")
-    remove_tree(old)
-    if dest.exists():
-        dest.rename(old)
-    staging.rename(dest)
-    remove_tree(old)
+    replace_dir(staging, dest)
     return dest
 
 

@@ -42,8 +42,8 @@ def _fake_quant_cache(config, quant_algo: str, scales: list[float]):
     class FakeQuantKVCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
             fresh = len(self.layers) <= layer_idx or self.get_seq_length(layer_idx) == 0
-            kq = codec._decode(codec._encode(key_states, layer_idx), layer_idx).to(key_states.dtype)
-            vq = codec._decode(codec._encode(value_states, layer_idx), layer_idx).to(value_states.dtype)
+            kq = codec.decode(codec.encode(key_states, layer_idx), layer_idx).to(key_states.dtype)
+            vq = codec.decode(codec.encode(value_states, layer_idx), layer_idx).to(value_states.dtype)
             keys, values = super().update(kq, vq, layer_idx, cache_kwargs)
             if fresh:  # a prompt attends to its own unquantized K/V (the engine's context phase)
                 return key_states, value_states
@@ -54,18 +54,14 @@ def _fake_quant_cache(config, quant_algo: str, scales: list[float]):
 
 def load_reference(bundle_dir: Path):
     """The rebuilt model, its KV-cache quant algo and per-layer KV scales, from a cpu bundle."""
-    from safetensors import safe_open
-
     from .checkpoint import rebuild
-    from .cpu_runtime import CHECKPOINT_SUBDIR, MODEL_SUBDIR
+    from .cpu_runtime import CHECKPOINT_SUBDIR, MODEL_SUBDIR, kv_cache_scales
 
     ckpt = Path(bundle_dir) / CHECKPOINT_SUBDIR
     model, facts = rebuild(ckpt, Path(bundle_dir) / MODEL_SUBDIR)
     algo, scales = facts.get("kv_cache_quant_algo"), None
     if algo:
-        with safe_open(str(ckpt / "rank0.safetensors"), framework="pt") as f:
-            scales = [float(f.get_tensor(f"transformer.layers.{i}.attention.kv_cache_scaling_factor"))
-                      for i in range(model.config.num_hidden_layers)]
+        scales = kv_cache_scales(ckpt, model.config.num_hidden_layers)
     return model.eval(), algo, scales
 
 

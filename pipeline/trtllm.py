@@ -741,23 +741,10 @@ def _provenance(env: Environment, ckpt_hash: str, extra: dict) -> dict:
             "gpu_memory_mib": gpu.memory_mib, "checkpoint_sha256": ckpt_hash, **extra}
 
 
-def _settings(cfg, target: str, artifact_dir: str, kv_algo: Optional[str], version: str, provenance: dict,
-              ckpt_hash: str) -> dict:
-    b = cfg.build
-    return {"target": target, "artifact_dir": artifact_dir,
-            "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
-            "max_num_tokens": b.max_num_tokens,
-            "kv_cache": {"quant_algo": kv_algo, "tokens_per_block": b.kv_cache.tokens_per_block,
-                         "free_gpu_memory_fraction": b.kv_cache.free_gpu_memory_fraction,
-                         "enable_block_reuse": b.kv_cache.enable_block_reuse},
-            "cuda_graphs": cuda_graph_settings(b), "trtllm_version": version, "provenance": provenance,
-            "checkpoint_sha256": ckpt_hash}
-
-
 def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     """trtllm-build the TensorRT-LLM checkpoint into out_dir/engine (a child process, log beside it), check
     the engine directory, record provenance, write out_dir/build_settings.json; returns the stage summary."""
-    from .build import SETTINGS_FILE, checkpoint_sha256
+    from .build import SETTINGS_FILE, build_settings, checkpoint_sha256
     from .fsutil import atomic_write_json
 
     t0 = time.perf_counter()
@@ -794,8 +781,8 @@ def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     provenance = _provenance(env, ckpt_hash, {"engine_version": engine["engine_version"], "trtllm_build_argv": shown,
                                              "timing_cache": {"file": cache.name, "reused": reused}})
     atomic_write_json(engine_dir / PROVENANCE_FILE, provenance)
-    settings = _settings(cfg, "tensorrt", ENGINE_DIR, facts.kv_cache_quant_algo, env.trtllm_version, provenance,
-                         ckpt_hash)
+    settings = build_settings(cfg, "tensorrt", ENGINE_DIR, facts.kv_cache_quant_algo, cuda_graph_settings(cfg.build),
+                              env.trtllm_version, provenance, ckpt_hash)
     atomic_write_json(out_dir / SETTINGS_FILE, settings)
     return {"target": "tensorrt", "checkpoint_sha256": ckpt_hash, "quant_algo": facts.quant_algo,
             "kv_cache_quant_algo": facts.kv_cache_quant_algo, "gpu": gpu.name, "gpu_sm": gpu.sm,
@@ -881,7 +868,7 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     plus out_dir/build_settings.json. Nothing is compiled: the server loads the checkpoint with these options."""
     import yaml
 
-    from .build import SETTINGS_FILE, checkpoint_sha256
+    from .build import SETTINGS_FILE, build_settings, checkpoint_sha256
     from .fsutil import atomic_write_json, atomic_write_text
 
     t0 = time.perf_counter()
@@ -899,8 +886,8 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
               f"{LLM_API_CHECKPOINT_DIR} --extra_llm_api_options {LLM_API_OPTIONS_FILE}\n")
     atomic_write_text(dest / LLM_API_OPTIONS_FILE, header + yaml.safe_dump(opts, sort_keys=False))
     provenance = _provenance(env, ckpt_hash, {"llm_api_options": opts})
-    settings = _settings(cfg, "pytorch", LLM_API_DIR, facts.kv_cache_quant_algo, env.trtllm_version, provenance,
-                         ckpt_hash)
+    settings = build_settings(cfg, "pytorch", LLM_API_DIR, facts.kv_cache_quant_algo, cuda_graph_settings(cfg.build),
+                              env.trtllm_version, provenance, ckpt_hash)
     atomic_write_json(out_dir / SETTINGS_FILE, settings)
     return {"target": "pytorch", "checkpoint_sha256": ckpt_hash, "quant_algo": facts.quant_algo,
             "kv_cache_quant_algo": facts.kv_cache_quant_algo, "gpu": gpu.name, "gpu_sm": gpu.sm,

@@ -132,9 +132,17 @@ def test_greedy_equals_the_reference_solo_and_batched(runtime, ref):
         assert check["ok"], (p, b, want.tokens, check)
 
 
-def test_the_quantized_cache_is_what_is_read(runtime, ref):
-    """Against a reference with an unquantized cache the INT8 runtime drifts: the pool really quantizes."""
+def test_the_runtime_stores_int8_codes_with_the_checkpoint_scales(bundle, runtime, ref):
+    """The pool holds 1-byte codes scaled by the checkpoint's kv_cache_scaling_factor, and that quantization
+    changes what the model computes (so the token-equality test above can tell a quantized cache from not)."""
+    from pipeline.cpu_runtime import kv_cache_scales
+
     model, algo, scales = ref
+    assert runtime.pool.quant_algo == "INT8" and runtime.pool.k[0].dtype == torch.int8
+    assert [float(s) for s in runtime.pool.scales] == pytest.approx(kv_cache_scales(bundle / "cpu_bundle" / "checkpoint",
+                                                                                    len(scales)))
+    with CpuRuntime.load(bundle / "cpu_bundle", quantize_kv_cache=False) as fp32:
+        assert fp32.pool.k[0].dtype == torch.float32 and runtime.pool.bytes * 4 == fp32.pool.bytes
     with_q = [reference.greedy(model, p, 12, algo, scales).logits for p in PROMPTS[:3]]
     without = [reference.greedy(model, p, 12).logits for p in PROMPTS[:3]]
     diff = max(float((a[-1] - b[-1]).abs().max()) for a, b in zip(with_q, without))

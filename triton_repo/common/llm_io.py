@@ -16,6 +16,20 @@ WORDS_PAD_ID, WORDS_PAD_OFFSET = 0, -1
 REPLACEMENT_CHAR = "\ufffd"  # what a tokenizer's decode gives for an incomplete UTF-8 sequence
 
 
+def load_tokenizer(args: dict):
+    """(model config, its parameters, the tokenizer in ``tokenizer_dir`` of the version folder) for a
+    Python model's ``initialize(args)``."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    model_config = json.loads(args["model_config"])
+    p = parameters(model_config)
+    version_dir = Path(args["model_repository"]) / args["model_version"]
+    return model_config, p, AutoTokenizer.from_pretrained(str(version_dir / p["tokenizer_dir"]))
+
+
 def parameters(model_config: dict) -> dict[str, str]:
     """The model config's ``parameters`` as plain strings."""
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}

@@ -9,10 +9,8 @@ Output: ``text_output`` STRING [-1] (one string per beam).
 Parameters: ``tokenizer_dir`` (relative to the version folder).
 """
 
-import json
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -27,12 +25,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its "no PyTorch foun
 
 class TritonPythonModel:
     def initialize(self, args):
-        from transformers import AutoTokenizer
-
-        self.model_config = json.loads(args["model_config"])
-        p = llm_io.parameters(self.model_config)
-        version_dir = Path(args["model_repository"]) / args["model_version"]
-        self.tokenizer = AutoTokenizer.from_pretrained(str(version_dir / p["tokenizer_dir"]))
+        self.model_config, _, self.tokenizer = llm_io.load_tokenizer(args)
 
     def execute(self, requests):
         responses = []

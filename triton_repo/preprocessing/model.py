@@ -14,10 +14,8 @@ A bad request (empty text, a prompt over max_input_len, max_tokens < 1 or beyond
 gets an INVALID_ARG error: a 400 over HTTP, not a server fault.
 """
 
-import json
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -36,12 +34,7 @@ class BadRequest(ValueError):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from transformers import AutoTokenizer
-
-        self.model_config = json.loads(args["model_config"])
-        p = llm_io.parameters(self.model_config)
-        version_dir = Path(args["model_repository"]) / args["model_version"]
-        self.tokenizer = AutoTokenizer.from_pretrained(str(version_dir / p["tokenizer_dir"]))
+        self.model_config, p, self.tokenizer = llm_io.load_tokenizer(args)
         self.add_special_tokens = p.get("add_special_tokens", "true") == "true"
         self.chat_default = p.get("apply_chat_template", "false") == "true"
         self.max_input_len = int(p["max_input_len"])
