@@ -1,4 +1,4 @@
-# Images of a published build (issue #8). Built by `invoke image` / `invoke release` (pipeline/image.py), which
+# Images of a published build (issue #8). Built by `invoke image` / `invoke release` (pipeline/release/image.py), which
 # pass every build argument below from the published provenance and the config; `invoke image --dry-run` prints
 # the exact command. Needs BuildKit (Docker 23 or later: `docker buildx build`). Targets:
 #   gpu      tensorrt / pytorch builds, served by tritonserver on the Triton TensorRT-LLM image

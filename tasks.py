@@ -10,7 +10,7 @@ from pathlib import Path
 
 from invoke import Collection, task
 
-from pipeline import cli
+from pipeline import commands as cli
 
 ROOT = Path(__file__).resolve().parent
 WORK_ROOT = ROOT / "build"
@@ -71,7 +71,7 @@ def all_(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbos
     cli.setup_logging(verbose)
     with cli.user_errors():
         cli.run_all(config, set or [], Path(work_root), force=force)
-        from pipeline.report import print_summary
+        from pipeline.release.report import print_summary
 
         print_summary(config, set or [], Path(work_root))  # where the report is, and its five lines
 
@@ -96,7 +96,7 @@ def clean(c, config=None, set=None, work_root=str(WORK_ROOT)):
 def serve(c, config=None, set=None, work_root=str(WORK_ROOT), http_port=8000, grpc_port=8001, metrics_port=8002,
           host="127.0.0.1"):
     """Run a Triton server on the published repository in the foreground until Ctrl-C; prints the endpoints."""
-    from pipeline.triton_server import serve_published
+    from pipeline.serving.server import serve_published
 
     cli.setup_logging(False)
     with cli.user_errors():
@@ -112,7 +112,7 @@ def serve(c, config=None, set=None, work_root=str(WORK_ROOT), http_port=8000, gr
 })
 def image(c, config=None, set=None, work_root=str(WORK_ROOT), push=False, dry_run=False, builder=False):
     """Build the container image of the published build (tags and labels derived from its provenance)."""
-    from pipeline.image import image_task
+    from pipeline.release.image import image_task
 
     with cli.user_errors():
         image_task(config, set or [], Path(work_root), push=push, dry_run=dry_run, builder=builder)
@@ -121,7 +121,7 @@ def image(c, config=None, set=None, work_root=str(WORK_ROOT), push=False, dry_ru
 @task(iterable=["set"], help={**RUN_HELP, "dry_run": "print what would run (all, docker build, docker push); run nothing"})
 def release(c, config=None, set=None, work_root=str(WORK_ROOT), dry_run=False, force=False, verbose=False):
     """`all`, then the image with the build report inside, then push it to image.repository."""
-    from pipeline.image import release_task
+    from pipeline.release.image import release_task
 
     cli.setup_logging(verbose)
     with cli.user_errors():
@@ -134,7 +134,7 @@ def release(c, config=None, set=None, work_root=str(WORK_ROOT), dry_run=False, f
 })
 def deploy_manifests(c, config=None, set=None, work_root=str(WORK_ROOT), gpu_type=None):
     """Render the Kubernetes manifests (deploy/) for the published build into <work dir>/deploy/."""
-    from pipeline.deploy import deploy_manifests_task
+    from pipeline.release.deploy import deploy_manifests_task
 
     with cli.user_errors():
         deploy_manifests_task(config, set or [], Path(work_root), gpu_types=gpu_type or [])

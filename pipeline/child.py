@@ -15,8 +15,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from . import errors
-from .errors import PipelineError, StageFailed
+from pipeline import errors
+from pipeline.errors import PipelineError, StageFailed
 
 LOG_TAIL_LINES = 30
 

@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from . import constants
-from .errors import ConfigError
+from pipeline import constants
+from pipeline.errors import ConfigError
 
 SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # usable as a directory / Triton model name
 _SAFE_NAME_RE = re.compile(SAFE_NAME)
@@ -298,7 +298,7 @@ class BuildSection(Strict):
     multiple_profiles: bool = True
     # The TensorRT-LLM release the engine is built with and served by (engines only load under it).
     trtllm_version: str = "1.2.1"
-    # GPU targets (pipeline/trtllm.py checks these against TensorRT-LLM 1.2's option table and rules).
+    # GPU targets (pipeline/engines/trtllm.py checks these against TensorRT-LLM 1.2's option table and rules).
     # None: chosen by weight format (fp8 for FP8 weights, else auto = the checkpoint dtype)
     gemm_plugin: Optional[Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"]] = None
     # None: on wherever TensorRT-LLM allows it (never with an INT8 KV cache); KV-cache reuse needs it
@@ -380,7 +380,7 @@ class TritonSection(Strict):
 
 
 class BenchSection(Strict):
-    """`invoke bench` (pipeline/bench.py): a closed-loop concurrency sweep over the streaming model."""
+    """`invoke bench` (pipeline/serving/bench.py): a closed-loop concurrency sweep over the streaming model."""
 
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     requests_per_level: int = Field(32, ge=1)  # measured requests per level, after the warm-up
@@ -442,7 +442,7 @@ _BASE_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}(@sha256:[0-9a-f]{
 
 
 class ImageSection(Strict):
-    """`invoke image` / `release` / `deploy-manifests` (pipeline/image.py, pipeline/deploy.py)."""
+    """`invoke image` / `release` / `deploy-manifests` (pipeline/release/image.py, pipeline/release/deploy.py)."""
 
     # Where the image is tagged and pushed: <registry>/<path>/<name>. None: the local name
     # "trtllm-pipeline", which `--push` refuses (it would go to the default public registry).

@@ -29,10 +29,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import __version__, constants
-from .config import LoadedConfig
-from .errors import InputError, PipelineError, StageFailed, StageNotBuilt, WorkDirBusy
-from .fsutil import (
+from pipeline import __version__, constants
+from pipeline.config import LoadedConfig
+from pipeline.errors import InputError, PipelineError, StageFailed, StageNotBuilt, WorkDirBusy
+from pipeline.fsutil import (
     HashCache,
     atomic_write_json,
     digest_of_files,

@@ -6,26 +6,26 @@ runner says so (with its issue number) instead of pretending.
 
 from __future__ import annotations
 
-from . import constants
-from .runner import StageContext, StageDef
+from pipeline import constants
+from pipeline.runner import StageContext, StageDef
 
 
 def _run_model(ctx: StageContext) -> dict:
-    from .download import prepare_model
+    from pipeline.source.download import prepare_model
 
     return prepare_model(ctx.config.model, ctx.out_dir)
 
 
 def _run_text(ctx: StageContext) -> dict:
-    from .text import prepare_text
+    from pipeline.source.text import prepare_text
 
     return prepare_text(ctx.config.text, ctx.upstream("model") / constants.MODEL_DIR, ctx.out_dir)
 
 
 def _run_sensitivity(ctx: StageContext) -> dict:
-    from .child import run_in_child
-    from .plan import decision_format
-    from .sensitivity import run_analysis
+    from pipeline.child import run_in_child
+    from pipeline.quant.plan import decision_format
+    from pipeline.quant.sensitivity import run_analysis
 
     cfg = ctx.config
     summary, peak_rss = run_in_child(
@@ -40,9 +40,9 @@ def _run_sensitivity(ctx: StageContext) -> dict:
 def _run_plan(ctx: StageContext) -> dict:
     import json
 
-    from .plan import make_plan, plan_markdown, write_plan
-    from .sensitivity import TABLE_JSON
-    from .sensitivity_report import error_bars_png
+    from pipeline.quant.plan import make_plan, plan_markdown, write_plan
+    from pipeline.quant.plots import error_bars_png
+    from pipeline.quant.sensitivity import TABLE_JSON
 
     cfg = ctx.config
     table = json.loads((ctx.upstream("sensitivity") / TABLE_JSON).read_text())
@@ -55,10 +55,10 @@ def _run_plan(ctx: StageContext) -> dict:
 
 
 def _run_quantize(ctx: StageContext) -> dict:
-    from .child import run_in_child
-    from .plan import PLAN_FILE
-    from .quantize import run_quantize
-    from .sensitivity import TABLE_JSON
+    from pipeline.child import run_in_child
+    from pipeline.quant.plan import PLAN_FILE
+    from pipeline.quant.quantize import run_quantize
+    from pipeline.quant.sensitivity import TABLE_JSON
 
     cfg = ctx.config
     summary, peak_rss = run_in_child(
@@ -71,13 +71,13 @@ def _run_quantize(ctx: StageContext) -> dict:
 
 
 def _run_build(ctx: StageContext) -> dict:
-    from .build import build_cpu
+    from pipeline.engines.build import build_cpu
 
     cfg = ctx.config
     ckpt = ctx.upstream("quantize") / "trtllm_checkpoint"
     if cfg.build.target == "cpu":
         return build_cpu(ckpt, ctx.upstream("model") / constants.MODEL_DIR, cfg, ctx.out_dir)
-    from . import trtllm
+    from pipeline.engines import trtllm
 
     if cfg.build.target == "tensorrt":
         return trtllm.build_tensorrt(ckpt, cfg, ctx.out_dir)
@@ -85,42 +85,42 @@ def _run_build(ctx: StageContext) -> dict:
 
 
 def _build_preflight(loaded) -> None:
-    from .trtllm import preflight  # GPU targets: a GPU and TensorRT-LLM here, or stop before any work
+    from pipeline.engines.trtllm import preflight  # GPU targets: a GPU and TensorRT-LLM here, or stop before any work
 
     preflight(loaded)
 
 
 def _run_publish(ctx: StageContext) -> dict:
-    from .publish import publish
+    from pipeline.serving.publish import publish
 
     # the live repository (triton.repository_dir, default <work dir>/model_repository) is outside this
-    # stage's folder, which the runner replaces on every run: see pipeline/publish.py
+    # stage's folder, which the runner replaces on every run: see pipeline/serving/publish.py
     work_dir = ctx.upstream("build").parent
     return publish(ctx.config, ctx.loaded.name, work_dir, ctx.upstream("build"),
                    ctx.upstream("model") / constants.MODEL_DIR, ctx.out_dir)
 
 
 def _run_verify(ctx: StageContext) -> dict:
-    from .verify import verify
+    from pipeline.serving.verify import verify
 
     return verify(ctx.upstream("publish"), ctx.out_dir)
 
 
 def _run_bench(ctx: StageContext) -> dict:
-    from .bench import run_bench
+    from pipeline.serving.bench import run_bench
 
     return run_bench(ctx.config, ctx.upstream("publish"), ctx.upstream("text") / constants.EVALUATION_TEXT_FILE,
                      ctx.upstream("build"), ctx.out_dir)
 
 
 def _bench_fingerprint(loaded, hash_cache):
-    from .bench import compare_fingerprint  # the comparison baseline is an input outside this work dir
+    from pipeline.serving.bench import compare_fingerprint  # the comparison baseline is an input outside this work dir
 
     return compare_fingerprint(loaded.config.bench)
 
 
 def _run_report(ctx: StageContext) -> dict:
-    from .report import write_report
+    from pipeline.release.report import write_report
 
     return write_report(ctx.upstream("verify").parent, ctx.out_dir, ctx.loaded)
 
@@ -128,8 +128,8 @@ def _run_report(ctx: StageContext) -> dict:
 def _check_edited_plan(stage_dir) -> dict:
     import json
 
-    from .plan import PLAN_FILE, read_plan
-    from .sensitivity import TABLE_JSON
+    from pipeline.quant.plan import PLAN_FILE, read_plan
+    from pipeline.quant.sensitivity import TABLE_JSON
 
     layers = [l["name"] for l in json.loads((stage_dir.parent / "sensitivity" / TABLE_JSON).read_text())["layers"]]
     doc = read_plan(stage_dir / PLAN_FILE, layers)
@@ -138,13 +138,13 @@ def _check_edited_plan(stage_dir) -> dict:
 
 
 def _model_fingerprint(loaded, hash_cache):
-    from .download import model_fingerprint
+    from pipeline.source.download import model_fingerprint
 
     return model_fingerprint(loaded, hash_cache)
 
 
 def _text_fingerprint(loaded, hash_cache):
-    from .text import text_fingerprint
+    from pipeline.source.text import text_fingerprint
 
     return text_fingerprint(loaded, hash_cache)
 

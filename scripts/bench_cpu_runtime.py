@@ -23,7 +23,7 @@ PROMPTS = ["The capital of France is", "A function in Python is defined with", "
 
 
 def run_level(rt, prompt_ids, concurrency: int, tokens: int) -> float:
-    from pipeline.cpu_runtime import SamplingParams
+    from pipeline.engines.cpu_runtime import SamplingParams
 
     params = SamplingParams(max_new_tokens=tokens, end_id=-1)  # no early stop: every request makes `tokens`
     t0 = time.perf_counter()
@@ -42,7 +42,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from pipeline.cpu_runtime import CpuRuntime
+    from pipeline.engines.cpu_runtime import CpuRuntime
 
     tok = AutoTokenizer.from_pretrained(args.bundle / "model")
     prompt_ids = [tok(p).input_ids for p in PROMPTS]

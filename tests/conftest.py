@@ -44,6 +44,7 @@ def tree_snapshot(root: Path) -> dict[str, tuple[int, int]]:
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """A real byte-level BPE tokenizer trained on standard-library prose (a second or so)."""
     from pydoc_data import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -12,9 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import bench
-from pipeline.bench import (RequestRecord, find_knee, level_figures, metrics_delta, padding_factor, parse_metrics,
-                            percentile, summarize)
+from pipeline.serving import bench
+from pipeline.serving.bench import (
+    RequestRecord,
+    find_knee,
+    level_figures,
+    metrics_delta,
+    padding_factor,
+    parse_metrics,
+    percentile,
+    summarize,
+)
 
 # ---------------------------------------------------------------- statistics on known samples
 
@@ -207,8 +215,8 @@ def test_bench_drives_an_existing_server(published_tiny):
     from pipeline.config import load_config
     from pipeline.errors import InputError
     from pipeline.runner import Runner
+    from pipeline.serving.server import TritonServer
     from pipeline.stages import STAGES
-    from pipeline.triton_server import TritonServer
 
     _, runner, cfg, overrides = published_tiny
     repo = runner.work_dir / "publish" / "model_repository"
@@ -275,7 +283,7 @@ def test_client_agrees_with_perf_analyzer(published_tiny):
     """The same server, the same prompts: our client's request latency and throughput vs perf_analyzer's."""
     from transformers import AutoTokenizer
 
-    from pipeline.triton_server import TritonServer
+    from pipeline.serving.server import TritonServer
 
     loaded, runner, _, _ = published_tiny
     repo = runner.work_dir / "publish" / "model_repository"

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from pipeline import reference
-from pipeline.cpu_runtime import CpuRuntime, SamplingParams
-
 from conftest import run_invoke
+
+from pipeline.engines import reference
+from pipeline.engines.cpu_runtime import CpuRuntime, SamplingParams
 
 pytestmark = pytest.mark.e2e
 NAME = "smollm2-135m-cpu"

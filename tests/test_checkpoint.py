@@ -15,11 +15,11 @@ mtq = pytest.importorskip("modelopt.torch.quantization")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from pipeline.checkpoint import rebuild, unpack_int4  # noqa: E402
 from pipeline.config import QuantizationSection  # noqa: E402
 from pipeline.errors import IntegrityError  # noqa: E402
-from pipeline.plan import HIGH_PRECISION  # noqa: E402
-from pipeline.quantize import _calibrate_phase, _check_export, calibration_phases, modelopt_config  # noqa: E402
+from pipeline.quant.checkpoint import rebuild, unpack_int4  # noqa: E402
+from pipeline.quant.plan import HIGH_PRECISION  # noqa: E402
+from pipeline.quant.quantize import _calibrate_phase, _check_export, calibration_phases, modelopt_config  # noqa: E402
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -114,7 +114,7 @@ def test_rebuilt_model_computes_what_the_fake_quant_model_computes(case, exporte
     lp, lq = want.log_softmax(-1), got.log_softmax(-1)
     assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 1e-4
     base, other = CASES[case]
-    from pipeline.quantize import TRTLLM_QUANT_ALGO
+    from pipeline.quant.quantize import TRTLLM_QUANT_ALGO
 
     want_formats = {TRTLLM_QUANT_ALGO[base]: 13 - (4 if other else 0)}
     if other:

@@ -3,13 +3,11 @@ with a message that names the file, the YAML path, the value and the fix, throug
 
 from __future__ import annotations
 
-
 import pytest
+from conftest import DEFAULT_CONFIG, REPO, run_invoke, tree_snapshot, write_yaml
 
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
-
-from conftest import DEFAULT_CONFIG, REPO, run_invoke, tree_snapshot, write_yaml
 
 SHIPPED = sorted((REPO / "engine_configs").glob("*.yaml"))
 

@@ -9,16 +9,15 @@ import threading
 
 import pytest
 import torch
+from conftest import tiny_config
 
-from pipeline import quant_math as qm
-from pipeline import reference
 from pipeline.config import load_config
-from pipeline.cpu_runtime import CpuRuntime, KVBlockPool, SamplingParams
+from pipeline.engines import reference
+from pipeline.engines.cpu_runtime import CpuRuntime, KVBlockPool, SamplingParams
 from pipeline.errors import InputError
+from pipeline.quant import quant_math as qm
 from pipeline.runner import Runner
 from pipeline.stages import STAGES
-
-from conftest import tiny_config
 
 pytest.importorskip("modelopt.torch.quantization")
 
@@ -112,7 +111,7 @@ def test_build_writes_the_bundle_and_settings(bundle):
     runtime = json.loads((bundle / "cpu_bundle" / "runtime.json").read_text())
     assert runtime["num_blocks"] == 4 * 128 // 4
     assert not list((bundle / "cpu_bundle" / "model").glob("*.safetensors"))  # weights come from the checkpoint
-    from pipeline.build import checkpoint_sha256
+    from pipeline.engines.build import checkpoint_sha256
 
     assert settings["checkpoint_sha256"] == checkpoint_sha256(bundle / "cpu_bundle" / "checkpoint")
     summary = json.loads((bundle / "manifest.json").read_text())["summary"]
@@ -135,7 +134,7 @@ def test_greedy_equals_the_reference_solo_and_batched(runtime, ref):
 def test_the_runtime_stores_int8_codes_with_the_checkpoint_scales(bundle, runtime, ref):
     """The pool holds 1-byte codes scaled by the checkpoint's kv_cache_scaling_factor, and that quantization
     changes what the model computes (so the token-equality test above can tell a quantized cache from not)."""
-    from pipeline.cpu_runtime import kv_cache_scales
+    from pipeline.engines.cpu_runtime import kv_cache_scales
 
     model, algo, scales = ref
     assert runtime.pool.quant_algo == "INT8" and runtime.pool.k[0].dtype == torch.int8

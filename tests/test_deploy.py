@@ -14,10 +14,10 @@ import yaml
 from conftest import DEFAULT_CONFIG, REPO, run_invoke
 from test_image import DEFAULT_NAME, PUSH_TO, make_published
 
-from pipeline import deploy
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, InputError
-from pipeline.image import content_tag, read_published
+from pipeline.release import deploy
+from pipeline.release.image import content_tag, read_published
 
 K8S_VERSION = "1.35.0"  # per-HPA tolerances need 1.33+ (beta, on by default, from 1.35)
 CHECKOV_VERSION = "3.3.30"

@@ -13,7 +13,6 @@ from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
-    HfHubHTTPError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )

@@ -14,16 +14,15 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import run_invoke, tree_snapshot, write_yaml
+from fake_hub import FakeHub
 
 from pipeline import constants
 from pipeline.config import load_config
-from pipeline.download import inspect_hf_folder
 from pipeline.errors import ConfigError, InputError, IntegrityError
 from pipeline.runner import Runner
+from pipeline.source.download import inspect_hf_folder
 from pipeline.stages import STAGES
-
-from conftest import run_invoke, tree_snapshot, write_yaml
-from fake_hub import FakeHub
 
 REPO = "acme/tiny-llama"
 NAME = "hubtest"

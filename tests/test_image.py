@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import DEFAULT_CONFIG, REPO, run_invoke
 
-from pipeline import image as img
 from pipeline.config import BuildSection, load_config
 from pipeline.errors import ConfigError, InputError
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
+from pipeline.release import image as img
 
 DOCKERFILE = REPO / "Dockerfile"
 DEFAULT_NAME = DEFAULT_CONFIG.stem
@@ -37,7 +37,7 @@ PUSH_TO = "localhost:5000/ml/llm"
 def make_published(work_root: Path, config_name: str = DEFAULT_NAME, target: str = "cpu",
                    trtllm_version: str | None = "1.2.1", parameters: dict[str, str] | None = None,
                    **prov_overrides) -> Path:
-    """<work_root>/<config>/publish/model_repository laid out as pipeline/publish.py writes it for
+    """<work_root>/<config>/publish/model_repository laid out as pipeline/serving/publish.py writes it for
     triton.serving_repository_path=/models: an ensemble and the engine model (config.pbtxt files written as
     ModelConfig messages, version 1), and provenance.json with the digest computed as publish computes it.
     Returns the repository folder."""
@@ -255,7 +255,7 @@ def test_dockerignore_keeps_everything_else_out():
         assert not dockerignore_allows(rel), f"{rel} would be sent to the Docker daemon"
     for rel in copied:
         assert dockerignore_allows(rel)
-    assert dockerignore_allows("pipeline/image.py")
+    assert dockerignore_allows("pipeline/release/image.py")
 
 
 def test_serving_stages_run_tritonserver_non_root_with_health_metrics_and_provenance_labels():

@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.config import PlanBudget, PlanRule, PlanSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
-from pipeline.plan import HIGH_PRECISION, _bytes, make_plan
+from pipeline.quant.plan import HIGH_PRECISION, _bytes, make_plan
 
 Q = QuantizationSection(weight_format="int8_sq")
 S = SensitivitySection(formats=("int8_sq",), threshold=0.1)

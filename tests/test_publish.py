@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import tiny_config, tree_snapshot
 
-from pipeline import publish as pub
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UserError
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
-
-from conftest import tiny_config, tree_snapshot
+from pipeline.serving import publish as pub
 
 pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
@@ -67,7 +66,7 @@ def make_build(work: Path, target: str, tokenizer_dir: Path, **overrides) -> Pat
                         "enable_padding": target != "cpu", "cuda_graph_mode": target == "tensorrt",
                         "cuda_graph_cache_size": 3 if target == "tensorrt" else 0},
         "trtllm_version": None if target == "cpu" else "1.2.1",
-        "provenance": {"gpu": "stand-in"} if target != "cpu" else {"runtime": "pipeline.cpu_runtime"},
+        "provenance": {"gpu": "stand-in"} if target != "cpu" else {"runtime": "pipeline.engines.cpu_runtime"},
         "checkpoint_sha256": "ab" * 32,
     }
     settings.update(overrides)
@@ -240,7 +239,7 @@ def test_each_publish_adds_a_version_and_old_ones_are_pruned(setup):
 KILL_AT = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
-    from pipeline import publish as pub
+    from pipeline.serving import publish as pub
     from pipeline.config import load_config
 
     def die(*args, **kwargs):
@@ -339,7 +338,7 @@ def test_refuses_a_destination_the_runner_would_replace(setup):
 
 def test_reload_asks_the_configured_server_and_says_when_it_cannot(setup):
     load, work, run = setup
-    from pipeline.triton_server import free_port
+    from pipeline.serving.server import free_port
 
     config = load("cpu", f"triton.server_url=http://127.0.0.1:{free_port()}")
     with pytest.raises(EnvironmentProblem, match="published, but the server .* could not be reached"):

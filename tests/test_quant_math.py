@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from pipeline import quant_math as qm
+from pipeline.quant import quant_math as qm
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 from modelopt.torch.quantization.config import QuantizerAttributeConfig  # noqa: E402
@@ -99,7 +99,7 @@ def test_sensitivity_table_equals_errors_of_a_modelopt_quantized_model(tiny_mode
     from transformers import AutoModelForCausalLM
 
     from pipeline.config import QuantizationSection, SensitivitySection
-    from pipeline.sensitivity import analyse, fusion_groups_for
+    from pipeline.quant.sensitivity import analyse, fusion_groups_for
 
     ids = torch.randint(3, 512, (4, 64), generator=torch.Generator().manual_seed(1))
     alpha = 0.5

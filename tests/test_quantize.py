@@ -8,14 +8,13 @@ import json
 
 import pytest
 import yaml
+from conftest import tiny_config as _tiny_config
 from safetensors import safe_open
 
 from pipeline.config import load_config
 from pipeline.errors import InputError, StageFailed
 from pipeline.runner import Runner
 from pipeline.stages import STAGES
-
-from conftest import tiny_config as _tiny_config
 
 pytest.importorskip("modelopt.torch.quantization")
 
@@ -45,7 +44,7 @@ def test_int8_sq_with_kept_layers_and_int8_kv(tmp_path, outlier_model_dir):
     config = json.loads((ckpt / "config.json").read_text())
     q = config["quantization"]
     assert q["quant_algo"] == "W8A8_SQ_PER_CHANNEL" and q["kv_cache_quant_algo"] == "INT8"
-    from pipeline.quantize import trtllm_name
+    from pipeline.quant.quantize import trtllm_name
 
     assert set(q["exclude_modules"]) == {trtllm_name(n) for n in kept}
     assert config["rotary_base"] == json.loads((outlier_model_dir / "config.json").read_text())["rope_theta"]
@@ -105,7 +104,7 @@ def test_a_mixed_plan_exports_mixed_precision_listing_exactly_the_plans_layers(t
          "{pattern: 'model.layers.1.self_attn.[qkv]_proj', format: int8_sq}, "
          "{pattern: 'model.layers.1.mlp.down_proj', format: int8_sq}, "
          "{pattern: 'model.layers.0.mlp.up_proj', keep_high_precision: true}]", *LOOSE)
-    from pipeline.quantize import trtllm_name
+    from pipeline.quant.quantize import trtllm_name
 
     plan = yaml.safe_load((work / "tiny" / "plan" / "plan.yaml").read_text())
     assert plan["summary"]["mixed_precision"]
@@ -170,7 +169,7 @@ def test_tensor_parallel_2_writes_two_ranks_that_read_back_to_the_tp1_logits(tmp
     rounding (the same calibration, the same FP16 values in different files)."""
     import torch
 
-    from pipeline.checkpoint import rebuild
+    from pipeline.quant.checkpoint import rebuild
 
     cfg = _tiny_config(tmp_path, tiny_model_dir)
     work = tmp_path / "work"
@@ -197,7 +196,7 @@ def test_tensor_parallel_2_writes_two_ranks_that_read_back_to_the_tp1_logits(tmp
 
 def _rules(plan_layers: dict, table: dict, model_config=None, **quant):
     from pipeline.config import BuildSection, QuantizationSection
-    from pipeline.quantize import check_rules
+    from pipeline.quant.quantize import check_rules
 
     tp = quant.pop("tp", 1)
     check_rules({"layers": plan_layers}, QuantizationSection(**quant),
@@ -257,7 +256,7 @@ def test_int8_kv_with_an_hf_unified_checkpoint_and_gpu_only_formats_are_refused_
 
 def test_modelopt_config_for_a_mixed_plan_gives_each_layer_its_format_and_each_algorithm_its_layers():
     from pipeline.config import QuantizationSection
-    from pipeline.quantize import calibration_phases, modelopt_config
+    from pipeline.quant.quantize import calibration_phases, modelopt_config
 
     plan = {"layers": {"model.layers.0.mlp.down_proj": {"format": "int8_sq"},
                        "model.layers.0.mlp.up_proj": {"format": "int4_awq"},
@@ -284,7 +283,7 @@ def test_modelopt_config_for_a_mixed_plan_gives_each_layer_its_format_and_each_a
 
 def test_modelopt_config_disables_kept_layers_and_adds_kv_quantizers():
     from pipeline.config import QuantizationSection
-    from pipeline.quantize import modelopt_config
+    from pipeline.quant.quantize import modelopt_config
 
     plan = {"layers": {"model.layers.0.mlp.down_proj": {"format": "high_precision"},
                        "model.layers.0.mlp.up_proj": {"format": "int8_sq"},
@@ -318,8 +317,8 @@ def test_checkpoint_read_back_computes_what_the_simulated_model_computes(tmp_pat
 
 
 def test_reader_refuses_a_checkpoint_that_contradicts_the_plan(tmp_path, tiny_model_dir):
-    from pipeline.checkpoint import rebuild
     from pipeline.errors import IntegrityError
+    from pipeline.quant.checkpoint import rebuild
 
     cfg = _tiny_config(tmp_path, tiny_model_dir)
     work = tmp_path / "work"
@@ -367,7 +366,8 @@ def test_mixed_int4_int8_config_on_smollm2_exports_mixed_precision(default_work_
     """engine_configs/smollm2-135m-cpu-int4-mixed.yaml: INT4 AWQ (group 64) with INT8 weight-only where the
     budget allows, behind the accuracy gate; quant_cfg.json lists exactly the plan's quantized GEMMs."""
     from conftest import REPO, run_invoke
-    from pipeline.quantize import trtllm_name
+
+    from pipeline.quant.quantize import trtllm_name
 
     proc = run_invoke("quantize", "--config", str(REPO / "engine_configs" / "smollm2-135m-cpu-int4-mixed.yaml"),
                       "--work-root", str(default_work_root), timeout=3600)

@@ -7,9 +7,8 @@ import json
 
 import pytest
 import yaml
-from safetensors import safe_open
-
 from conftest import run_invoke
+from safetensors import safe_open
 
 pytestmark = pytest.mark.e2e
 NAME = "smollm2-135m-cpu"
@@ -23,7 +22,7 @@ def quantized(default_work_root):
 
 
 def test_checkpoint_says_what_the_plan_says(quantized):
-    from pipeline.quantize import trtllm_name
+    from pipeline.quant.quantize import trtllm_name
 
     ckpt = quantized / "quantize" / "trtllm_checkpoint"
     config = json.loads((ckpt / "config.json").read_text())

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import report
-from pipeline.report import Doc, render
+from pipeline.release import report
+from pipeline.release.report import Doc, render
 
 
 def _manifest(stage: str, summary: dict, upstream: dict | None = None, digest: str = "d" * 64) -> dict:

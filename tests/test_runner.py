@@ -11,13 +11,12 @@ import sys
 import textwrap
 
 import pytest
+from conftest import DEFAULT_CONFIG, REPO
 
 from pipeline import constants
 from pipeline.config import load_config
 from pipeline.errors import InputError, StageFailed, StageNotBuilt, WorkDirBusy
 from pipeline.runner import Runner, StageDef, WorkDirLock
-
-from conftest import DEFAULT_CONFIG, REPO
 
 calls: list[str] = []
 

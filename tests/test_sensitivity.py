@@ -4,22 +4,22 @@ the layer-by-layer pass reproduces the model's own forward, and the stages write
 from __future__ import annotations
 
 import json
+
 import pytest
 import torch
 import yaml
+from conftest import tiny_config as _tiny_config
 
 from pipeline.config import QuantizationSection, SensitivitySection, load_config
 from pipeline.errors import InputError
 from pipeline.runner import Runner
 from pipeline.stages import STAGES
 
-from conftest import tiny_config as _tiny_config
-
 IDS = torch.randint(3, 512, (4, 64), generator=torch.Generator().manual_seed(2))
 
 
 def _errors(model_dir, fmt):
-    from pipeline.sensitivity import analyse
+    from pipeline.quant.sensitivity import analyse
 
     table = analyse(model_dir, IDS.numpy(), SensitivitySection(formats=(fmt,)), QuantizationSection())
     return {l["name"]: l["errors"][fmt]["error"] for l in table["layers"]}, table
@@ -44,7 +44,7 @@ def test_layerwise_pass_reproduces_the_full_forward(tiny_model_dir):
     state it hands to lm_head must be the model's own."""
     from transformers import AutoModelForCausalLM
 
-    import pipeline.sensitivity as S
+    import pipeline.quant.sensitivity as S
 
     seen = {}
     original = S._measure_lm_head
@@ -65,7 +65,7 @@ def test_layerwise_pass_reproduces_the_full_forward(tiny_model_dir):
 
 
 def test_awq_group_size_that_does_not_divide_is_a_clear_error(tiny_model_dir):
-    from pipeline.sensitivity import analyse
+    from pipeline.quant.sensitivity import analyse
 
     with pytest.raises(InputError, match="does not divide"):
         analyse(tiny_model_dir, IDS.numpy(), SensitivitySection(formats=("int4_awq",)),

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import yaml
-
 from conftest import run_invoke
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 from pipeline import constants
 from pipeline.config import FilesText, PydocTopicsText, TextSection, TokenSet
 from pipeline.errors import InputError
-from pipeline.text import load_documents, prepare_text
+from pipeline.source.text import load_documents, prepare_text
 
 
 def _files(tmp_path, n=12, words=400):

@@ -17,8 +17,15 @@ import numpy as np
 import pytest
 
 from pipeline.errors import EnvironmentProblem, StageFailed
-from pipeline.triton_server import (SHM_DIR, STUB_NAME, TritonServer, find_pytriton, log_tail, prepare_backends_dir,
-                                    probe_python_env)
+from pipeline.serving.server import (
+    SHM_DIR,
+    STUB_NAME,
+    TritonServer,
+    find_pytriton,
+    log_tail,
+    prepare_backends_dir,
+    probe_python_env,
+)
 
 pytest.importorskip("pytriton", reason="nvidia-pytriton provides the server")
 
@@ -185,7 +192,7 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path):
     code = textwrap.dedent(f"""
         import json, sys, time
         from pathlib import Path
-        from pipeline.triton_server import TritonServer
+        from pipeline.serving.server import TritonServer
         s = TritonServer(Path({str(repo)!r})).start()
         print(json.dumps({{"pid": s.pid, "prefix": s.shm_prefix}}), flush=True)
         time.sleep(600)

@@ -1,4 +1,4 @@
-"""The GPU targets (pipeline/trtllm.py), without a GPU or TensorRT-LLM: contract tests of every shipped
+"""The GPU targets (pipeline/engines/trtllm.py), without a GPU or TensorRT-LLM: contract tests of every shipped
 profile against the option table and rules, one test per validity rule, GPU/requirements detection, and the
 tensorrt path end to end through `invoke build` against stand-ins for `trtllm-build` and `nvidia-smi`
 (tests/bin/, installed under those names in a temporary PATH directory) that record and check what they are
@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from pipeline import trtllm
-from pipeline.config import load_config
-from pipeline.errors import ConfigError, EnvironmentProblem, InputError, StageFailed
-from pipeline.trtllm import GPU, QuantFacts
-
 from conftest import REPO, run_invoke, tiny_config
+
+from pipeline.config import load_config
+from pipeline.engines import trtllm
+from pipeline.engines.trtllm import GPU, QuantFacts
+from pipeline.errors import ConfigError, EnvironmentProblem, InputError, StageFailed
 
 CONFIGS = sorted((REPO / "engine_configs").glob("*.yaml"))
 GPU_CONFIGS = [p for p in CONFIGS if load_config(p).config.build.target != "cpu"]

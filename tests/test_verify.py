@@ -18,16 +18,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from pipeline import publish as pub
-from pipeline import reference
-from pipeline.config import load_config
-from pipeline.runner import Runner
-from pipeline.stages import STAGES
-from pipeline.triton_server import SHM_DIR, TritonServer, free_port
-from pipeline.verify import RESULTS_FILE, SERVER_LOG, Expected
-
 from conftest import REPO, run_invoke, tiny_config
+
+from pipeline.config import load_config
+from pipeline.engines import reference
+from pipeline.runner import Runner
+from pipeline.serving import publish as pub
+from pipeline.serving.server import SHM_DIR, TritonServer, free_port
+from pipeline.serving.verify import RESULTS_FILE, SERVER_LOG, Expected
+from pipeline.stages import STAGES
 
 pytest.importorskip("pytriton", reason="nvidia-pytriton provides the server")
 pytest.importorskip("modelopt.torch.quantization")
@@ -150,7 +149,7 @@ def test_publishing_twice_gives_versions_1_and_2(tiny):
 KILL_BEFORE_SWAP = """
 import os, signal, sys
 from pathlib import Path
-from pipeline import publish as pub
+from pipeline.serving import publish as pub
 from pipeline.config import load_config
 pub.exchange_dirs = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
 work = Path(sys.argv[2])

@@ -26,7 +26,7 @@ class _RuntimeHandle(Handle):
 
 class TritonPythonModel(GenerationModel):
     def load(self, version_dir, params):
-        from pipeline.cpu_runtime import CpuRuntime, SamplingParams
+        from pipeline.engines.cpu_runtime import CpuRuntime, SamplingParams
 
         self._sampling = SamplingParams
         threads = int(params.get("cpu_threads", "0") or 0)

@@ -37,9 +37,9 @@ import shutil
 import time
 from pathlib import Path
 
-from .config import BuildSection, QuantizationSection
-from .errors import InputError, StageFailed
-from .plan import HIGH_PRECISION
+from pipeline.config import BuildSection, QuantizationSection
+from pipeline.errors import InputError, StageFailed
+from pipeline.quant.plan import HIGH_PRECISION
 
 log = logging.getLogger(__name__)
 
@@ -428,8 +428,8 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import constants
-    from .plan import read_plan
+    from pipeline import constants
+    from pipeline.quant.plan import read_plan
 
     t0 = time.perf_counter()
     table = json.loads(table_file.read_text())
@@ -492,7 +492,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
                 shutil.copy2(model_dir / name, hf_dir / name)
         hf_exported = _check_hf_export(hf_dir, plan_doc, quant, model_config)
     # the model as the checkpoint says, read back by our own reader: the figure closest to the engine's
-    from .checkpoint import rebuild
+    from pipeline.quant.checkpoint import rebuild
 
     kept = {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
     rebuilt, read_facts = rebuild(ckpt, model_dir, kept)

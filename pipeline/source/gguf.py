@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .errors import InputError, StageFailed
+from pipeline.errors import InputError, StageFailed
 
 log = logging.getLogger(__name__)
 

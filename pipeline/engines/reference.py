@@ -35,7 +35,7 @@ def _fake_quant_cache(config, quant_algo: str, scales: list[float]):
     """A transformers DynamicCache whose stored K/V go through INT8/FP8 quantize-dequantize."""
     from transformers import DynamicCache
 
-    from .cpu_runtime import KVBlockPool
+    from pipeline.engines.cpu_runtime import KVBlockPool
 
     codec = KVBlockPool(len(scales), 1, 1, 1, 1, quant_algo, scales)  # for its encode/decode rule only
 
@@ -54,8 +54,8 @@ def _fake_quant_cache(config, quant_algo: str, scales: list[float]):
 
 def load_reference(bundle_dir: Path):
     """The rebuilt model, its KV-cache quant algo and per-layer KV scales, from a cpu bundle."""
-    from .checkpoint import rebuild
-    from .cpu_runtime import CHECKPOINT_SUBDIR, MODEL_SUBDIR, kv_cache_scales
+    from pipeline.engines.cpu_runtime import CHECKPOINT_SUBDIR, MODEL_SUBDIR, kv_cache_scales
+    from pipeline.quant.checkpoint import rebuild
 
     ckpt = Path(bundle_dir) / CHECKPOINT_SUBDIR
     model, facts = rebuild(ckpt, Path(bundle_dir) / MODEL_SUBDIR)

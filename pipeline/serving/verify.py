@@ -31,9 +31,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .errors import InputError, StageFailed
-from .publish import MODEL_REPOSITORY_DIR, PROVENANCE_FILE, TOKENIZER_DIR, model_names
-from .triton_server import TritonServer, server_for_target
+from pipeline.errors import InputError, StageFailed
+from pipeline.serving.publish import MODEL_REPOSITORY_DIR, PROVENANCE_FILE, TOKENIZER_DIR, model_names
+from pipeline.serving.server import TritonServer, server_for_target
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Expected:
 
     def compute(self) -> None:
         """Run the bundle's runtime on each prompt alone (before the server takes the CPU)."""
-        from .cpu_runtime import CpuRuntime, SamplingParams
+        from pipeline.engines.cpu_runtime import CpuRuntime, SamplingParams
 
         with CpuRuntime.load(self.bundle) as rt:
             self.tokens = [rt.generate(p, SamplingParams(max_new_tokens=self.max_tokens)) for p in self.prompt_ids]
@@ -89,7 +89,7 @@ class Expected:
         want = self.tokens[i]
         if got == want:
             return {"ok": True, "equal": True}
-        from . import reference
+        from pipeline.engines import reference
 
         if self._ref is None:
             self._ref = reference.load_reference(self.bundle)
@@ -376,7 +376,7 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
     }
     (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
     if failed:
-        from .triton_server import log_tail
+        from pipeline.serving.server import log_tail
 
         log.error("the server's log (%s), last lines:\n%s", SERVER_LOG, log_tail(out_dir / SERVER_LOG))
         raise StageFailed(f"verify: {len(failed)} check(s) failed: {', '.join(failed)}. Every check's answers "

@@ -6,7 +6,7 @@ For every linear layer (attention q/k/v/o, MLP gate/up/down, lm_head) and every 
 
 over the calibration set, where ``ref`` is the layer in the reference dtype and ``q`` the same layer with
 weights (and, for W8A8 formats, activations) fake-quantized exactly as ModelOpt will quantize them
-(``pipeline.quant_math``). For ``int8_sq`` the smoothing factors are the ones ModelOpt derives from the same
+(``pipeline.quant.quant_math``). For ``int8_sq`` the smoothing factors are the ones ModelOpt derives from the same
 calibration data, including the averaging its TensorRT-LLM export applies to layers that share an input
 and are fused (q/k/v, gate/up), so the table predicts the exported checkpoint. The embedding table is
 reported separately (lookup, no matmul).
@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import QuantizationSection, SensitivitySection
-from .errors import InputError
+from pipeline.config import QuantizationSection, SensitivitySection
+from pipeline.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class Analyser:
         import torch
         import torch.nn.functional as F
 
-        from . import quant_math as qm
+        from pipeline.quant import quant_math as qm
 
         group = self._group(short)
         weights = {m: self.siblings[m].weight for m in group} if len(group) > 1 else {short: weight}
@@ -396,7 +396,7 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
 
 def _embedding_error(embed, ids) -> dict:
     """INT8 per-row quantization of the embedding rows the calibration set uses (reported, not planned)."""
-    from . import quant_math as qm
+    from pipeline.quant import quant_math as qm
 
     used = ids.unique()
     rows = embed[used]
@@ -530,8 +530,8 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
 
     from safetensors.numpy import load_file
 
-    from . import constants
-    from .sensitivity_report import heatmap_png, table_markdown
+    from pipeline import constants
+    from pipeline.quant.plots import heatmap_png, table_markdown
 
     _return_freed_memory_to_the_os()
     if section.end_to_end:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .errors import EnvironmentProblem, InputError, StageFailed
+from pipeline.errors import EnvironmentProblem, InputError, StageFailed
 
 log = logging.getLogger(__name__)
 
@@ -441,8 +441,8 @@ def serve_published(config: Optional[str], overrides: Sequence[str], work_root: 
                     grpc_port: int = 8001, metrics_port: int = 8002, host: str = LOOPBACK,
                     echo=print) -> None:
     """Run a server on the config's published repository in the foreground until Ctrl-C (or SIGTERM)."""
-    from .cli import open_runner
-    from .publish import MODEL_REPOSITORY_DIR, PROVENANCE_FILE, model_names
+    from pipeline.commands import open_runner
+    from pipeline.serving.publish import MODEL_REPOSITORY_DIR, PROVENANCE_FILE, model_names
 
     runner = open_runner(config, overrides, work_root)
     repo = runner.stage_dir("publish") / MODEL_REPOSITORY_DIR

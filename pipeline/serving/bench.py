@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .errors import InputError, StageFailed
+from pipeline.errors import InputError, StageFailed
 
 log = logging.getLogger(__name__)
 
@@ -395,14 +395,14 @@ class Target:
 
     @property
     def names(self):
-        from .publish import model_names
+        from pipeline.serving.publish import model_names
 
         return model_names(self.provenance["model_name"])
 
 
 def read_repository(path: Path) -> tuple[Path, dict]:
     """A published repository, given it or the work dir that holds it: (repository, its provenance)."""
-    from .publish import MODEL_REPOSITORY_DIR, PROVENANCE_FILE
+    from pipeline.serving.publish import MODEL_REPOSITORY_DIR, PROVENANCE_FILE
 
     for candidate in (path, path / "publish" / MODEL_REPOSITORY_DIR, path / MODEL_REPOSITORY_DIR):
         if (candidate / PROVENANCE_FILE).is_file():
@@ -578,8 +578,8 @@ def run_bench(config, publish_dir: Path, samples_file: Path, build_dir: Optional
     """The bench stage: sweep this build (and the comparison baseline, if configured); write results and plots."""
     from transformers import AutoTokenizer
 
-    from .publish import MODEL_REPOSITORY_DIR, TOKENIZER_DIR
-    from .triton_server import server_for_target
+    from pipeline.serving.publish import MODEL_REPOSITORY_DIR, TOKENIZER_DIR
+    from pipeline.serving.server import server_for_target
 
     cfg = config.bench
     repo, prov = read_repository(publish_dir / MODEL_REPOSITORY_DIR)

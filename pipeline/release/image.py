@@ -25,11 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from . import __version__, constants
-from .config import ImageSection, PipelineConfig
-from .errors import ConfigError, EnvironmentProblem, InputError, StageFailed, StageNotBuilt
-from .fsutil import atomic_write_json, canonical_json, link_or_copy, list_files, remove_tree, replace_dir, sha256_bytes, sha256_file
-from .runner import WorkDirLock
+from pipeline import __version__, constants
+from pipeline.config import ImageSection, PipelineConfig
+from pipeline.errors import ConfigError, EnvironmentProblem, InputError, StageFailed, StageNotBuilt
+from pipeline.fsutil import (
+    atomic_write_json,
+    canonical_json,
+    link_or_copy,
+    list_files,
+    remove_tree,
+    replace_dir,
+    sha256_bytes,
+    sha256_file,
+)
+from pipeline.runner import WorkDirLock
 
 PUBLISHED_REPOSITORY = Path("publish") / "model_repository"  # inside the config's work dir
 PROVENANCE_FILE = "provenance.json"
@@ -296,7 +305,7 @@ def choose_base(section: ImageSection, target: str, recorded_trtllm: str) -> Bas
             known = ", ".join(sorted({v for v, _ in TRITON_TRTLLM_TAGS.values()}))
             raise ConfigError(
                 f"The published {what} for TensorRT-LLM {recorded_trtllm}, which no Triton tag in "
-                f"pipeline.image.TRITON_TRTLLM_TAGS carries (known versions: {known}). Set image.base_tag to an "
+                f"pipeline.release.image.TRITON_TRTLLM_TAGS carries (known versions: {known}). Set image.base_tag to an "
                 f"image with TensorRT-LLM {recorded_trtllm} and image.base_trtllm_version: {recorded_trtllm}."
             )
         tag = tags[0]
@@ -544,7 +553,7 @@ def _published(runner, echo: Callable[[str], None] = print) -> PublishedBuild:
 
 def image_task(config: Optional[str], overrides: Sequence[str], work_root: Path, *, push: bool = False,
                dry_run: bool = False, builder: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
-    from .cli import open_runner
+    from pipeline.commands import open_runner
 
     runner = open_runner(config, overrides, work_root)
     cfg = runner.loaded.config
@@ -581,7 +590,7 @@ def _execute(plan: ImagePlan, work_dir: Path, dry_run: bool, echo: Callable[[str
 def release_task(config: Optional[str], overrides: Sequence[str], work_root: Path, *, dry_run: bool = False,
                  force: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
     """`invoke all`, then the image with the report inside (and its digest as a label), then push."""
-    from .cli import open_runner, run_all
+    from pipeline.commands import open_runner, run_all
 
     runner = open_runner(config, overrides, work_root)
     cfg = runner.loaded.config

@@ -38,7 +38,7 @@ import fnmatch
 import json
 from pathlib import Path
 
-from .errors import IntegrityError
+from pipeline.errors import IntegrityError
 
 HF_OF = {"attention.dense": "self_attn.o_proj", "mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj",
          "mlp.proj": "mlp.down_proj"}
@@ -60,7 +60,7 @@ SCALE_NAMES = ("weights_scaling_factor", "weights_scaling_factor_2", "activation
 
 def _fake_act(quant_algo: str, act_scale, prequant):
     """The input transform of a quantized linear: smoothing, then per-tensor INT8 or FP8 fake quantization."""
-    from . import quant_math as qm
+    from pipeline.quant import quant_math as qm
 
     def f(x):
         if prequant is not None:
@@ -90,7 +90,7 @@ def _dequantize(name: str, algo: str | None, w, s: dict, group_size: int | None)
     """One rank's weight as float32, from its codes and its scales; checks the scales' shapes."""
     import torch
 
-    from . import quant_math as qm
+    from pipeline.quant import quant_math as qm
 
     if algo is None:
         return w.float()

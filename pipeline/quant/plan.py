@@ -21,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import DECISION_COLUMN, PlanSection, QuantizationSection, SensitivitySection
-from .errors import InputError
-from .sensitivity import quantized_weight_bytes
+from pipeline.config import DECISION_COLUMN, PlanSection, QuantizationSection, SensitivitySection
+from pipeline.errors import InputError
+from pipeline.quant.sensitivity import quantized_weight_bytes
 
 PLAN_FILE = "plan.yaml"
 PLAN_FORMAT_VERSION = 1

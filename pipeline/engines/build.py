@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import constants
-from .fsutil import digest_of_files, list_files, sha256_file
+from pipeline import constants
+from pipeline.fsutil import digest_of_files, list_files, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,8 @@ def copy_model_files(model_dir: Path, dest: Path) -> list[str]:
 
 def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> dict:
     """Assemble the cpu bundle, smoke-test it in a child process, write build_settings.json."""
-    from .child import run_in_child
-    from .cpu_runtime import CHECKPOINT_SUBDIR, MODEL_SUBDIR, RUNTIME_FILE, bundle_settings
+    from pipeline.child import run_in_child
+    from pipeline.engines.cpu_runtime import CHECKPOINT_SUBDIR, MODEL_SUBDIR, RUNTIME_FILE, bundle_settings
 
     t0 = time.perf_counter()
     b = cfg.build
@@ -94,7 +94,7 @@ def smoke_test(bundle: Path) -> dict:
     """Load the bundle as the server will and generate a few greedy tokens (runs in a child process)."""
     from transformers import AutoTokenizer
 
-    from .cpu_runtime import MODEL_SUBDIR, CpuRuntime, SamplingParams
+    from pipeline.engines.cpu_runtime import MODEL_SUBDIR, CpuRuntime, SamplingParams
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(bundle / MODEL_SUBDIR)

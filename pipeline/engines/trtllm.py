@@ -32,7 +32,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from .errors import ConfigError, EnvironmentProblem, InputError, StageFailed
+from pipeline.errors import ConfigError, EnvironmentProblem, InputError, StageFailed
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ def detect_environment() -> Environment:
 
 def facts_from_config(cfg) -> QuantFacts:
     """What the checkpoint will say, from the config (used before quantize has run)."""
-    from .quantize import KV_ALGO, TRTLLM_QUANT_ALGO
+    from pipeline.quant.quantize import KV_ALGO, TRTLLM_QUANT_ALGO
 
     q, b = cfg.quantization, cfg.build
     algo = TRTLLM_QUANT_ALGO.get(q.weight_format)
@@ -744,8 +744,8 @@ def _provenance(env: Environment, ckpt_hash: str, extra: dict) -> dict:
 def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     """trtllm-build the TensorRT-LLM checkpoint into out_dir/engine (a child process, log beside it), check
     the engine directory, record provenance, write out_dir/build_settings.json; returns the stage summary."""
-    from .build import SETTINGS_FILE, build_settings, checkpoint_sha256
-    from .fsutil import atomic_write_json
+    from pipeline.engines.build import SETTINGS_FILE, build_settings, checkpoint_sha256
+    from pipeline.fsutil import atomic_write_json
 
     t0 = time.perf_counter()
     env = check_target_requirements(cfg)
@@ -768,7 +768,7 @@ def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     try:
         rc = _run_logged([env.trtllm_build, *args], log_path, cwd=out_dir)
         if rc != 0:
-            from .child import log_tail
+            from pipeline.child import log_tail
 
             raise StageFailed(f"trtllm-build exited with code {rc}. Last lines of {log_path}:\n{log_tail(log_path)}")
         engine = check_engine_dir(engine_dir, args, facts, env.trtllm_version)
@@ -868,8 +868,8 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     plus out_dir/build_settings.json. Nothing is compiled: the server loads the checkpoint with these options."""
     import yaml
 
-    from .build import SETTINGS_FILE, build_settings, checkpoint_sha256
-    from .fsutil import atomic_write_json, atomic_write_text
+    from pipeline.engines.build import SETTINGS_FILE, build_settings, checkpoint_sha256
+    from pipeline.fsutil import atomic_write_json, atomic_write_text
 
     t0 = time.perf_counter()
     env = check_target_requirements(cfg)

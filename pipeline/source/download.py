@@ -1,7 +1,7 @@
 """download stage, model part: any model source -> one checked HF-format folder.
 
-Sources: the Hugging Face Hub at a revision resolved to a commit sha (``pipeline.hub``), a local HF
-folder, or a GGUF file (on disk, or inside an installed package) converted once (``pipeline.gguf_convert``).
+Sources: the Hugging Face Hub at a revision resolved to a commit sha (``pipeline.source.hub``), a local HF
+folder, or a GGUF file (on disk, or inside an installed package) converted once (``pipeline.source.gguf``).
 Whatever the source, the folder is then inspected: config readable, tokenizer loadable, and every tensor the
 architecture needs present in the safetensors files — completeness is verified, not assumed.
 """
@@ -15,8 +15,8 @@ import shutil
 import struct
 from pathlib import Path
 
-from . import constants
-from .config import (
+from pipeline import constants
+from pipeline.config import (
     GGUFFileSource,
     HubSource,
     LoadedConfig,
@@ -24,8 +24,8 @@ from .config import (
     ModelSection,
     gguf_package_file,
 )
-from .errors import InputError
-from .fsutil import HashCache, list_files
+from pipeline.errors import InputError
+from pipeline.fsutil import HashCache, list_files
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def model_fingerprint(loaded: LoadedConfig, hash_cache: HashCache) -> dict:
     """Content identity of the model source, computed before the stage runs (and again after)."""
     src = loaded.config.model.source
     if isinstance(src, HubSource):
-        from .hub import resolve_revision
+        from pipeline.source.hub import resolve_revision
 
         return {"kind": "hub", "repo_id": src.repo_id, "commit": resolve_revision(src)}
     if isinstance(src, LocalSource):
@@ -55,7 +55,7 @@ def prepare_model(section: ModelSection, out_dir: Path) -> dict:
     model_dir.mkdir(parents=True)
     src = section.source
     if isinstance(src, HubSource):
-        from .hub import fetch_snapshot, resolve_revision
+        from pipeline.source.hub import fetch_snapshot, resolve_revision
 
         origin = fetch_snapshot(src, resolve_revision(src), model_dir)
     elif isinstance(src, LocalSource):
@@ -68,7 +68,7 @@ def prepare_model(section: ModelSection, out_dir: Path) -> dict:
             shutil.copy2(src.path / f, model_dir / f)
         origin = {"kind": "local", "files": copied}
     else:
-        from .gguf_convert import convert_gguf
+        from pipeline.source.gguf import convert_gguf
 
         path = src.path if isinstance(src, GGUFFileSource) else gguf_package_file(src)
         origin = {"kind": "gguf", "file": path.name, **convert_gguf(path, model_dir)}

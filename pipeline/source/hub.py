@@ -16,10 +16,10 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from . import constants
-from .config import HubSource
-from .errors import EnvironmentProblem, InputError, IntegrityError
-from .fsutil import link_or_copy, sha256_file
+from pipeline import constants
+from pipeline.config import HubSource
+from pipeline.errors import EnvironmentProblem, InputError, IntegrityError
+from pipeline.fsutil import link_or_copy, sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from typing import Callable, Optional, Sequence
 
 import yaml
 
-from . import constants
-from .config import PipelineConfig
-from .errors import ConfigError, InputError
-from .fsutil import atomic_write_text, remove_tree, replace_dir
-from .runner import WorkDirLock
+from pipeline import constants
+from pipeline.config import PipelineConfig
+from pipeline.errors import ConfigError, InputError
+from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
+from pipeline.runner import WorkDirLock
 
 DEPLOY_DIR = constants.REPO_ROOT / "deploy"
 BASE_DIR = DEPLOY_DIR / "base"
@@ -90,7 +90,7 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
     """{file name: resource} for serving the published build ``pub`` (a pipeline.image.PublishedBuild)."""
     name = dns_name(f"triton-{pub.config_name}")
     gpus = cfg.build.tensor_parallel_size * cfg.build.pipeline_parallel_size
-    from .image import model_identity, quant_label
+    from pipeline.release.image import model_identity, quant_label
 
     _, model_revision = model_identity(pub.provenance)
     annotations = {
@@ -222,8 +222,8 @@ def write_rendered(out_dir: Path, serving: dict[str, dict], jobs: dict[str, dict
 
 def deploy_manifests_task(config: Optional[str], overrides: Sequence[str], work_root: Path,
                           gpu_types: Sequence[str] = (), echo: Callable[[str], None] = print) -> Path:
-    from .cli import open_runner
-    from .image import _published, builder_tag, content_tag, image_repository, source_revision
+    from pipeline.commands import open_runner
+    from pipeline.release.image import _published, builder_tag, content_tag, image_repository, source_revision
 
     runner = open_runner(config, overrides, work_root)
     cfg = runner.loaded.config

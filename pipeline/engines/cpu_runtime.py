@@ -2,7 +2,7 @@
 
 A reference for correctness and wiring, not a TensorRT engine. What it computes is what the engine is built
 from:
-- weights: the TensorRT-LLM checkpoint read back by ``pipeline.checkpoint`` (INT8/FP8/INT4 codes times their
+- weights: the TensorRT-LLM checkpoint read back by ``pipeline.quant.checkpoint`` (INT8/FP8/INT4 codes times their
   scales), with the calibrated activation quantization (SmoothQuant pre-scales, per-tensor INT8/FP8) applied
   in front of each quantized GEMM;
 - KV cache: a paged block pool (``tokens_per_block`` tokens per block, blocks handed out as sequences grow)
@@ -38,7 +38,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .errors import InputError, IntegrityError
+from pipeline.errors import InputError, IntegrityError
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class CpuRuntime:
     def load(cls, bundle_dir: Path | str, quantize_kv_cache: bool = True, threads: Optional[int] = None) \
             -> "CpuRuntime":
         """``quantize_kv_cache=False`` keeps the KV cache in fp32 (for comparisons with the unquantized cache)."""
-        from .checkpoint import rebuild
+        from pipeline.quant.checkpoint import rebuild
 
         bundle = Path(bundle_dir)
         settings_file = bundle / RUNTIME_FILE

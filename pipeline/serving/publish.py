@@ -45,9 +45,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from . import __version__, constants
-from .errors import EnvironmentProblem, InputError, StageFailed, UserError
-from .fsutil import atomic_write_json, digest_of_files, fsync_dir, fsync_tree, list_files, remove_tree, sha256_file
+from pipeline import __version__, constants
+from pipeline.errors import EnvironmentProblem, InputError, StageFailed, UserError
+from pipeline.fsutil import (
+    atomic_write_json,
+    digest_of_files,
+    fsync_dir,
+    fsync_tree,
+    list_files,
+    remove_tree,
+    sha256_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +341,7 @@ def read_build_settings(build_dir: Path) -> dict:
 
 def runtime_trtllm_version(config) -> tuple[str, str]:
     """The TensorRT-LLM of the image that will serve, and where that figure comes from."""
-    from .image import trtllm_version_of_tag  # the one table of Triton image tags
+    from pipeline.release.image import trtllm_version_of_tag  # the one table of Triton image tags
 
     image = config.image
     if image.base_trtllm_version:

@@ -12,12 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from . import constants
-from .config import LoadedConfig, load_config
-from .errors import PipelineError
-from .fsutil import remove_tree
-from .runner import Runner, WorkDirLock
-from .stages import STAGES, TASK_STAGES
+from pipeline import constants
+from pipeline.config import LoadedConfig, load_config
+from pipeline.errors import PipelineError
+from pipeline.fsutil import remove_tree
+from pipeline.runner import Runner, WorkDirLock
+from pipeline.stages import STAGES, TASK_STAGES
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from . import constants
+from pipeline import constants
 
 REPORT_HTML = "index.html"
 REPORT_MD = "index.md"
@@ -62,7 +62,7 @@ class Doc:
         self.blocks.append(("pre", text))
 
     def not_run(self, stage: str) -> None:
-        from .stages import TASK_STAGES
+        from pipeline.stages import TASK_STAGES
 
         task = next((t for t, stages in TASK_STAGES.items() if stage in stages), stage)
         self.p(f"**{NOT_RUN}**: the `{stage}` stage has no manifest in this work dir (`invoke {task}` runs it).")
@@ -559,7 +559,7 @@ def _section_repository(doc: Doc, work_dir: Path, m: Optional[dict]) -> None:
 def _model_config(path: Path) -> dict:
     """What a reader wants from a config.pbtxt (parsed as the ModelConfig protobuf it was written from)."""
     try:
-        from .publish import read_config
+        from pipeline.serving.publish import read_config
 
         msg = read_config(path)
     except Exception:  # noqa: BLE001 - an unreadable config is shown as unknown, the report still renders
@@ -760,7 +760,7 @@ def write_report(work_dir: Path, out_dir: Path, loaded=None) -> dict:
 
 def print_summary(config: Optional[str], overrides, work_root: Path) -> None:
     """What `invoke all` prints last: where the report is and its five lines."""
-    from .cli import open_runner
+    from pipeline.commands import open_runner
 
     work_dir = open_runner(config, overrides, work_root).work_dir
     m = _json(work_dir / "report" / constants.MANIFEST_FILE)

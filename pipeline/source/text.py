@@ -16,10 +16,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import constants
-from .config import FilesText, LoadedConfig, PydocTopicsText, TextSection
-from .errors import InputError
-from .fsutil import HashCache, sha256_bytes
+from pipeline import constants
+from pipeline.config import FilesText, LoadedConfig, PydocTopicsText, TextSection
+from pipeline.errors import InputError
+from pipeline.fsutil import HashCache, sha256_bytes
 
 log = logging.getLogger(__name__)
 
