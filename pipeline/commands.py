@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from pipeline import constants
+from pipeline import artifacts, constants
 from pipeline.config import LoadedConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.fsutil import remove_tree
@@ -88,12 +88,12 @@ def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> P
     runner = open_runner(config, overrides, work_root)
     with WorkDirLock(runner.work_dir):
         for child in runner.work_dir.iterdir():
-            if child.name == constants.LOCK_FILE:
+            if child.name == artifacts.LOCK_FILE:
                 continue
             if child.is_dir():
                 remove_tree(child)
             else:
                 child.unlink()
-    (runner.work_dir / constants.LOCK_FILE).unlink(missing_ok=True)
+    (runner.work_dir / artifacts.LOCK_FILE).unlink(missing_ok=True)
     runner.work_dir.rmdir()
     return runner.work_dir

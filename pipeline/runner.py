@@ -29,9 +29,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pipeline import __version__, constants
+from pipeline import __version__, artifacts
 from pipeline.config import LoadedConfig
-from pipeline.errors import InputError, PipelineError, StageFailed, StageNotBuilt, WorkDirBusy
+from pipeline.errors import (
+    InputError,
+    PipelineError,
+    StageFailed,
+    StageNotBuilt,
+    WorkDirBusy,
+)
 from pipeline.fsutil import (
     HashCache,
     atomic_write_json,
@@ -117,7 +123,7 @@ class WorkDirLock:
     """An exclusive flock on <work_dir>/.lock, released when the process ends (even on kill -9)."""
 
     def __init__(self, work_dir: Path):
-        self.path = work_dir / constants.LOCK_FILE
+        self.path = work_dir / artifacts.LOCK_FILE
         self._fd: Optional[int] = None
 
     def __enter__(self) -> "WorkDirLock":
@@ -150,7 +156,7 @@ class Runner:
         self.stages = {s.name: s for s in stages}
         self.order = [s.name for s in stages]  # stages are listed in dependency order
         self.work_dir = Path(work_root) / loaded.name
-        self.hash_cache = HashCache(self.work_dir / constants.HASH_CACHE_FILE)
+        self.hash_cache = HashCache(self.work_dir / artifacts.HASH_CACHE_FILE)
 
     # ------------------------------------------------------------ inspection
 
@@ -174,7 +180,7 @@ class Runner:
         return self.work_dir / name
 
     def read_manifest(self, name: str) -> Optional[dict]:
-        path = self.stage_dir(name) / constants.MANIFEST_FILE
+        path = self.stage_dir(name) / artifacts.MANIFEST_FILE
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
@@ -207,7 +213,7 @@ class Runner:
         manifest = self.read_manifest(name)
         if manifest is None:
             return StageStatus(name, False, ["never run (no manifest)"])
-        if manifest.get("format_version") != constants.MANIFEST_FORMAT_VERSION:
+        if manifest.get("format_version") != artifacts.MANIFEST_FORMAT_VERSION:
             return StageStatus(name, False, ["manifest from another pipeline format version"], manifest)
         if manifest.get("status") != "ok":
             return StageStatus(name, False, [f"last run ended with status {manifest.get('status')}"], manifest)
@@ -292,7 +298,7 @@ class Runner:
 
     def _clear_leftovers(self) -> None:
         """Staging folders left by an interrupted run (Ctrl-C, kill -9) never reached a final path."""
-        for sub in (constants.STAGING_DIR, constants.TRASH_DIR):
+        for sub in (artifacts.STAGING_DIR, artifacts.TRASH_DIR):
             d = self.work_dir / sub
             if d.is_dir():
                 for child in d.iterdir():
@@ -312,9 +318,9 @@ class Runner:
         why = "forced (--force)" if force else "; ".join(st.reasons)
         echo(f"{stage.name}: running ({why})")
 
-        staging = self.work_dir / constants.STAGING_DIR / f"{stage.name}-{uuid.uuid4().hex[:8]}"
+        staging = self.work_dir / artifacts.STAGING_DIR / f"{stage.name}-{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
-        handler = logging.FileHandler(staging / constants.STAGE_LOG_FILE, encoding="utf-8")
+        handler = logging.FileHandler(staging / artifacts.STAGE_LOG_FILE, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler.setLevel(logging.INFO)
         root_logger = logging.getLogger()
@@ -356,13 +362,13 @@ class Runner:
 
         files = {}
         # the log is kept beside the artifacts but is not one: its timestamps differ on every run
-        for rel in list_files(staging, exclude=[constants.MANIFEST_FILE, constants.STAGE_LOG_FILE]):
+        for rel in list_files(staging, exclude=[artifacts.MANIFEST_FILE, artifacts.STAGE_LOG_FILE]):
             p = staging / rel
             st_ = p.stat()
             files[rel] = {"sha256": sha256_file(p), "size_bytes": st_.st_size, "mtime_ns": st_.st_mtime_ns}
         finished = datetime.now(timezone.utc)
         manifest = {
-            "format_version": constants.MANIFEST_FORMAT_VERSION,
+            "format_version": artifacts.MANIFEST_FORMAT_VERSION,
             "stage": stage.name,
             "status": "ok",
             "config_name": self.loaded.name,
@@ -381,7 +387,7 @@ class Runner:
             "finished_at": finished.isoformat(timespec="seconds"),
             "duration_s": round((finished - started).total_seconds(), 3),
         }
-        atomic_write_json(staging / constants.MANIFEST_FILE, manifest)
+        atomic_write_json(staging / artifacts.MANIFEST_FILE, manifest)
         fsync_tree(staging)
         self._swap_into_place(stage.name, staging)
         echo(f"{stage.name}: done in {manifest['duration_s']:.1f} s -> {self.stage_dir(stage.name)}")
@@ -411,14 +417,14 @@ class Runner:
         }
         manifest["hand_edited"] = sorted(set(manifest.get("hand_edited", [])) | set(st.edited))
         manifest["summary"] = {**manifest.get("summary", {}), **figures, "hand_edited": True}
-        atomic_write_json(root / constants.MANIFEST_FILE, manifest)
+        atomic_write_json(root / artifacts.MANIFEST_FILE, manifest)
         echo(f"{stage.name}: using the hand-edited {files} (checked; stages after it will rerun)")
         return manifest
 
     def _swap_into_place(self, name: str, staging: Path) -> None:
         final = self.stage_dir(name)
         if final.exists():
-            trash = self.work_dir / constants.TRASH_DIR / f"{name}-{uuid.uuid4().hex[:8]}"
+            trash = self.work_dir / artifacts.TRASH_DIR / f"{name}-{uuid.uuid4().hex[:8]}"
             trash.parent.mkdir(parents=True, exist_ok=True)
             os.replace(final, trash)
             os.replace(staging, final)
@@ -429,7 +435,7 @@ class Runner:
             fsync_dir(self.work_dir)
 
     def _keep_failed_log(self, name: str, staging: Path) -> Path:
-        src = staging / constants.STAGE_LOG_FILE
+        src = staging / artifacts.STAGE_LOG_FILE
         dst = self.work_dir / "logs" / f"{name}.failed.log"
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_file():

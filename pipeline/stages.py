@@ -6,7 +6,7 @@ runner says so (with its issue number) instead of pretending.
 
 from __future__ import annotations
 
-from pipeline import constants
+from pipeline import artifacts
 from pipeline.runner import StageContext, StageDef
 
 
@@ -19,7 +19,7 @@ def _run_model(ctx: StageContext) -> dict:
 def _run_text(ctx: StageContext) -> dict:
     from pipeline.source.text import prepare_text
 
-    return prepare_text(ctx.config.text, ctx.upstream("model") / constants.MODEL_DIR, ctx.out_dir)
+    return prepare_text(ctx.config.text, ctx.upstream("model") / artifacts.MODEL_DIR, ctx.out_dir)
 
 
 def _run_sensitivity(ctx: StageContext) -> dict:
@@ -29,10 +29,10 @@ def _run_sensitivity(ctx: StageContext) -> dict:
 
     cfg = ctx.config
     summary, peak_rss = run_in_child(
-        run_analysis, ctx.upstream("model") / constants.MODEL_DIR,
-        ctx.upstream("text") / constants.CALIBRATION_TOKENS_FILE, cfg.sensitivity, cfg.quantization, ctx.out_dir,
+        run_analysis, ctx.upstream("model") / artifacts.MODEL_DIR,
+        ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE, cfg.sensitivity, cfg.quantization, ctx.out_dir,
         cfg.plan.decision_format or decision_format(cfg.quantization), cfg.build.target,
-        log_path=ctx.out_dir / constants.STAGE_LOG_FILE,
+        log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE,
     )
     return {**summary, "peak_rss_bytes": peak_rss}
 
@@ -40,12 +40,12 @@ def _run_sensitivity(ctx: StageContext) -> dict:
 def _run_plan(ctx: StageContext) -> dict:
     import json
 
+    from pipeline import artifacts
     from pipeline.quant.plan import make_plan, plan_markdown, write_plan
     from pipeline.quant.plots import error_bars_png
-    from pipeline.quant.sensitivity import TABLE_JSON
 
     cfg = ctx.config
-    table = json.loads((ctx.upstream("sensitivity") / TABLE_JSON).read_text())
+    table = json.loads((ctx.upstream("sensitivity") / artifacts.SENSITIVITY_TABLE_JSON).read_text())
     doc = make_plan(table, cfg.plan, cfg.sensitivity, cfg.quantization)
     write_plan(doc, ctx.out_dir, cfg.name)
     (ctx.out_dir / "plan.md").write_text(plan_markdown(doc))
@@ -55,17 +55,16 @@ def _run_plan(ctx: StageContext) -> dict:
 
 
 def _run_quantize(ctx: StageContext) -> dict:
+    from pipeline import artifacts
     from pipeline.child import run_in_child
-    from pipeline.quant.plan import PLAN_FILE
     from pipeline.quant.quantize import run_quantize
-    from pipeline.quant.sensitivity import TABLE_JSON
 
     cfg = ctx.config
     summary, peak_rss = run_in_child(
-        run_quantize, ctx.upstream("model") / constants.MODEL_DIR,
-        ctx.upstream("text") / constants.CALIBRATION_TOKENS_FILE, ctx.upstream("text") / constants.EVALUATION_TOKENS_FILE,
-        ctx.upstream("plan") / PLAN_FILE, ctx.upstream("sensitivity") / TABLE_JSON, cfg.quantization, cfg.build,
-        ctx.out_dir, log_path=ctx.out_dir / constants.STAGE_LOG_FILE,
+        run_quantize, ctx.upstream("model") / artifacts.MODEL_DIR,
+        ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE, ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
+        ctx.upstream("plan") / artifacts.PLAN_FILE, ctx.upstream("sensitivity") / artifacts.SENSITIVITY_TABLE_JSON, cfg.quantization, cfg.build,
+        ctx.out_dir, log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE,
     )
     return {**summary, "peak_rss_bytes": peak_rss}
 
@@ -76,7 +75,7 @@ def _run_build(ctx: StageContext) -> dict:
     cfg = ctx.config
     ckpt = ctx.upstream("quantize") / "trtllm_checkpoint"
     if cfg.build.target == "cpu":
-        return build_cpu(ckpt, ctx.upstream("model") / constants.MODEL_DIR, cfg, ctx.out_dir)
+        return build_cpu(ckpt, ctx.upstream("model") / artifacts.MODEL_DIR, cfg, ctx.out_dir)
     from pipeline.engines import trtllm
 
     if cfg.build.target == "tensorrt":
@@ -85,7 +84,9 @@ def _run_build(ctx: StageContext) -> dict:
 
 
 def _build_preflight(loaded) -> None:
-    from pipeline.engines.trtllm import preflight  # GPU targets: a GPU and TensorRT-LLM here, or stop before any work
+    from pipeline.engines.trtllm import (
+        preflight,  # GPU targets: a GPU and TensorRT-LLM here, or stop before any work
+    )
 
     preflight(loaded)
 
@@ -97,7 +98,7 @@ def _run_publish(ctx: StageContext) -> dict:
     # stage's folder, which the runner replaces on every run: see pipeline/serving/publish.py
     work_dir = ctx.upstream("build").parent
     return publish(ctx.config, ctx.loaded.name, work_dir, ctx.upstream("build"),
-                   ctx.upstream("model") / constants.MODEL_DIR, ctx.out_dir)
+                   ctx.upstream("model") / artifacts.MODEL_DIR, ctx.out_dir)
 
 
 def _run_verify(ctx: StageContext) -> dict:
@@ -109,12 +110,14 @@ def _run_verify(ctx: StageContext) -> dict:
 def _run_bench(ctx: StageContext) -> dict:
     from pipeline.serving.bench import run_bench
 
-    return run_bench(ctx.config, ctx.upstream("publish"), ctx.upstream("text") / constants.EVALUATION_TEXT_FILE,
+    return run_bench(ctx.config, ctx.upstream("publish"), ctx.upstream("text") / artifacts.EVALUATION_TEXT_FILE,
                      ctx.upstream("build"), ctx.out_dir)
 
 
 def _bench_fingerprint(loaded, hash_cache):
-    from pipeline.serving.bench import compare_fingerprint  # the comparison baseline is an input outside this work dir
+    from pipeline.serving.bench import (
+        compare_fingerprint,  # the comparison baseline is an input outside this work dir
+    )
 
     return compare_fingerprint(loaded.config.bench)
 
@@ -128,11 +131,11 @@ def _run_report(ctx: StageContext) -> dict:
 def _check_edited_plan(stage_dir) -> dict:
     import json
 
-    from pipeline.quant.plan import PLAN_FILE, read_plan
-    from pipeline.quant.sensitivity import TABLE_JSON
+    from pipeline import artifacts
+    from pipeline.quant.plan import read_plan
 
-    layers = [l["name"] for l in json.loads((stage_dir.parent / "sensitivity" / TABLE_JSON).read_text())["layers"]]
-    doc = read_plan(stage_dir / PLAN_FILE, layers)
+    layers = [l["name"] for l in json.loads((stage_dir.parent / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON).read_text())["layers"]]
+    doc = read_plan(stage_dir / artifacts.PLAN_FILE, layers)
     kept = [n for n, e in doc["layers"].items() if e["format"] == "high_precision"]
     return {"kept_high_precision": len(kept), "kept_high_precision_layers": kept}
 
@@ -179,13 +182,6 @@ STAGES: list[StageDef] = [
 ]
 
 # invoke task -> the stages it runs (with their upstream stages, as needed)
-TASK_STAGES: dict[str, tuple[str, ...]] = {
-    "download": ("model", "text"),
-    "sensitivity": ("sensitivity", "plan"),
-    "quantize": ("quantize",),
-    "build": ("build",),
-    "publish": ("publish",),
-    "verify": ("verify",),
-    "bench": ("bench",),
-    "report": ("report",),
-}
+TASK_STAGES: dict[str, tuple[str, ...]] = {}
+for _stage, _task in artifacts.STAGE_TASK.items():
+    TASK_STAGES[_task] = TASK_STAGES.get(_task, ()) + (_stage,)

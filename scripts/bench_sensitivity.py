@@ -72,7 +72,11 @@ def job_sensitivity(model_dir: str, calib: str, config: str, conn) -> None:
     from safetensors.numpy import load_file
 
     from pipeline.config import load_config
-    from pipeline.quant.sensitivity import _return_freed_memory_to_the_os, analyse, fusion_groups_for
+    from pipeline.quant.sensitivity import (
+        _return_freed_memory_to_the_os,
+        analyse,
+        fusion_groups_for,
+    )
 
     cfg = load_config(config).config
     ids = load_file(calib)["input_ids"]

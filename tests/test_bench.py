@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline import artifacts
 from pipeline.serving import bench
 from pipeline.serving.bench import (
     RequestRecord,
@@ -187,7 +188,7 @@ def test_bench_stage_on_a_real_server(published_tiny):
     said = []
     runner.run(["bench"], echo=said.append)
     out = runner.work_dir / "bench"
-    results = json.loads((out / bench.RESULTS_FILE).read_text())
+    results = json.loads((out / artifacts.BENCH_RESULTS_FILE).read_text())
     manifest = json.loads((out / "manifest.json").read_text())
     (t,) = results["targets"]
     assert [l["concurrency"] for l in t["levels"]] == [1, 2, 4]
@@ -225,7 +226,7 @@ def test_bench_drives_an_existing_server(published_tiny):
         loaded = load_config(cfg, small + [f"bench.grpc_url={server.grpc_url}",
                                            f"bench.metrics_url={server.metrics_url}"])
         Runner(loaded, STAGES, runner.work_dir.parent).run(["bench"], echo=lambda s: None)
-    (t,) = json.loads((runner.work_dir / "bench" / bench.RESULTS_FILE).read_text())["targets"]
+    (t,) = json.loads((runner.work_dir / "bench" / artifacts.BENCH_RESULTS_FILE).read_text())["targets"]
     assert t["server"] == f"existing server at {server.grpc_url}"
     assert [l["errors"] for l in t["levels"]] == [0, 0]
     assert all(l["triton"]["tiny_stream"]["requests"] == 2 for l in t["levels"])
@@ -251,7 +252,7 @@ def test_comparison_mode_alternates_two_servers(published_tiny, tmp_path):
                                                f"bench.compare_repository={base.work_dir}"]), STAGES,
                  runner.work_dir.parent)
     cmp.run(["bench"], echo=lambda s: None)
-    results = json.loads((cmp.work_dir / "bench" / bench.RESULTS_FILE).read_text())
+    results = json.loads((cmp.work_dir / "bench" / artifacts.BENCH_RESULTS_FILE).read_text())
     this, baseline = results["targets"]
     assert baseline["repository"] == str(repo) and baseline["label"] == "baseline"
     assert this["repository_digest"] != baseline["repository_digest"]

@@ -19,7 +19,12 @@ from pipeline.config import QuantizationSection  # noqa: E402
 from pipeline.errors import IntegrityError  # noqa: E402
 from pipeline.quant.checkpoint import rebuild, unpack_int4  # noqa: E402
 from pipeline.quant.plan import HIGH_PRECISION  # noqa: E402
-from pipeline.quant.quantize import _calibrate_phase, _check_export, calibration_phases, modelopt_config  # noqa: E402
+from pipeline.quant.quantize import (  # noqa: E402
+    _calibrate_phase,
+    _check_export,
+    calibration_phases,
+    modelopt_config,
+)
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")

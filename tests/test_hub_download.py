@@ -17,7 +17,7 @@ import pytest
 from conftest import run_invoke, tree_snapshot, write_yaml
 from fake_hub import FakeHub
 
-from pipeline import constants
+from pipeline import artifacts, constants
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, InputError, IntegrityError
 from pipeline.runner import Runner
@@ -115,11 +115,11 @@ def model_dir(work_root: Path) -> Path:
 
 
 def manifest(work_root: Path) -> dict:
-    return json.loads((model_dir(work_root) / constants.MANIFEST_FILE).read_text())
+    return json.loads((model_dir(work_root) / artifacts.MANIFEST_FILE).read_text())
 
 
 def hf_files(work_root: Path) -> dict[str, bytes]:
-    root = model_dir(work_root) / constants.MODEL_DIR
+    root = model_dir(work_root) / artifacts.MODEL_DIR
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
@@ -160,7 +160,7 @@ def test_download_main_records_sha_checks_and_reuses(hub, tmp_path, model_files,
     # the folder was inspected, and its facts recorded
     assert m["summary"]["model"] == model_facts
     assert model_facts["architecture"] == "LlamaForCausalLM" and model_facts["num_hidden_layers"] == 2
-    assert sorted(m["outputs"]["files"]) == sorted(f"{constants.MODEL_DIR}/{n}" for n in model_files)
+    assert sorted(m["outputs"]["files"]) == sorted(f"{artifacts.MODEL_DIR}/{n}" for n in model_files)
 
     # a second run: the revision is resolved again (metadata only), nothing is downloaded or rewritten
     before = tree_snapshot(model_dir(work))
@@ -225,7 +225,7 @@ def test_corrupt_download_is_refused_and_evicted(hub, tmp_path, model_files):
         run_model(cfg, work)
     assert WEIGHTS in str(err.value) and "corrupt" in str(err.value)
     assert not model_dir(work).exists()
-    assert list((work / NAME / constants.STAGING_DIR).iterdir()) == []
+    assert list((work / NAME / artifacts.STAGING_DIR).iterdir()) == []
     assert (work / NAME / "logs" / "model.failed.log").is_file()
     assert not blob_path(tmp_path, good).exists(), "the bad blob must not stay in the cache"
     assert blob_path(tmp_path, model_files["config.json"], lfs=False).is_file()  # the good ones stay
@@ -384,7 +384,7 @@ def test_invoke_download_subprocess(hub, tmp_path, model_files):
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "model: done" in ok.stdout and "text: done" in ok.stdout, ok.stdout
     assert hf_files(work) == model_files
-    assert (work / NAME / "text" / constants.CALIBRATION_TOKENS_FILE).is_file()
+    assert (work / NAME / "text" / artifacts.CALIBRATION_TOKENS_FILE).is_file()
     assert sorted(hub.downloaded_files(REPO)) == sorted(model_files)
 
     bad = run_invoke("download", "--config", str(cfg), "--work-root", str(work),

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import DEFAULT_CONFIG, REPO, run_invoke
 
+from pipeline import artifacts
 from pipeline.config import BuildSection, load_config
 from pipeline.errors import ConfigError, InputError
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
@@ -66,7 +67,7 @@ def make_published(work_root: Path, config_name: str = DEFAULT_NAME, target: str
     for key, value in (params if parameters is None else parameters).items():
         cfg.parameters[key].string_value = value
     (repo / llm / "config.pbtxt").write_text(text_format.MessageToString(cfg))
-    files = {rel: sha256_file(repo / rel) for rel in list_files(repo) if rel != img.PROVENANCE_FILE}
+    files = {rel: sha256_file(repo / rel) for rel in list_files(repo) if rel != artifacts.PROVENANCE_FILE}
     prov = {
         "pipeline_version": "0.1.0", "config_name": config_name, "model_name": "smollm2",
         "models": ["smollm2", llm], "version": 1,
@@ -79,7 +80,7 @@ def make_published(work_root: Path, config_name: str = DEFAULT_NAME, target: str
         "repository_digest": digest_of_files(files),
     }
     prov.update(prov_overrides)
-    (repo / img.PROVENANCE_FILE).write_text(json.dumps(prov, indent=2))
+    (repo / artifacts.PROVENANCE_FILE).write_text(json.dumps(prov, indent=2))
     return repo
 
 

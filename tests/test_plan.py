@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import PlanBudget, PlanRule, PlanSection, QuantizationSection, SensitivitySection
+from pipeline.config import (
+    PlanBudget,
+    PlanRule,
+    PlanSection,
+    QuantizationSection,
+    SensitivitySection,
+)
 from pipeline.errors import InputError
 from pipeline.quant.plan import HIGH_PRECISION, _bytes, make_plan
 

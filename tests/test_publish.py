@@ -20,6 +20,7 @@ import pytest
 import yaml
 from conftest import tiny_config, tree_snapshot
 
+from pipeline import artifacts
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UserError
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
@@ -33,7 +34,7 @@ ENGINE_STAND_IN = b"stand-in for rank0.engine: publish copies it, nothing loads 
 def make_build(work: Path, target: str, tokenizer_dir: Path, **overrides) -> Path:
     """<work>/build as the build stage leaves it for ``target``, and <work>/model/hf_model's tokenizer."""
     build = work / "build"
-    artifact = build / pub.ARTIFACT_DIRS[target]
+    artifact = build / artifacts.ARTIFACT_DIRS[target]
     artifact.mkdir(parents=True)
     hf = work / "model" / "hf_model"
     hf.mkdir(parents=True)
@@ -49,7 +50,7 @@ def make_build(work: Path, target: str, tokenizer_dir: Path, **overrides) -> Pat
         (artifact / "config.json").write_text(json.dumps({"version": "1.2.1", "build_config": {}}))
         (artifact / "rank0.engine").write_bytes(ENGINE_STAND_IN)
     else:
-        (artifact / pub.LLM_API_OPTIONS_FILE).write_text(yaml.safe_dump({
+        (artifact / artifacts.LLM_API_OPTIONS_FILE).write_text(yaml.safe_dump({
             "max_batch_size": 4, "max_num_tokens": 256, "max_seq_len": 128,
             "cuda_graph_config": {"batch_sizes": [1, 2, 4], "enable_padding": True},
             "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.85, "enable_block_reuse": False,
@@ -58,7 +59,7 @@ def make_build(work: Path, target: str, tokenizer_dir: Path, **overrides) -> Pat
         (artifact / "checkpoint" / "config.json").write_text("{}")
         (artifact / "checkpoint" / "hf_quant_config.json").write_text("{}")
     settings = {
-        "target": target, "artifact_dir": pub.ARTIFACT_DIRS[target],
+        "target": target, "artifact_dir": artifacts.ARTIFACT_DIRS[target],
         "max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 256,
         "kv_cache": {"quant_algo": "FP8" if target == "pytorch" else "INT8", "tokens_per_block": 32,
                      "free_gpu_memory_fraction": 0.85, "enable_block_reuse": False},
@@ -70,7 +71,7 @@ def make_build(work: Path, target: str, tokenizer_dir: Path, **overrides) -> Pat
         "checkpoint_sha256": "ab" * 32,
     }
     settings.update(overrides)
-    (build / pub.SETTINGS_FILE).write_text(json.dumps(settings))
+    (build / artifacts.BUILD_SETTINGS_FILE).write_text(json.dumps(settings))
     return build
 
 
@@ -102,7 +103,7 @@ def setup(tmp_path, tiny_model_dir, tiny_tokenizer_dir):
         out = work / ".staging" / f"publish-{next(counter)}"
         out.mkdir(parents=True)
         summary = pub.publish(config, name, work, work / "build", work / "model" / "hf_model", out)
-        return summary, out / pub.MODEL_REPOSITORY_DIR
+        return summary, out / artifacts.MODEL_REPOSITORY_DIR
 
     return load, work, run
 
@@ -154,18 +155,18 @@ def test_cpu_repository_configs_parse_back_and_wire_the_ensemble(setup):
 def test_provenance_follows_the_contract_and_the_live_repository_matches(setup):
     load, work, run = setup
     summary, snap = run(load("cpu"))
-    prov = json.loads((snap / pub.PROVENANCE_FILE).read_text())
+    prov = json.loads((snap / artifacts.PROVENANCE_FILE).read_text())
     assert set(prov) >= {"pipeline_version", "config_name", "model_name", "version", "model_source", "plan_sha256",
                          "quantization", "checkpoint_sha256", "build", "repository_digest"}
     assert prov["config_name"] == "tiny" and prov["model_name"] == "llm" and prov["version"] == 1
     assert prov["quantization"] == {"weight_format": "int8_sq", "kv_cache": "int8"}
     assert prov["build"]["target"] == "cpu" and prov["checkpoint_sha256"] == "ab" * 32
-    files = {rel: sha256_file(snap / rel) for rel in list_files(snap) if rel != pub.PROVENANCE_FILE}
+    files = {rel: sha256_file(snap / rel) for rel in list_files(snap) if rel != artifacts.PROVENANCE_FILE}
     assert prov["repository_digest"] == digest_of_files(files)
-    live = work / pub.DEFAULT_REPOSITORY_DIR
+    live = work / artifacts.DEFAULT_REPOSITORY_DIR
     assert summary["repository_dir"] == str(live)
-    assert {r for r in list_files(live) if r != pub.PROVENANCE_FILE} == set(files)
-    assert json.loads((live / pub.PROVENANCE_FILE).read_text())["versions"] == [1]
+    assert {r for r in list_files(live) if r != artifacts.PROVENANCE_FILE} == set(files)
+    assert json.loads((live / artifacts.PROVENANCE_FILE).read_text())["versions"] == [1]
 
 
 @pytest.mark.parametrize("target", ["tensorrt", "pytorch"])
@@ -174,7 +175,7 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
     load, work, run = setup
     config = load(target, "triton.serving_repository_path=/models", "build.trtllm_version=1.2.1")
     summary, snap = run(config)
-    settings = json.loads((work / "build" / pub.SETTINGS_FILE).read_text())
+    settings = json.loads((work / "build" / artifacts.BUILD_SETTINGS_FILE).read_text())
     names = pub.model_names("llm")
     configs = _configs(snap)
     llm = configs[names.tensorrt_llm]
@@ -200,15 +201,15 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
         assert not (snap / names.tensorrt_llm / "1" / "model.py").exists()
     else:
         assert llm.backend == "python" and llm.instance_group[0].kind == llm.instance_group[0].KIND_MODEL
-        assert params == {"checkpoint_dir": "checkpoint", "llm_api_options": pub.LLM_API_OPTIONS_FILE}
+        assert params == {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE}
         v1 = snap / names.tensorrt_llm / "1"
-        assert (v1 / pub.LLM_API_OPTIONS_FILE).read_bytes() == \
-            (work / "build" / "llm_api" / pub.LLM_API_OPTIONS_FILE).read_bytes()
+        assert (v1 / artifacts.LLM_API_OPTIONS_FILE).read_bytes() == \
+            (work / "build" / "llm_api" / artifacts.LLM_API_OPTIONS_FILE).read_bytes()
         assert (v1 / "checkpoint" / "hf_quant_config.json").is_file()
         code = (v1 / "model.py").read_text()
         assert "import tensorrt_llm" not in code.split("class ")[0]  # never imported at module level
         assert "from tensorrt_llm import" in code
-    prov = json.loads((snap / pub.PROVENANCE_FILE).read_text())
+    prov = json.loads((snap / artifacts.PROVENANCE_FILE).read_text())
     assert prov["build"] == {"target": target, "trtllm_version": "1.2.1", "provenance": {"gpu": "stand-in"}}
 
 
@@ -219,7 +220,7 @@ def setup_yaml(work: Path) -> Path:
 def test_each_publish_adds_a_version_and_old_ones_are_pruned(setup):
     load, work, run = setup
     config = load("cpu", "triton.keep_versions=3")
-    live = work / pub.DEFAULT_REPOSITORY_DIR
+    live = work / artifacts.DEFAULT_REPOSITORY_DIR
     for expect in (1, 2, 3, 4):
         summary, snap = run(config)
         assert summary["version"] == expect
@@ -227,7 +228,7 @@ def test_each_publish_adds_a_version_and_old_ones_are_pruned(setup):
     names = pub.model_names("llm")
     for name in names.all():
         assert pub._versions(live / name) == [2, 3, 4], name
-    prov = json.loads((live / pub.PROVENANCE_FILE).read_text())
+    prov = json.loads((live / artifacts.PROVENANCE_FILE).read_text())
     assert prov["version"] == 4 and prov["versions"] == [2, 3, 4]
     assert [h["version"] for h in prov["history"]] == [2, 3, 4]
     a = live / names.tensorrt_llm / "2" / "cpu_bundle" / "checkpoint" / "rank0.safetensors"
@@ -259,7 +260,7 @@ def test_a_publish_killed_midway_leaves_the_previous_repository(setup, point):
     load, work, run = setup
     config = load("cpu")
     run(config)
-    live = work / pub.DEFAULT_REPOSITORY_DIR
+    live = work / artifacts.DEFAULT_REPOSITORY_DIR
     before = tree_snapshot(live)
     proc = subprocess.run([sys.executable, "-c", KILL_AT, point, str(setup_yaml(work)), str(work)],
                           capture_output=True, text=True, timeout=300)
@@ -279,7 +280,7 @@ def test_refuses_a_target_the_build_did_not_make(setup):
     (work / "build" / "engine" / "rank0.engine").unlink()
     with pytest.raises(InputError, match="target/engine mismatch.*rank0.engine"):
         run(config)
-    assert not (work / pub.DEFAULT_REPOSITORY_DIR).exists()
+    assert not (work / artifacts.DEFAULT_REPOSITORY_DIR).exists()
 
 
 def test_refuses_an_engine_from_another_tensorrt_llm(setup):
@@ -343,7 +344,7 @@ def test_reload_asks_the_configured_server_and_says_when_it_cannot(setup):
     config = load("cpu", f"triton.server_url=http://127.0.0.1:{free_port()}")
     with pytest.raises(EnvironmentProblem, match="published, but the server .* could not be reached"):
         run(config)
-    assert pub._versions(work / pub.DEFAULT_REPOSITORY_DIR / "llm") == [1]
+    assert pub._versions(work / artifacts.DEFAULT_REPOSITORY_DIR / "llm") == [1]
 
 
 def test_the_atomic_exchange_swaps_two_folders(tmp_path):

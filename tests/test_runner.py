@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from conftest import DEFAULT_CONFIG, REPO
 
-from pipeline import constants
+from pipeline import artifacts
 from pipeline.config import load_config
 from pipeline.errors import InputError, StageFailed, StageNotBuilt, WorkDirBusy
 from pipeline.runner import Runner, StageDef, WorkDirLock
@@ -57,8 +57,8 @@ def test_runs_then_skips_and_says_why(tmp_path):
     assert any("first: running (never run" in s for s in said)
     work = tmp_path / "smollm2-135m-cpu"
     assert (work / "second" / "out.txt").read_text() == "n=32 b=8"
-    m = json.loads((work / "second" / constants.MANIFEST_FILE).read_text())
-    assert m["status"] == "ok" and m["format_version"] == constants.MANIFEST_FORMAT_VERSION
+    m = json.loads((work / "second" / artifacts.MANIFEST_FILE).read_text())
+    assert m["status"] == "ok" and m["format_version"] == artifacts.MANIFEST_FORMAT_VERSION
     assert m["outputs"]["files"]["out.txt"]["size_bytes"] == len("n=32 b=8")
     assert m["inputs"]["upstream"]["first"] == json.loads((work / "first" / "manifest.json").read_text())["outputs"]["digest"]
     assert "python" in m["tool_versions"] and m["summary"] == {"wrote": "second"}
@@ -126,7 +126,7 @@ def test_failure_keeps_previous_outputs_and_the_log(tmp_path):
     assert (work / "second" / "out.txt").read_text() == before
     assert not (work / "second" / "partial.txt").exists()
     assert "about to fail" in (work / "logs" / "second.failed.log").read_text()
-    assert list((work / constants.STAGING_DIR).iterdir()) == []
+    assert list((work / artifacts.STAGING_DIR).iterdir()) == []
 
 
 def test_input_changed_mid_run_is_refused(tmp_path):
@@ -187,11 +187,11 @@ def test_kill_9_mid_stage_leaves_no_output_and_next_run_redoes_it(tmp_path):
             proc.kill()
     work = tmp_path / "smollm2-135m-cpu"
     assert not (work / "first").exists()
-    assert len(list((work / constants.STAGING_DIR).iterdir())) == 1  # the abandoned staging dir
+    assert len(list((work / artifacts.STAGING_DIR).iterdir())) == 1  # the abandoned staging dir
     said: list[str] = []
     runner(tmp_path).run(["first"], echo=said.append)  # the lock died with the process
     assert (work / "first" / "out.txt").read_text() == "n=32"
-    assert list((work / constants.STAGING_DIR).iterdir()) == []
+    assert list((work / artifacts.STAGING_DIR).iterdir()) == []
     assert any("never run" in s for s in said)
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from safetensors.numpy import load_file
 
-from pipeline import constants
+from pipeline import artifacts
 from pipeline.config import FilesText, PydocTopicsText, TextSection, TokenSet
 from pipeline.errors import InputError
 from pipeline.source.text import load_documents, prepare_text
@@ -30,8 +30,8 @@ def _section(source, seed=0, cal=(4, 64), ev=(2, 64)):
 def _run(section, tok_dir, out):
     out.mkdir(parents=True)
     summary = prepare_text(section, tok_dir, out)
-    ids = {k: load_file(str(out / f))[constants.TOKENS_KEY] for k, f in
-           (("calibration", constants.CALIBRATION_TOKENS_FILE), ("evaluation", constants.EVALUATION_TOKENS_FILE))}
+    ids = {k: load_file(str(out / f))[artifacts.TOKENS_KEY] for k, f in
+           (("calibration", artifacts.CALIBRATION_TOKENS_FILE), ("evaluation", artifacts.EVALUATION_TOKENS_FILE))}
     return summary, ids
 
 
@@ -51,9 +51,9 @@ def test_sets_are_disjoint_shaped_and_deterministic(tmp_path, tiny_tokenizer_dir
     assert not set(s1["calibration"]["documents"]) & set(s1["evaluation"]["documents"])
     for k in ids1:
         assert (ids1[k] == ids2[k]).all()
-    assert (tmp_path / "a" / constants.CALIBRATION_TOKENS_FILE).read_bytes() == \
-        (tmp_path / "b" / constants.CALIBRATION_TOKENS_FILE).read_bytes()
-    rows = [json.loads(l) for l in (tmp_path / "a" / constants.EVALUATION_TEXT_FILE).read_text().splitlines()]
+    assert (tmp_path / "a" / artifacts.CALIBRATION_TOKENS_FILE).read_bytes() == \
+        (tmp_path / "b" / artifacts.CALIBRATION_TOKENS_FILE).read_bytes()
+    rows = [json.loads(l) for l in (tmp_path / "a" / artifacts.EVALUATION_TEXT_FILE).read_text().splitlines()]
     assert len(rows) == 2 and "document" in rows[0]["text"]
 
 

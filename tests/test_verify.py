@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_invoke, tiny_config
 
+from pipeline import artifacts
 from pipeline.config import load_config
 from pipeline.engines import reference
 from pipeline.runner import Runner
 from pipeline.serving import publish as pub
 from pipeline.serving.server import SHM_DIR, TritonServer, free_port
-from pipeline.serving.verify import RESULTS_FILE, SERVER_LOG, Expected
+from pipeline.serving.verify import Expected
 from pipeline.stages import STAGES
 
 pytest.importorskip("pytriton", reason="nvidia-pytriton provides the server")
@@ -85,7 +86,7 @@ def _generate(http_url: str, model: str, text: str = "The capital of France is",
 def test_verify_passes_every_check_on_a_real_server(tiny):
     _, _, work, said = tiny
     assert any(line.startswith("verify: done") for line in said), said
-    results = json.loads((work / "verify" / RESULTS_FILE).read_text())
+    results = json.loads((work / "verify" / artifacts.VERIFY_RESULTS_FILE).read_text())
     assert results["ok"] and results["target"] == "cpu" and results["version"] == 1
     checks = {c["name"]: c for c in results["checks"]}
     assert set(checks) == {"http_infer_ensemble", "grpc_infer_ensemble", "http_generate_ensemble",
@@ -103,7 +104,7 @@ def test_verify_passes_every_check_on_a_real_server(tiny):
     assert all(400 <= a["status"] < 500 for a in checks["malformed_requests"]["answers"].values())
     assert checks["malformed_requests"]["server_still_answering"]
     assert results["server"]["startup_s"] > 0 and results["latency"]["grpc_stream_first_piece"]["median_ms"] > 0
-    assert "successfully loaded 'llm'" in (work / "verify" / SERVER_LOG).read_text()
+    assert "successfully loaded 'llm'" in (work / "verify" / artifacts.SERVER_LOG_FILE).read_text()
     summary = json.loads((work / "verify" / "manifest.json").read_text())["summary"]
     assert summary["all_ok"] and summary["tie_divergences"] == 0
 
@@ -112,7 +113,7 @@ def test_a_wrong_token_is_caught_and_a_near_tie_is_not(tiny):
     _, _, work, _ = tiny
     from transformers import AutoTokenizer
 
-    repo = work / "publish" / pub.MODEL_REPOSITORY_DIR
+    repo = work / "publish" / artifacts.MODEL_REPOSITORY_DIR
     bundle = repo / "llm_tensorrt_llm" / "1" / "cpu_bundle"
     tok = AutoTokenizer.from_pretrained(str(repo / "llm_preprocessing" / "1" / "tokenizer"))
     expected = Expected(bundle, [tok("The capital of France is").input_ids], 8)
@@ -134,14 +135,14 @@ def test_a_wrong_token_is_caught_and_a_near_tie_is_not(tiny):
 
 def test_publishing_twice_gives_versions_1_and_2(tiny):
     cfg, work_root, work, _ = tiny
-    live = work / pub.DEFAULT_REPOSITORY_DIR
+    live = work / artifacts.DEFAULT_REPOSITORY_DIR
     assert pub._versions(live / "llm") == [1]
     said = _run(cfg, work_root, "publish")
     assert any(line.startswith("publish: done") for line in said)
     for name in pub.model_names("llm").all():
         assert pub._versions(live / name) == [1, 2], name
-    snap = work / "publish" / pub.MODEL_REPOSITORY_DIR
-    assert json.loads((snap / pub.PROVENANCE_FILE).read_text())["version"] == 2
+    snap = work / "publish" / artifacts.MODEL_REPOSITORY_DIR
+    assert json.loads((snap / artifacts.PROVENANCE_FILE).read_text())["version"] == 2
     assert pub._versions(snap / "llm") == [2]
     assert all("up to date" in line for line in _run(cfg, work_root, "publish", force=False))  # no new version
 
@@ -150,6 +151,7 @@ KILL_BEFORE_SWAP = """
 import os, signal, sys
 from pathlib import Path
 from pipeline.serving import publish as pub
+from pipeline import artifacts
 from pipeline.config import load_config
 pub.exchange_dirs = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
 work = Path(sys.argv[2])
@@ -162,7 +164,7 @@ pub.publish(config, "tiny", work, work / "build", work / "model" / "hf_model", o
 
 def test_a_killed_publish_leaves_the_previous_version_served_and_a_reload_brings_the_next(tiny):
     cfg, work_root, work, _ = tiny
-    live = work / pub.DEFAULT_REPOSITORY_DIR
+    live = work / artifacts.DEFAULT_REPOSITORY_DIR
     served = max(pub._versions(live / "llm"))
     proc = subprocess.run([sys.executable, "-c", KILL_BEFORE_SWAP, str(cfg), str(work), *TINY_SETS],
                           capture_output=True, text=True, timeout=300)
@@ -237,7 +239,7 @@ def test_default_config_publishes_and_verifies_on_a_real_server(default_work_roo
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "verify: done" in proc.stdout
     work = default_work_root / "smollm2-135m-cpu"
-    results = json.loads((work / "verify" / RESULTS_FILE).read_text())
+    results = json.loads((work / "verify" / artifacts.VERIFY_RESULTS_FILE).read_text())
     assert results["ok"] and results["model_name"] == "smollm2"
     first = next(c for c in results["checks"] if c["name"] == "http_infer_ensemble")["results"][0]
     assert "Paris" in first["text"]  # a real model, greedy: "The capital of France is Paris."

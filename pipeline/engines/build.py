@@ -19,13 +19,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline import constants
+from pipeline import artifacts
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
 
 log = logging.getLogger(__name__)
 
-SETTINGS_FILE = "build_settings.json"
-CPU_BUNDLE_DIR = "cpu_bundle"
 # files of the HF model folder the runtime and the tokenizer need (the weights come from the checkpoint)
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -66,25 +64,25 @@ def copy_model_files(model_dir: Path, dest: Path) -> list[str]:
 def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> dict:
     """Assemble the cpu bundle, smoke-test it in a child process, write build_settings.json."""
     from pipeline.child import run_in_child
-    from pipeline.engines.cpu_runtime import CHECKPOINT_SUBDIR, MODEL_SUBDIR, RUNTIME_FILE, bundle_settings
+    from pipeline.engines.cpu_runtime import bundle_settings
 
     t0 = time.perf_counter()
     b = cfg.build
     ckpt_cfg = json.loads((ckpt_dir / "config.json").read_text())
     kv_algo = ckpt_cfg.get("quantization", {}).get("kv_cache_quant_algo")
-    bundle = out_dir / CPU_BUNDLE_DIR
-    shutil.copytree(ckpt_dir, bundle / CHECKPOINT_SUBDIR)
-    copy_model_files(model_dir, bundle / MODEL_SUBDIR)
+    bundle = out_dir / artifacts.CPU_BUNDLE_DIR
+    shutil.copytree(ckpt_dir, bundle / artifacts.CPU_CHECKPOINT_SUBDIR)
+    copy_model_files(model_dir, bundle / artifacts.CPU_MODEL_SUBDIR)
     runtime = bundle_settings(b, kv_algo)
-    (bundle / RUNTIME_FILE).write_text(json.dumps(runtime, indent=2) + "\n")
-    smoke, peak_rss = run_in_child(smoke_test, bundle, log_path=out_dir / constants.STAGE_LOG_FILE)
+    (bundle / artifacts.CPU_RUNTIME_FILE).write_text(json.dumps(runtime, indent=2) + "\n")
+    smoke, peak_rss = run_in_child(smoke_test, bundle, log_path=out_dir / artifacts.STAGE_LOG_FILE)
     ckpt_hash = checkpoint_sha256(ckpt_dir)
     no_cuda_graphs = {"enabled": False, "batch_sizes": [], "enable_padding": False, "cuda_graph_mode": False,
                       "cuda_graph_cache_size": 0}
     provenance = {"runtime": "pipeline.cpu_runtime (reference, not TensorRT)", "torch": _version("torch"),
                   "transformers": _version("transformers")}
-    settings = build_settings(cfg, "cpu", CPU_BUNDLE_DIR, kv_algo, no_cuda_graphs, None, provenance, ckpt_hash)
-    (out_dir / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    settings = build_settings(cfg, "cpu", artifacts.CPU_BUNDLE_DIR, kv_algo, no_cuda_graphs, None, provenance, ckpt_hash)
+    (out_dir / artifacts.BUILD_SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     return {"target": "cpu", "checkpoint_sha256": ckpt_hash, "kv_cache_quant_algo": kv_algo,
             "kv_blocks": runtime["num_blocks"], "tokens_per_block": runtime["tokens_per_block"],
             "smoke_test": smoke, "peak_rss_bytes": peak_rss, "timing_s": round(time.perf_counter() - t0, 1)}
@@ -94,10 +92,10 @@ def smoke_test(bundle: Path) -> dict:
     """Load the bundle as the server will and generate a few greedy tokens (runs in a child process)."""
     from transformers import AutoTokenizer
 
-    from pipeline.engines.cpu_runtime import MODEL_SUBDIR, CpuRuntime, SamplingParams
+    from pipeline.engines.cpu_runtime import CpuRuntime, SamplingParams
 
     t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(bundle / MODEL_SUBDIR)
+    tok = AutoTokenizer.from_pretrained(bundle / artifacts.CPU_MODEL_SUBDIR)
     with CpuRuntime.load(bundle) as rt:
         t_load = time.perf_counter() - t0
         ids = tok(SMOKE_PROMPT).input_ids

@@ -38,13 +38,11 @@ from typing import Iterator, Optional
 
 import torch
 
+from pipeline import artifacts
 from pipeline.errors import InputError, IntegrityError
 
 log = logging.getLogger(__name__)
 
-RUNTIME_FILE = "runtime.json"
-CHECKPOINT_SUBDIR = "checkpoint"
-MODEL_SUBDIR = "model"
 KV_STORAGE = {"INT8": torch.int8, "FP8": torch.float8_e4m3fn, None: torch.float32}
 _INT8_MAX, _FP8_MAX = 127.0, 448.0
 _DONE = object()  # end-of-stream marker in a request's token queue
@@ -281,13 +279,13 @@ class CpuRuntime:
         from pipeline.quant.checkpoint import rebuild
 
         bundle = Path(bundle_dir)
-        settings_file = bundle / RUNTIME_FILE
+        settings_file = bundle / artifacts.CPU_RUNTIME_FILE
         if not settings_file.is_file():
-            raise InputError(f"{bundle} is not a cpu runtime bundle (no {RUNTIME_FILE}); run `invoke build` first")
+            raise InputError(f"{bundle} is not a cpu runtime bundle (no {artifacts.CPU_RUNTIME_FILE}); run `invoke build` first")
         settings = json.loads(settings_file.read_text())
         if threads:
             torch.set_num_threads(threads)
-        ckpt, model_dir = bundle / CHECKPOINT_SUBDIR, bundle / MODEL_SUBDIR
+        ckpt, model_dir = bundle / artifacts.CPU_CHECKPOINT_SUBDIR, bundle / artifacts.CPU_MODEL_SUBDIR
         model, facts = rebuild(ckpt, model_dir)
         model.eval()
         cfg = model.config

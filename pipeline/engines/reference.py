@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from pipeline import artifacts
+
 # logits. Measured on SmolLM2 INT8 SmoothQuant + INT8 KV (8 prompts x 24 tokens, batch 8 vs the reference):
 # divergences at gaps of 0.003-0.05. Batching changes GEMM summation order by ~1e-6; a per-tensor INT8
 # activation that sat on a rounding boundary then moves a whole step, which moves logits by up to ~0.05.
@@ -54,11 +56,11 @@ def _fake_quant_cache(config, quant_algo: str, scales: list[float]):
 
 def load_reference(bundle_dir: Path):
     """The rebuilt model, its KV-cache quant algo and per-layer KV scales, from a cpu bundle."""
-    from pipeline.engines.cpu_runtime import CHECKPOINT_SUBDIR, MODEL_SUBDIR, kv_cache_scales
+    from pipeline.engines.cpu_runtime import kv_cache_scales
     from pipeline.quant.checkpoint import rebuild
 
-    ckpt = Path(bundle_dir) / CHECKPOINT_SUBDIR
-    model, facts = rebuild(ckpt, Path(bundle_dir) / MODEL_SUBDIR)
+    ckpt = Path(bundle_dir) / artifacts.CPU_CHECKPOINT_SUBDIR
+    model, facts = rebuild(ckpt, Path(bundle_dir) / artifacts.CPU_MODEL_SUBDIR)
     algo, scales = facts.get("kv_cache_quant_algo"), None
     if algo:
         scales = kv_cache_scales(ckpt, model.config.num_hidden_layers)

@@ -32,15 +32,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+from pipeline import artifacts
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, StageFailed
 
 log = logging.getLogger(__name__)
 
-ENGINE_DIR = "engine"  # build/engine/: trtllm-build's output
-LLM_API_DIR = "llm_api"  # build/llm_api/: llm_api_options.yaml + checkpoint/
-LLM_API_OPTIONS_FILE = "llm_api_options.yaml"
-LLM_API_CHECKPOINT_DIR = "checkpoint"
-PROVENANCE_FILE = "build_provenance.json"
 BUILD_LOG_FILE = "trtllm-build.log"
 TRTLLM_BUILD = "trtllm-build"
 NVIDIA_SMI = "nvidia-smi"
@@ -744,7 +740,7 @@ def _provenance(env: Environment, ckpt_hash: str, extra: dict) -> dict:
 def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     """trtllm-build the TensorRT-LLM checkpoint into out_dir/engine (a child process, log beside it), check
     the engine directory, record provenance, write out_dir/build_settings.json; returns the stage summary."""
-    from pipeline.engines.build import SETTINGS_FILE, build_settings, checkpoint_sha256
+    from pipeline.engines.build import build_settings, checkpoint_sha256
     from pipeline.fsutil import atomic_write_json
 
     t0 = time.perf_counter()
@@ -755,7 +751,7 @@ def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     enforce_rules(cfg, gpu.sm, facts, gpu_label=f"{gpu.name} (SM {gpu.sm})")
     ckpt_hash = checkpoint_sha256(ckpt_dir)
 
-    engine_dir = out_dir / ENGINE_DIR
+    engine_dir = out_dir / artifacts.ENGINE_DIR
     cache = timing_cache_path(cfg, gpu)
     cache.parent.mkdir(parents=True, exist_ok=True)
     reused = cache.is_file()
@@ -780,10 +776,10 @@ def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     shown = [{str(ckpt_dir): "{checkpoint_dir}", str(engine_dir): "{output_dir}"}.get(a, a) for a in args]
     provenance = _provenance(env, ckpt_hash, {"engine_version": engine["engine_version"], "trtllm_build_argv": shown,
                                              "timing_cache": {"file": cache.name, "reused": reused}})
-    atomic_write_json(engine_dir / PROVENANCE_FILE, provenance)
-    settings = build_settings(cfg, "tensorrt", ENGINE_DIR, facts.kv_cache_quant_algo, cuda_graph_settings(cfg.build),
+    atomic_write_json(engine_dir / artifacts.BUILD_PROVENANCE_FILE, provenance)
+    settings = build_settings(cfg, "tensorrt", artifacts.ENGINE_DIR, facts.kv_cache_quant_algo, cuda_graph_settings(cfg.build),
                               env.trtllm_version, provenance, ckpt_hash)
-    atomic_write_json(out_dir / SETTINGS_FILE, settings)
+    atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
     return {"target": "tensorrt", "checkpoint_sha256": ckpt_hash, "quant_algo": facts.quant_algo,
             "kv_cache_quant_algo": facts.kv_cache_quant_algo, "gpu": gpu.name, "gpu_sm": gpu.sm,
             "trtllm_version": env.trtllm_version, "ranks": facts.world_size, "engine_bytes": engine["engine_bytes"],
@@ -868,7 +864,7 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     plus out_dir/build_settings.json. Nothing is compiled: the server loads the checkpoint with these options."""
     import yaml
 
-    from pipeline.engines.build import SETTINGS_FILE, build_settings, checkpoint_sha256
+    from pipeline.engines.build import build_settings, checkpoint_sha256
     from pipeline.fsutil import atomic_write_json, atomic_write_text
 
     t0 = time.perf_counter()
@@ -879,16 +875,16 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     enforce_rules(cfg, gpu.sm, facts, gpu_label=f"{gpu.name} (SM {gpu.sm})")
     opts = llm_api_options(cfg)
     ckpt_hash = checkpoint_sha256(hf_ckpt_dir)
-    dest = out_dir / LLM_API_DIR
-    shutil.copytree(hf_ckpt_dir, dest / LLM_API_CHECKPOINT_DIR)
+    dest = out_dir / artifacts.LLM_API_DIR
+    shutil.copytree(hf_ckpt_dir, dest / artifacts.LLM_API_CHECKPOINT_DIR)
     header = (f"# TensorRT-LLM {env.trtllm_version} LLM-API options (pytorch backend), written by the pipeline's "
-              f"build stage for {cfg.name}.\n# Serve {LLM_API_CHECKPOINT_DIR}/ with them, e.g. trtllm-serve "
-              f"{LLM_API_CHECKPOINT_DIR} --extra_llm_api_options {LLM_API_OPTIONS_FILE}\n")
-    atomic_write_text(dest / LLM_API_OPTIONS_FILE, header + yaml.safe_dump(opts, sort_keys=False))
+              f"build stage for {cfg.name}.\n# Serve {artifacts.LLM_API_CHECKPOINT_DIR}/ with them, e.g. trtllm-serve "
+              f"{artifacts.LLM_API_CHECKPOINT_DIR} --extra_llm_api_options {artifacts.LLM_API_OPTIONS_FILE}\n")
+    atomic_write_text(dest / artifacts.LLM_API_OPTIONS_FILE, header + yaml.safe_dump(opts, sort_keys=False))
     provenance = _provenance(env, ckpt_hash, {"llm_api_options": opts})
-    settings = build_settings(cfg, "pytorch", LLM_API_DIR, facts.kv_cache_quant_algo, cuda_graph_settings(cfg.build),
+    settings = build_settings(cfg, "pytorch", artifacts.LLM_API_DIR, facts.kv_cache_quant_algo, cuda_graph_settings(cfg.build),
                               env.trtllm_version, provenance, ckpt_hash)
-    atomic_write_json(out_dir / SETTINGS_FILE, settings)
+    atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
     return {"target": "pytorch", "checkpoint_sha256": ckpt_hash, "quant_algo": facts.quant_algo,
             "kv_cache_quant_algo": facts.kv_cache_quant_algo, "gpu": gpu.name, "gpu_sm": gpu.sm,
             "trtllm_version": env.trtllm_version, "llm_api_options": opts,

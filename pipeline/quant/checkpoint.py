@@ -38,13 +38,13 @@ import fnmatch
 import json
 from pathlib import Path
 
+from pipeline import artifacts
 from pipeline.errors import IntegrityError
 
 HF_OF = {"attention.dense": "self_attn.o_proj", "mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj",
          "mlp.proj": "mlp.down_proj"}
 NORMS = {"input_layernorm": "input_layernorm", "post_layernorm": "post_attention_layernorm"}
 ROW_PARALLEL = ("attention.dense", "mlp.proj")
-QUANT_CFG_FILE = "quant_cfg.json"
 READABLE_ALGOS = ("W8A8_SQ_PER_CHANNEL", "W8A16", "FP8", "W4A16_AWQ", "W4A8_AWQ")
 INT4_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
 # what each format must carry besides its weight (pre-quant scales are optional for SmoothQuant)
@@ -133,13 +133,13 @@ def _layer_formats(ckpt_dir: Path, qcfg: dict):
     """A function trtllm module name -> (quant_algo or None, group size), from config.json / quant_cfg.json."""
     algo = qcfg.get("quant_algo")
     if algo == "MIXED_PRECISION":
-        path = ckpt_dir / QUANT_CFG_FILE
+        path = ckpt_dir / artifacts.QUANT_CFG_FILE
         if not path.is_file():
-            raise IntegrityError(f"{ckpt_dir}: quant_algo MIXED_PRECISION without {QUANT_CFG_FILE}")
+            raise IntegrityError(f"{ckpt_dir}: quant_algo MIXED_PRECISION without {artifacts.QUANT_CFG_FILE}")
         layers = json.loads(path.read_text()).get("quantized_layers") or {}
         for name, entry in layers.items():
             if entry.get("quant_algo") not in READABLE_ALGOS:
-                raise IntegrityError(f"{name}: quant_algo {entry.get('quant_algo')} in {QUANT_CFG_FILE} cannot be "
+                raise IntegrityError(f"{name}: quant_algo {entry.get('quant_algo')} in {artifacts.QUANT_CFG_FILE} cannot be "
                                      f"read back (readable: {', '.join(READABLE_ALGOS)})")
 
         def fmt(module: str):

@@ -21,11 +21,16 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.config import DECISION_COLUMN, PlanSection, QuantizationSection, SensitivitySection
+from pipeline import artifacts
+from pipeline.config import (
+    DECISION_COLUMN,
+    PlanSection,
+    QuantizationSection,
+    SensitivitySection,
+)
 from pipeline.errors import InputError
 from pipeline.quant.sensitivity import quantized_weight_bytes
 
-PLAN_FILE = "plan.yaml"
 PLAN_FORMAT_VERSION = 1
 HIGH_PRECISION = "high_precision"
 BUDGET_GRID_BYTES = 4096
@@ -250,7 +255,7 @@ def write_plan(plan_doc: dict, out_dir: Path, config_name: str) -> None:
         f"# Each linear layer: its format (high_precision = kept in FP16/BF16) and why. You may edit `format`\n"
         f"# (one of: {', '.join(VALID_LAYER_FORMATS)}); the next stages use the edited file as it is.\n"
     )
-    (out_dir / PLAN_FILE).write_text(header + yaml.safe_dump(plan_doc, sort_keys=False, width=120))
+    (out_dir / artifacts.PLAN_FILE).write_text(header + yaml.safe_dump(plan_doc, sort_keys=False, width=120))
 
 
 def read_plan(path: Path, table_layers: list[str] | None = None) -> dict:

@@ -37,18 +37,13 @@ import shutil
 import time
 from pathlib import Path
 
+from pipeline import artifacts
 from pipeline.config import BuildSection, QuantizationSection
 from pipeline.errors import InputError, StageFailed
 from pipeline.quant.plan import HIGH_PRECISION
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "trtllm_checkpoint"
-HF_CHECKPOINT_DIR = "hf_checkpoint"
-QUANT_CFG_FILE = "quant_cfg.json"
-HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
-ACCURACY_FILE = "accuracy.json"
-GENERATIONS_FILE = "generations.md"
 EVAL_BATCH = 4
 GREEDY_PROMPTS = ("The capital of France is", "A function in Python is defined with", "Once upon a time,")
 GREEDY_NEW_TOKENS = 16
@@ -63,8 +58,6 @@ AWQ_FORMATS = ("int4_awq", "w4a8_awq")
 # TensorRT-LLM splits these on their input dim under tensor parallelism (row-parallel)
 ROW_PARALLEL = ("o_proj", "down_proj")
 # tokenizer files copied into the HF unified checkpoint, so the LLM API can serve it on its own
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 DECODER_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen"}
 # HF module -> TensorRT-LLM checkpoint module (llama family); q/k/v become one fused qkv GEMM
 TRTLLM_MODULE = {"q_proj": "attention.qkv", "k_proj": "attention.qkv", "v_proj": "attention.qkv",
@@ -348,9 +341,9 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
             problems.append(f"exclude_modules differ from the plan's high-precision layers: "
                             f"{sorted(linear_excluded ^ kept)[:4]}")
     else:
-        path = ckpt / QUANT_CFG_FILE
+        path = ckpt / artifacts.QUANT_CFG_FILE
         if q.get("quant_algo") != "MIXED_PRECISION" or not path.is_file():
-            problems.append(f"a mixed plan must export quant_algo MIXED_PRECISION with {QUANT_CFG_FILE} "
+            problems.append(f"a mixed plan must export quant_algo MIXED_PRECISION with {artifacts.QUANT_CFG_FILE} "
                             f"(found quant_algo {q.get('quant_algo')})")
         else:
             listed = json.loads(path.read_text()).get("quantized_layers") or {}
@@ -358,7 +351,7 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
             # fused q/k/v are one module in the checkpoint; check_rules made their formats agree
             expected = {trtllm_name(n): _expected_algo(e["format"], quant) for n, e in plan_doc["layers"].items()
                         if e["format"] != HIGH_PRECISION}
-            problems += _check_layer_formats(listed, expected, QUANT_CFG_FILE)
+            problems += _check_layer_formats(listed, expected, artifacts.QUANT_CFG_FILE)
     for module, dtype in dtypes.items():
         if module in kept and dtype not in ("F16", "BF16", "F32"):
             problems.append(f"{module} is kept in high precision by the plan but stored as {dtype}")
@@ -378,9 +371,9 @@ def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, m
     from transformers import AutoConfig
 
     problems = []
-    path = hf_dir / HF_QUANT_CONFIG_FILE
+    path = hf_dir / artifacts.HF_QUANT_CONFIG_FILE
     if not path.is_file():
-        raise StageFailed(f"the HF unified checkpoint in {hf_dir} has no {HF_QUANT_CONFIG_FILE}")
+        raise StageFailed(f"the HF unified checkpoint in {hf_dir} has no {artifacts.HF_QUANT_CONFIG_FILE}")
     q = json.loads(path.read_text()).get("quantization", {})
     formats = quantized_formats(plan_doc)
     layers = list(plan_doc["layers"])
@@ -400,7 +393,7 @@ def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, m
     else:
         expected = {n: _expected_algo(e["format"], quant) for n, e in plan_doc["layers"].items()
                     if e["format"] != HIGH_PRECISION}
-        problems += _check_layer_formats(q.get("quantized_layers") or {}, expected, HF_QUANT_CONFIG_FILE)
+        problems += _check_layer_formats(q.get("quantized_layers") or {}, expected, artifacts.HF_QUANT_CONFIG_FILE)
     try:
         parsed = AutoConfig.from_pretrained(hf_dir)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -428,7 +421,6 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline import constants
     from pipeline.quant.plan import read_plan
 
     t0 = time.perf_counter()
@@ -439,8 +431,8 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     baseline = quant.weight_format == "none"  # the unquantized baseline: exported as it is, nothing to gate
     check_rules(plan_doc, quant, build, model_config, table_layers)
 
-    calib = torch.as_tensor(load_file(str(calibration_file))[constants.TOKENS_KEY])
-    evals = torch.as_tensor(load_file(str(evaluation_file))[constants.TOKENS_KEY])
+    calib = torch.as_tensor(load_file(str(calibration_file))[artifacts.TOKENS_KEY])
+    evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
     original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     model = copy.deepcopy(original)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -468,8 +460,11 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     if not baseline:
         _gate(accuracy, quant, plan_doc, table_layers)
 
-    ckpt = out_dir / CHECKPOINT_DIR
-    from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
+    ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
+    from modelopt.torch.export import (
+        export_hf_checkpoint,
+        export_tensorrt_llm_checkpoint,
+    )
 
     # ModelOpt's HF export modifies the model in place (resmoothing, requantizing): it gets its own copy,
     # taken before the TensorRT-LLM export touches the model
@@ -481,13 +476,13 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     exported = _check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size)
     hf_exported = None
     if hf_source is not None:
-        hf_dir = out_dir / HF_CHECKPOINT_DIR
+        hf_dir = out_dir / artifacts.HF_CHECKPOINT_DIR
         if build.dtype != "float32":  # ModelOpt writes unquantized weights in the model's own dtype
             hf_source = hf_source.to(dtype)
         with torch.no_grad():
             export_hf_checkpoint(hf_source, dtype, export_dir=hf_dir)
         del hf_source
-        for name in TOKENIZER_FILES:  # the LLM API serves the folder on its own
+        for name in artifacts.TOKENIZER_FILES:  # the LLM API serves the folder on its own
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, hf_dir / name)
         hf_exported = _check_hf_export(hf_dir, plan_doc, quant, model_config)
@@ -500,8 +495,8 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     accuracy["from_checkpoint"] = {k: from_ckpt[k] for k in ("perplexity_quantized", "perplexity_increase_pct",
                                                              "top1_agreement", "kl_divergence")}
     accuracy["from_checkpoint"]["kv_cache_quantized"] = False  # the CPU runtime (build stage) adds it
-    (out_dir / ACCURACY_FILE).write_text(json.dumps({"accuracy": accuracy, "generations": generations}, indent=2))
-    (out_dir / GENERATIONS_FILE).write_text(_generations_markdown(generations, accuracy))
+    (out_dir / artifacts.ACCURACY_FILE).write_text(json.dumps({"accuracy": accuracy, "generations": generations}, indent=2))
+    (out_dir / artifacts.GENERATIONS_FILE).write_text(_generations_markdown(generations, accuracy))
     return {"accuracy": accuracy, "checkpoint": {**exported, "read_back": read_facts},
             "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),
             "hf_checkpoint": hf_exported,

@@ -487,9 +487,6 @@ def _record_linears(layer, stash: _Stash) -> dict:
     return linears
 
 
-TABLE_JSON = "sensitivity_table.json"
-TABLE_MD = "sensitivity_table.md"
-HEATMAP_PNG = "sensitivity_heatmap.png"
 
 
 def _libc():
@@ -530,20 +527,20 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
 
     from safetensors.numpy import load_file
 
-    from pipeline import constants
+    from pipeline import artifacts
     from pipeline.quant.plots import heatmap_png, table_markdown
 
     _return_freed_memory_to_the_os()
     if section.end_to_end:
         raise InputError("sensitivity.end_to_end (error at the logits, one layer quantized at a time) is not "
                          "built yet; set it to false.")
-    ids = load_file(str(calibration_file))[constants.TOKENS_KEY]
+    ids = load_file(str(calibration_file))[artifacts.TOKENS_KEY]
     table = analyse(model_dir, ids, section, quant, fusion_groups_for(target))
     table["fusion_groups"] = [list(g) for g in fusion_groups_for(target)]
-    (out_dir / TABLE_JSON).write_text(json.dumps(table, indent=1))
+    (out_dir / artifacts.SENSITIVITY_TABLE_JSON).write_text(json.dumps(table, indent=1))
     col = decision or section.formats[0]
-    (out_dir / TABLE_MD).write_text(table_markdown(table, section.threshold, col))
-    heatmap_png(table, section.formats, out_dir / HEATMAP_PNG)
+    (out_dir / artifacts.SENSITIVITY_TABLE_MD).write_text(table_markdown(table, section.threshold, col))
+    heatmap_png(table, section.formats, out_dir / artifacts.SENSITIVITY_HEATMAP_PNG)
     over = {f: sum(1 for l in table["layers"] if l["errors"][f]["error"] > section.threshold)
             for f in section.formats}
     return {

@@ -223,7 +223,13 @@ def write_rendered(out_dir: Path, serving: dict[str, dict], jobs: dict[str, dict
 def deploy_manifests_task(config: Optional[str], overrides: Sequence[str], work_root: Path,
                           gpu_types: Sequence[str] = (), echo: Callable[[str], None] = print) -> Path:
     from pipeline.commands import open_runner
-    from pipeline.release.image import _published, builder_tag, content_tag, image_repository, source_revision
+    from pipeline.release.image import (
+        _published,
+        builder_tag,
+        content_tag,
+        image_repository,
+        source_revision,
+    )
 
     runner = open_runner(config, overrides, work_root)
     cfg = runner.loaded.config

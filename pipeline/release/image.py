@@ -25,9 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from pipeline import __version__, constants
+from pipeline import __version__, artifacts, constants
 from pipeline.config import ImageSection, PipelineConfig
-from pipeline.errors import ConfigError, EnvironmentProblem, InputError, StageFailed, StageNotBuilt
+from pipeline.errors import (
+    ConfigError,
+    EnvironmentProblem,
+    InputError,
+    StageFailed,
+    StageNotBuilt,
+)
 from pipeline.fsutil import (
     atomic_write_json,
     canonical_json,
@@ -41,7 +47,6 @@ from pipeline.fsutil import (
 from pipeline.runner import WorkDirLock
 
 PUBLISHED_REPOSITORY = Path("publish") / "model_repository"  # inside the config's work dir
-PROVENANCE_FILE = "provenance.json"
 IMAGE_WORK_DIR = "image"  # <work dir>/image/: release_files/ (a build context) and image.json
 RELEASE_FILES_DIR = "release_files"
 IMAGE_RECORD_FILE = "image.json"
@@ -123,10 +128,10 @@ class PublishedBuild:
 
 def read_published(repository_dir: Path) -> PublishedBuild:
     """Read and check ``<repository_dir>/provenance.json``; raise InputError saying what to run when absent."""
-    path = repository_dir / PROVENANCE_FILE
+    path = repository_dir / artifacts.PROVENANCE_FILE
     if not path.is_file():
         raise InputError(
-            f"No published build at {repository_dir} (no {PROVENANCE_FILE}). Run `invoke publish` (or "
+            f"No published build at {repository_dir} (no {artifacts.PROVENANCE_FILE}). Run `invoke publish` (or "
             f"`invoke all`) for this config first; the image is built from what publish wrote."
         )
     try:
@@ -452,7 +457,7 @@ def report_digest(report_dir: Path) -> str:
 
 
 def _report_files(report_dir: Path) -> list[str]:
-    return [rel for rel in list_files(report_dir) if rel not in (constants.STAGE_LOG_FILE, constants.LOCK_FILE)]
+    return [rel for rel in list_files(report_dir) if rel not in (artifacts.STAGE_LOG_FILE, artifacts.LOCK_FILE)]
 
 
 def stage_release_files(plan: ImagePlan, pub: PublishedBuild, report_dir: Optional[Path]) -> Path:
@@ -464,7 +469,7 @@ def stage_release_files(plan: ImagePlan, pub: PublishedBuild, report_dir: Option
     staging = dest.with_name(dest.name + ".staging")
     remove_tree(staging)
     staging.mkdir(parents=True)
-    link_or_copy(pub.repository_dir / PROVENANCE_FILE, staging / PROVENANCE_FILE)
+    link_or_copy(pub.repository_dir / artifacts.PROVENANCE_FILE, staging / artifacts.PROVENANCE_FILE)
     if report_dir is not None:
         for rel in _report_files(report_dir):
             link_or_copy(report_dir / rel, staging / "report" / rel)
@@ -538,7 +543,7 @@ def _published(runner, echo: Callable[[str], None] = print) -> PublishedBuild:
     repo_dir = runner.work_dir / PUBLISHED_REPOSITORY
     pub = read_published(repo_dir)
     if pub.config_name != runner.loaded.name:
-        raise InputError(f"{repo_dir / PROVENANCE_FILE} belongs to config {pub.config_name!r}, not "
+        raise InputError(f"{repo_dir / artifacts.PROVENANCE_FILE} belongs to config {pub.config_name!r}, not "
                          f"{runner.loaded.name!r}. Publish this config again.")
     if "publish" in runner.stages and runner.read_manifest("publish") is not None:
         st = runner.status("publish")
@@ -611,7 +616,7 @@ def release_task(config: Optional[str], overrides: Sequence[str], work_root: Pat
     with WorkDirLock(runner.work_dir):
         pub = _published(runner, echo)
         report_dir: Optional[Path] = runner.work_dir / REPORT_STAGE_DIR
-        if not (report_dir / constants.MANIFEST_FILE).is_file():
+        if not (report_dir / artifacts.MANIFEST_FILE).is_file():
             msg = (f"No report at {report_dir}: a release carries the build report (`invoke report`, issue #7), "
                    f"and it has not been produced for this config.")
             if not dry_run:

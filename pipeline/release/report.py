@@ -20,13 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline import constants
+from pipeline import artifacts
 
-REPORT_HTML = "index.html"
-REPORT_MD = "index.md"
-SUMMARY_JSON = "summary.json"
 IMG_DIR = "img"
-STAGES = ("model", "text", "sensitivity", "plan", "quantize", "build", "publish", "verify", "bench")
+STAGES = tuple(s for s in artifacts.STAGE_TASK if s != "report")  # the stages the report covers
 NOT_RUN = "not run"
 TOP_LAYERS = 15  # rows of the sensitivity table on the page (the full table is linked)
 
@@ -62,9 +59,7 @@ class Doc:
         self.blocks.append(("pre", text))
 
     def not_run(self, stage: str) -> None:
-        from pipeline.stages import TASK_STAGES
-
-        task = next((t for t, stages in TASK_STAGES.items() if stage in stages), stage)
+        task = artifacts.STAGE_TASK.get(stage, stage)
         self.p(f"**{NOT_RUN}**: the `{stage}` stage has no manifest in this work dir (`invoke {task}` runs it).")
 
     def markdown(self) -> str:
@@ -190,7 +185,7 @@ def read_manifests(work_dir: Path) -> dict[str, Optional[dict]]:
     out = {}
     for stage in STAGES:
         try:
-            m = json.loads((work_dir / stage / constants.MANIFEST_FILE).read_text())
+            m = json.loads((work_dir / stage / artifacts.MANIFEST_FILE).read_text())
         except (OSError, ValueError):
             m = None
         out[stage] = m if m and m.get("status") == "ok" else None
@@ -744,10 +739,10 @@ def render(work_dir: Path, out_dir: Path, description: str = "") -> dict:
     _section_bench(doc, work_dir, out_dir, manifests["bench"])
     _section_chain(doc, chain, work_dir, manifests)
     _section_runs(doc, manifests)
-    (out_dir / REPORT_MD).write_text(doc.markdown(), encoding="utf-8")
-    (out_dir / REPORT_HTML).write_text(doc.html(title), encoding="utf-8")
+    (out_dir / artifacts.REPORT_MD).write_text(doc.markdown(), encoding="utf-8")
+    (out_dir / artifacts.REPORT_HTML).write_text(doc.html(title), encoding="utf-8")
     summary["hash_chain"] = chain
-    (out_dir / SUMMARY_JSON).write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / artifacts.REPORT_SUMMARY_JSON).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -755,7 +750,7 @@ def write_report(work_dir: Path, out_dir: Path, loaded=None) -> dict:
     """The report stage's entry point; the manifest's summary: the five lines and the key flags."""
     summary = render(work_dir, out_dir, loaded.config.description if loaded is not None else "")
     return {"five_lines": five_lines(summary), "stages": summary["stages"], "hash_chain_ok": summary["hash_chain_ok"],
-            "files": [REPORT_HTML, REPORT_MD, SUMMARY_JSON]}
+            "files": [artifacts.REPORT_HTML, artifacts.REPORT_MD, artifacts.REPORT_SUMMARY_JSON]}
 
 
 def print_summary(config: Optional[str], overrides, work_root: Path) -> None:
@@ -763,10 +758,10 @@ def print_summary(config: Optional[str], overrides, work_root: Path) -> None:
     from pipeline.commands import open_runner
 
     work_dir = open_runner(config, overrides, work_root).work_dir
-    m = _json(work_dir / "report" / constants.MANIFEST_FILE)
+    m = _json(work_dir / "report" / artifacts.MANIFEST_FILE)
     if not m or m.get("status") != "ok":
         print(f"report: {NOT_RUN} (`invoke report` writes it)")
         return
-    print(f"report: {work_dir / 'report' / REPORT_HTML} (Markdown: {work_dir / 'report' / REPORT_MD})")
+    print(f"report: {work_dir / 'report' / artifacts.REPORT_HTML} (Markdown: {work_dir / 'report' / artifacts.REPORT_MD})")
     for line in m["summary"]["five_lines"]:
         print(f"  {line}")

@@ -49,10 +49,8 @@ from pipeline.errors import InputError, StageFailed
 
 log = logging.getLogger(__name__)
 
-RESULTS_FILE = "bench_results.json"
 THROUGHPUT_PNG = "throughput_vs_concurrency.png"
 LATENCY_PNG = "latency_vs_concurrency.png"
-SERVER_LOG = "tritonserver.log"
 BASELINE_SERVER_LOG = "tritonserver_baseline.log"
 PERCENTILES = (50, 90, 99)
 # Triton's per-model counters (cumulative since the server started; a level's figure is the difference)
@@ -402,12 +400,12 @@ class Target:
 
 def read_repository(path: Path) -> tuple[Path, dict]:
     """A published repository, given it or the work dir that holds it: (repository, its provenance)."""
-    from pipeline.serving.publish import MODEL_REPOSITORY_DIR, PROVENANCE_FILE
+    from pipeline import artifacts
 
-    for candidate in (path, path / "publish" / MODEL_REPOSITORY_DIR, path / MODEL_REPOSITORY_DIR):
-        if (candidate / PROVENANCE_FILE).is_file():
+    for candidate in (path, path / "publish" / artifacts.MODEL_REPOSITORY_DIR, path / artifacts.MODEL_REPOSITORY_DIR):
+        if (candidate / artifacts.PROVENANCE_FILE).is_file():
             try:
-                return candidate, json.loads((candidate / PROVENANCE_FILE).read_text())
+                return candidate, json.loads((candidate / artifacts.PROVENANCE_FILE).read_text())
             except ValueError:
                 break
     raise InputError(f"{path} is not a published model repository (no readable provenance.json there or in "
@@ -578,11 +576,11 @@ def run_bench(config, publish_dir: Path, samples_file: Path, build_dir: Optional
     """The bench stage: sweep this build (and the comparison baseline, if configured); write results and plots."""
     from transformers import AutoTokenizer
 
-    from pipeline.serving.publish import MODEL_REPOSITORY_DIR, TOKENIZER_DIR
+    from pipeline import artifacts
     from pipeline.serving.server import server_for_target
 
     cfg = config.bench
-    repo, prov = read_repository(publish_dir / MODEL_REPOSITORY_DIR)
+    repo, prov = read_repository(publish_dir / artifacts.MODEL_REPOSITORY_DIR)
     settings = None
     if build_dir is not None and (build_dir / "build_settings.json").is_file():
         settings = json.loads((build_dir / "build_settings.json").read_text())
@@ -599,7 +597,7 @@ def run_bench(config, publish_dir: Path, samples_file: Path, build_dir: Optional
             raise InputError("bench drives the streaming model, which needs triton.decoupled: true")
 
     names = targets[0].names
-    tokenizer = AutoTokenizer.from_pretrained(str(repo / names.preprocessing / str(prov["version"]) / TOKENIZER_DIR))
+    tokenizer = AutoTokenizer.from_pretrained(str(repo / names.preprocessing / str(prov["version"]) / artifacts.TOKENIZER_DIR))
     levels = list(cfg.concurrency)
     warm_n = cfg.warmup_requests
     prompts = make_prompts(samples_file, tokenizer, cfg.prompt_tokens, warm_n + cfg.requests_per_level * len(levels))
@@ -613,7 +611,7 @@ def run_bench(config, publish_dir: Path, samples_file: Path, build_dir: Optional
                 t.grpc_url, t.metrics_url = cfg.grpc_url, cfg.metrics_url
                 _check_served(t)
                 continue
-            log_name = SERVER_LOG if i == 0 else BASELINE_SERVER_LOG
+            log_name = artifacts.SERVER_LOG_FILE if i == 0 else BASELINE_SERVER_LOG
             server = server_for_target(t.provenance["build"]["target"], t.repository, log_path=out_dir / log_name,
                                        extra_args=METRICS_ARGS)
             server.start()
@@ -662,7 +660,7 @@ def run_bench(config, publish_dir: Path, samples_file: Path, build_dir: Optional
     if len(targets) == 2:
         results["comparison"] = {"ratio": "this build / baseline", "levels": _ratios(targets[0].levels,
                                                                                       targets[1].levels)}
-    (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / artifacts.BENCH_RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
 
     top = max(main.levels, key=lambda l: l["output_tokens_per_s"])
     summary = {

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pipeline import __version__, constants
+from pipeline import __version__, artifacts, constants
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed, UserError
 from pipeline.fsutil import (
     atomic_write_json,
@@ -60,18 +60,10 @@ from pipeline.fsutil import (
 log = logging.getLogger(__name__)
 
 TRITON_SOURCE = constants.REPO_ROOT / "triton_repo"
-MODEL_REPOSITORY_DIR = "model_repository"  # inside the publish stage folder
-DEFAULT_REPOSITORY_DIR = "model_repository"  # inside the work dir: the live repository
-PROVENANCE_FILE = "provenance.json"
-CONFIG_FILE = "config.pbtxt"
-SETTINGS_FILE = "build_settings.json"  # written by the build stage
-TOKENIZER_DIR = "tokenizer"
 # tokenizer files the Python models load (config.json lets AutoTokenizer find the tokenizer class)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "config.json")
-ARTIFACT_DIRS = {"cpu": "cpu_bundle", "tensorrt": "engine", "pytorch": "llm_api"}
-LLM_API_OPTIONS_FILE = "llm_api_options.yaml"
 EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
 _MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
 _RENAME_EXCHANGE = 2
@@ -214,7 +206,7 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
     pre.output.extend([_out("input_ids", "INT32", [-1]), _out("input_lengths", "INT32", [1]),
                        _out("request_output_len", "INT32", [1]), _out("end_id", "INT32", [1]),
                        _out("pad_id", "INT32", [1]), _out("stop_words_list", "INT32", [2, -1])])
-    _params(pre, {"tokenizer_dir": TOKENIZER_DIR, "add_special_tokens": True,
+    _params(pre, {"tokenizer_dir": artifacts.TOKENIZER_DIR, "add_special_tokens": True,
                   "apply_chat_template": triton.apply_chat_template, "max_input_len": settings["max_input_len"],
                   "max_seq_len": settings["max_seq_len"]})
     _instances(pre, triton.instance_count)
@@ -229,7 +221,7 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
         kv, graphs = settings["kv_cache"], settings["cuda_graphs"]
         _params(llm, {
             "gpt_model_type": "inflight_fused_batching",
-            "gpt_model_path": f"{serving_root}/{names.tensorrt_llm}/{version}/{ARTIFACT_DIRS['tensorrt']}",
+            "gpt_model_path": f"{serving_root}/{names.tensorrt_llm}/{version}/{artifacts.ARTIFACT_DIRS['tensorrt']}",
             "batch_scheduler_policy": "guaranteed_no_evict",
             "max_beam_width": 1,
             "kv_cache_free_gpu_mem_fraction": kv["free_gpu_memory_fraction"],
@@ -244,10 +236,10 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
         })
         _instances(llm, 1)  # the backend drives the GPUs itself; one instance batches every request
     elif target == "pytorch":
-        _params(llm, {"checkpoint_dir": "checkpoint", "llm_api_options": LLM_API_OPTIONS_FILE})
+        _params(llm, {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE})
         _instances(llm, 1, "KIND_MODEL")  # the LLM API places itself on the GPUs
     else:
-        _params(llm, {"bundle_dir": ARTIFACT_DIRS["cpu"], "cpu_threads": triton.cpu_threads})
+        _params(llm, {"bundle_dir": artifacts.ARTIFACT_DIRS["cpu"], "cpu_threads": triton.cpu_threads})
         _instances(llm, 1)  # one runtime batches every request (continuous batching); copies would not share
     out[llm.name] = llm
 
@@ -255,7 +247,7 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
     post.input.extend([_inp("output_ids", "INT32", [-1, -1]), _inp("sequence_length", "INT32", [-1]),
                        _inp("prefix_ids", "INT32", [-1], optional=True)])
     post.output.extend([_out("text_output", "STRING", [-1])])
-    _params(post, {"tokenizer_dir": TOKENIZER_DIR})
+    _params(post, {"tokenizer_dir": artifacts.TOKENIZER_DIR})
     _instances(post, triton.instance_count)
     _batching(post, triton.max_queue_delay_us)
     out[post.name] = post
@@ -326,7 +318,7 @@ def read_config(path: Path):
 
 
 def read_build_settings(build_dir: Path) -> dict:
-    path = build_dir / SETTINGS_FILE
+    path = build_dir / artifacts.BUILD_SETTINGS_FILE
     try:
         settings = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -341,7 +333,9 @@ def read_build_settings(build_dir: Path) -> dict:
 
 def runtime_trtllm_version(config) -> tuple[str, str]:
     """The TensorRT-LLM of the image that will serve, and where that figure comes from."""
-    from pipeline.release.image import trtllm_version_of_tag  # the one table of Triton image tags
+    from pipeline.release.image import (
+        trtllm_version_of_tag,  # the one table of Triton image tags
+    )
 
     image = config.image
     if image.base_trtllm_version:
@@ -356,15 +350,15 @@ def check_build(config, settings: dict, build_dir: Path) -> Path:
     target = config.build.target
     if settings["target"] != target:
         raise InputError(
-            f"target/engine mismatch: build.target is {target!r} but {build_dir / SETTINGS_FILE} is a "
+            f"target/engine mismatch: build.target is {target!r} but {build_dir / artifacts.BUILD_SETTINGS_FILE} is a "
             f"{settings['target']!r} build. Run `invoke build --force` for the {target} target."
         )
     artifact = build_dir / settings["artifact_dir"]
-    if settings["artifact_dir"] != ARTIFACT_DIRS[target] or not artifact.is_dir():
-        raise InputError(f"target/engine mismatch: a {target} build is {ARTIFACT_DIRS[target]}/ in {build_dir}, "
+    if settings["artifact_dir"] != artifacts.ARTIFACT_DIRS[target] or not artifact.is_dir():
+        raise InputError(f"target/engine mismatch: a {target} build is {artifacts.ARTIFACT_DIRS[target]}/ in {build_dir}, "
                          f"found {settings['artifact_dir']!r}{'' if artifact.is_dir() else ' (missing)'}")
     expect = {"cpu": ["runtime.json", "checkpoint/config.json"], "tensorrt": ["config.json", "rank0.engine"],
-              "pytorch": [LLM_API_OPTIONS_FILE, "checkpoint/config.json"]}[target]
+              "pytorch": [artifacts.LLM_API_OPTIONS_FILE, "checkpoint/config.json"]}[target]
     lacking = [f for f in expect if not (artifact / f).is_file()]
     if lacking:
         raise InputError(f"target/engine mismatch: {artifact} is not a {target} build (no {', '.join(lacking)}); "
@@ -388,9 +382,9 @@ def check_build(config, settings: dict, build_dir: Path) -> Path:
 def _owned(dest: Path) -> tuple[dict, list[str]]:
     """(the destination's provenance, its model folders)."""
     prov = {}
-    if (dest / PROVENANCE_FILE).is_file():
+    if (dest / artifacts.PROVENANCE_FILE).is_file():
         try:
-            prov = json.loads((dest / PROVENANCE_FILE).read_text())
+            prov = json.loads((dest / artifacts.PROVENANCE_FILE).read_text())
         except ValueError:
             prov = {}
     models = sorted(p.name for p in dest.iterdir() if p.is_dir()) if dest.is_dir() else []
@@ -496,32 +490,32 @@ def assemble(config, settings: dict, artifact: Path, tokenizer_dir: Path, names:
     texts = {name: config_text(msg) for name, msg in configs.items()}
     for name, src in ((names.preprocessing, "preprocessing"), (names.postprocessing, "postprocessing")):
         _copy_sources(src, repo / name / str(version))
-        _copy_tokenizer(tokenizer_dir, repo / name / str(version) / TOKENIZER_DIR)
+        _copy_tokenizer(tokenizer_dir, repo / name / str(version) / artifacts.TOKENIZER_DIR)
     llm_dir = repo / names.tensorrt_llm / str(version)
     llm_dir.mkdir(parents=True)
     if target == "cpu":
         _copy_sources("tensorrt_llm_cpu", llm_dir)
-        _link_tree(artifact, llm_dir / ARTIFACT_DIRS["cpu"])
+        _link_tree(artifact, llm_dir / artifacts.ARTIFACT_DIRS["cpu"])
     elif target == "pytorch":
         _copy_sources("tensorrt_llm_pytorch", llm_dir)
-        shutil.copy2(artifact / LLM_API_OPTIONS_FILE, llm_dir / LLM_API_OPTIONS_FILE)
+        shutil.copy2(artifact / artifacts.LLM_API_OPTIONS_FILE, llm_dir / artifacts.LLM_API_OPTIONS_FILE)
         _link_tree(artifact / "checkpoint", llm_dir / "checkpoint")
     else:
-        _link_tree(artifact, llm_dir / ARTIFACT_DIRS["tensorrt"])
+        _link_tree(artifact, llm_dir / artifacts.ARTIFACT_DIRS["tensorrt"])
     if names.stream in configs:
         _copy_sources("stream", repo / names.stream / str(version))
         _copy_sources("unary", repo / names.unary / str(version))
     (repo / names.ensemble / str(version)).mkdir(parents=True)  # an ensemble's version folder stays empty
     for name in names.all():  # configs last: a model folder is only a model once its config is there
         if name in texts:
-            (repo / name / CONFIG_FILE).write_text(texts[name])
+            (repo / name / artifacts.MODEL_CONFIG_FILE).write_text(texts[name])
     return configs
 
 
 def _provenance(config, config_name: str, settings: dict, names: ModelNames, version: int, work_dir: Path,
                 repo: Path) -> dict:
-    files = {rel: sha256_file(repo / rel) for rel in list_files(repo) if rel != PROVENANCE_FILE}
-    model_manifest = _read_json(work_dir / "model" / constants.MANIFEST_FILE)
+    files = {rel: sha256_file(repo / rel) for rel in list_files(repo) if rel != artifacts.PROVENANCE_FILE}
+    model_manifest = _read_json(work_dir / "model" / artifacts.MANIFEST_FILE)
     plan_file = work_dir / "plan" / "plan.yaml"
     return {
         "pipeline_version": __version__,
@@ -548,7 +542,7 @@ def _read_json(path: Path) -> Optional[dict]:
 
 
 def destination(config, work_dir: Path) -> Path:
-    dest = config.triton.repository_dir or (work_dir / DEFAULT_REPOSITORY_DIR)
+    dest = config.triton.repository_dir or (work_dir / artifacts.DEFAULT_REPOSITORY_DIR)
     publish_dir = (work_dir / "publish").resolve()
     resolved = dest.resolve()
     if resolved == publish_dir or publish_dir in resolved.parents or resolved in publish_dir.parents:
@@ -575,10 +569,10 @@ def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir
         prov, _ = _owned(dest)
         mine = set(prov.get("models", [])) if prov.get("config_name") == config_name else set()
         version = max([0] + [v for n in names.all() for v in _versions(dest / n)]) + 1
-        snapshot = out_dir / MODEL_REPOSITORY_DIR
+        snapshot = out_dir / artifacts.MODEL_REPOSITORY_DIR
         configs = assemble(config, settings, artifact, tokenizer_dir, names, version, serving_root, snapshot)
         provenance = _provenance(config, config_name, settings, names, version, work_dir, snapshot)
-        atomic_write_json(snapshot / PROVENANCE_FILE, provenance)
+        atomic_write_json(snapshot / artifacts.PROVENANCE_FILE, provenance)
 
         staging = dest.parent / f".{dest.name}.publishing"  # a sibling: never a folder inside the repository
         remove_tree(staging)  # left by a publish that was killed
@@ -586,7 +580,7 @@ def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir
         new.mkdir(parents=True)
         kept: dict[str, list[int]] = {}
         for item in (sorted(dest.iterdir()) if dest.is_dir() else []):
-            if item.name == PROVENANCE_FILE or item.name in names.all() or item.name in mine:
+            if item.name == artifacts.PROVENANCE_FILE or item.name in names.all() or item.name in mine:
                 continue  # ours: rebuilt below (our models that this publish no longer writes are dropped)
             if item.is_dir():
                 _link_tree(item, new / item.name)
@@ -603,9 +597,9 @@ def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir
             _link_tree(snapshot / name / str(version), new / name / str(version))
             kept[name] = old + [version]
         for name in configs:
-            shutil.copy2(snapshot / name / CONFIG_FILE, new / name / CONFIG_FILE)
+            shutil.copy2(snapshot / name / artifacts.MODEL_CONFIG_FILE, new / name / artifacts.MODEL_CONFIG_FILE)
         history = [h for h in prov.get("history", []) if h.get("version") in set(kept[names.ensemble])]
-        atomic_write_json(new / PROVENANCE_FILE, {
+        atomic_write_json(new / artifacts.PROVENANCE_FILE, {
             **provenance, "versions": kept[names.ensemble],
             "history": history + [{"version": version, "repository_digest": provenance["repository_digest"],
                                    "checkpoint_sha256": provenance["checkpoint_sha256"]}],

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pipeline import artifacts
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed
 
 log = logging.getLogger(__name__)
@@ -442,12 +443,12 @@ def serve_published(config: Optional[str], overrides: Sequence[str], work_root: 
                     echo=print) -> None:
     """Run a server on the config's published repository in the foreground until Ctrl-C (or SIGTERM)."""
     from pipeline.commands import open_runner
-    from pipeline.serving.publish import MODEL_REPOSITORY_DIR, PROVENANCE_FILE, model_names
+    from pipeline.serving.publish import model_names
 
     runner = open_runner(config, overrides, work_root)
-    repo = runner.stage_dir("publish") / MODEL_REPOSITORY_DIR
+    repo = runner.stage_dir("publish") / artifacts.MODEL_REPOSITORY_DIR
     try:
-        prov = json.loads((repo / PROVENANCE_FILE).read_text())
+        prov = json.loads((repo / artifacts.PROVENANCE_FILE).read_text())
     except (OSError, ValueError):
         raise InputError(f"nothing published at {repo}: run `invoke publish` (or `invoke all`) for this config "
                          f"first") from None

@@ -31,14 +31,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from pipeline import artifacts
 from pipeline.errors import InputError, StageFailed
-from pipeline.serving.publish import MODEL_REPOSITORY_DIR, PROVENANCE_FILE, TOKENIZER_DIR, model_names
+from pipeline.serving.publish import model_names
 from pipeline.serving.server import TritonServer, server_for_target
 
 log = logging.getLogger(__name__)
 
-RESULTS_FILE = "verify_results.json"
-SERVER_LOG = "tritonserver.log"
 PROMPTS = (
     "The capital of France is",
     "Water boils at a temperature of",
@@ -329,14 +328,14 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
     """The verify stage. Raises StageFailed (after logging every check) when any check fails."""
     from transformers import AutoTokenizer
 
-    repo = publish_dir / MODEL_REPOSITORY_DIR
+    repo = publish_dir / artifacts.MODEL_REPOSITORY_DIR
     try:
-        prov = json.loads((repo / PROVENANCE_FILE).read_text())
+        prov = json.loads((repo / artifacts.PROVENANCE_FILE).read_text())
     except (OSError, ValueError):
-        raise InputError(f"{repo} has no readable {PROVENANCE_FILE}; run `invoke publish` first") from None
+        raise InputError(f"{repo} has no readable {artifacts.PROVENANCE_FILE}; run `invoke publish` first") from None
     names = model_names(prov["model_name"])
     version, target = int(prov["version"]), prov["build"]["target"]
-    tokenizer = AutoTokenizer.from_pretrained(str(repo / names.preprocessing / str(version) / TOKENIZER_DIR))
+    tokenizer = AutoTokenizer.from_pretrained(str(repo / names.preprocessing / str(version) / artifacts.TOKENIZER_DIR))
     prompt_ids = [tokenizer(p).input_ids for p in prompts]
 
     t0 = time.perf_counter()
@@ -345,7 +344,7 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         expected.compute()
     reference_s = time.perf_counter() - t0
 
-    server = server_for_target(target, repo, log_path=out_dir / SERVER_LOG)
+    server = server_for_target(target, repo, log_path=out_dir / artifacts.SERVER_LOG_FILE)
     with server:
         v = Verifier(server, names, tokenizer, list(prompts), expected, max_tokens)
         v._guard("http_infer_ensemble", v.http_infer)
@@ -366,7 +365,7 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         "ok": not failed,
         "model_name": names.ensemble, "version": version, "target": target,
         "server": {"startup_s": startup_s, "binary": "nvidia-pytriton tritonserver" if target == "cpu"
-                   else "image tritonserver", "log": SERVER_LOG},
+                   else "image tritonserver", "log": artifacts.SERVER_LOG_FILE},
         "reference": ("the CPU runtime on the repository's own bundle, each prompt alone"
                       if target == "cpu" else "none (GPU target: answers are checked for agreement only)"),
         "reference_s": round(reference_s, 1),
@@ -374,11 +373,11 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         "latency": latency,
         "checks": [c.as_dict() for c in v.checks],
     }
-    (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out_dir / artifacts.VERIFY_RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
     if failed:
         from pipeline.serving.server import log_tail
 
-        log.error("the server's log (%s), last lines:\n%s", SERVER_LOG, log_tail(out_dir / SERVER_LOG))
+        log.error("the server's log (%s), last lines:\n%s", artifacts.SERVER_LOG_FILE, log_tail(out_dir / artifacts.SERVER_LOG_FILE))
         raise StageFailed(f"verify: {len(failed)} check(s) failed: {', '.join(failed)}. Every check's answers "
                           f"are in the stage log, with the end of the server's log.")
     diverged = [r for c in v.checks for r in c.detail.get("results", []) if r.get("equal") is False]

@@ -15,7 +15,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from pipeline import constants
+from pipeline import artifacts, constants
 from pipeline.config import (
     GGUFFileSource,
     HubSource,
@@ -51,7 +51,7 @@ def _wanted_local(rel: str) -> bool:
 
 def prepare_model(section: ModelSection, out_dir: Path) -> dict:
     """Write the HF-format model into out_dir/hf_model; return the summary recorded in the manifest."""
-    model_dir = out_dir / constants.MODEL_DIR
+    model_dir = out_dir / artifacts.MODEL_DIR
     model_dir.mkdir(parents=True)
     src = section.source
     if isinstance(src, HubSource):

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import constants
+from pipeline import artifacts
 from pipeline.config import FilesText, LoadedConfig, PydocTopicsText, TextSection
 from pipeline.errors import InputError
 from pipeline.fsutil import HashCache, sha256_bytes
@@ -105,13 +105,13 @@ def prepare_text(section: TextSection, tokenizer_dir: Path, out_dir: Path) -> di
 
     summary = {"tokenizer_eos_id": sep, "source_documents": len(docs)}
     for name, stream, used, ts, tensor_file, text_file in (
-        ("evaluation", ev_stream, ev_docs, ev, constants.EVALUATION_TOKENS_FILE, constants.EVALUATION_TEXT_FILE),
-        ("calibration", cal_stream, cal_docs, cal, constants.CALIBRATION_TOKENS_FILE, constants.CALIBRATION_TEXT_FILE),
+        ("evaluation", ev_stream, ev_docs, ev, artifacts.EVALUATION_TOKENS_FILE, artifacts.EVALUATION_TEXT_FILE),
+        ("calibration", cal_stream, cal_docs, cal, artifacts.CALIBRATION_TOKENS_FILE, artifacts.CALIBRATION_TEXT_FILE),
     ):
         ids = np.asarray(stream[: ts.num_samples * ts.seq_len], dtype=np.int64).reshape(ts.num_samples, ts.seq_len)
         # no safetensors metadata: a multi-key metadata map is written in a different order from run to run,
         # which would make identical token sets hash differently (which documents were used is in the manifest)
-        save_file({constants.TOKENS_KEY: ids}, str(out_dir / tensor_file))
+        save_file({artifacts.TOKENS_KEY: ids}, str(out_dir / tensor_file))
         with open(out_dir / text_file, "w", encoding="utf-8") as f:
             for i, row in enumerate(ids):
                 f.write(json.dumps({"index": i, "text": tok.decode(row.tolist())}, ensure_ascii=False) + "\n")
