@@ -10,7 +10,7 @@ from pathlib import Path
 
 from invoke import Collection, task
 
-from pipeline import commands as cli
+from pipeline import commands
 
 ROOT = Path(__file__).resolve().parent
 WORK_ROOT = ROOT / "build"
@@ -30,17 +30,18 @@ RUN_HELP = {
 def _stage_task(name: str, doc: str):
     @task(name=name, iterable=["set"], help=RUN_HELP)
     def _task(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False):
-        cli.setup_logging(verbose)
-        with cli.user_errors():
-            cli.run_task(name, config, set or [], Path(work_root), force=force)
+        commands.setup_logging(verbose)
+        with commands.user_errors():
+            commands.run_task(name, config, set or [], Path(work_root), force=force)
 
     _task.__doc__ = doc
     _task.body.__doc__ = doc
     return _task
 
 
-download = _stage_task("download", "Download the model (Hub, local folder or GGUF) and prepare calibration/evaluation text.")
-sensitivity = _stage_task("sensitivity", "Per-layer INT8 sensitivity table and the mixed-precision plan.")
+download = _stage_task("download", "Download the model (Hub, local folder or GGUF) and prepare calibration/evaluation text "
+                                    "(stages model, text).")
+sensitivity = _stage_task("sensitivity", "Per-layer INT8 sensitivity table and the mixed-precision plan (stages sensitivity, plan).")
 quantize = _stage_task("quantize", "Quantize with ModelOpt, export the TensorRT-LLM checkpoint, check accuracy.")
 build = _stage_task("build", "Build engines (tensorrt), LLM-API options (pytorch) or the CPU runtime bundle (cpu).")
 publish = _stage_task("publish", "Publish the build to a versioned Triton model repository.")
@@ -57,9 +58,9 @@ def bench(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbo
     overrides = list(set or [])
     if compare_with:
         overrides.append(f"bench.compare_repository={Path(compare_with).resolve()}")
-    cli.setup_logging(verbose)
-    with cli.user_errors():
-        cli.run_task("bench", config, overrides, Path(work_root), force=force)
+    commands.setup_logging(verbose)
+    with commands.user_errors():
+        commands.run_task("bench", config, overrides, Path(work_root), force=force)
 
 
 report = _stage_task("report", "Write the build report.")
@@ -68,26 +69,31 @@ report = _stage_task("report", "Write the build report.")
 @task(name="all", iterable=["set"], help=RUN_HELP)
 def all_(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False):
     """Run every stage that is built, in order; list the ones not built yet."""
-    cli.setup_logging(verbose)
-    with cli.user_errors():
-        cli.run_all(config, set or [], Path(work_root), force=force)
-        from pipeline.release.report import print_summary
-
-        print_summary(config, set or [], Path(work_root))  # where the report is, and its five lines
+    commands.setup_logging(verbose)
+    with commands.user_errors():
+        commands.run_all(config, set or [], Path(work_root), force=force)
+        commands.print_summary(config, set or [], Path(work_root))  # where the report is, and its five lines
 
 
 @task(iterable=["set"], help=CONFIG_HELP)
-def plan(c, config=None, set=None, work_root=str(WORK_ROOT)):
+def explain(c, config=None, set=None, work_root=str(WORK_ROOT)):
     """Check a config and print which stages would run, and why (which input changed). Runs nothing."""
-    with cli.user_errors():
-        cli.explain(config, set or [], Path(work_root))
+    with commands.user_errors():
+        commands.explain(config, set or [], Path(work_root))
+
+
+@task(name="plan", iterable=["set"], help=CONFIG_HELP)
+def plan_alias(c, config=None, set=None, work_root=str(WORK_ROOT)):
+    """Old name of `invoke explain` (kept for one release; the plan stage runs under `invoke sensitivity`)."""
+    print("note: `invoke plan` is now `invoke explain`; the old name goes in the next release.", file=sys.stderr)
+    explain(c, config=config, set=set, work_root=work_root)
 
 
 @task(iterable=["set"], help=CONFIG_HELP)
 def clean(c, config=None, set=None, work_root=str(WORK_ROOT)):
     """Delete the config's work dir (all its stages' artifacts)."""
-    with cli.user_errors():
-        print(f"removed {cli.clean(config, set or [], Path(work_root))}")
+    with commands.user_errors():
+        print(f"removed {commands.clean(config, set or [], Path(work_root))}")
 
 
 @task(iterable=["set"], help={**CONFIG_HELP, "http_port": "HTTP port (default 8000)",
@@ -96,11 +102,9 @@ def clean(c, config=None, set=None, work_root=str(WORK_ROOT)):
 def serve(c, config=None, set=None, work_root=str(WORK_ROOT), http_port=8000, grpc_port=8001, metrics_port=8002,
           host="127.0.0.1"):
     """Run a Triton server on the published repository in the foreground until Ctrl-C; prints the endpoints."""
-    from pipeline.serving.server import serve_published
-
-    cli.setup_logging(False)
-    with cli.user_errors():
-        serve_published(config, set or [], Path(work_root), http_port=http_port, grpc_port=grpc_port,
+    commands.setup_logging(False)
+    with commands.user_errors():
+        commands.serve(config, set or [], Path(work_root), http_port=http_port, grpc_port=grpc_port,
                         metrics_port=metrics_port, host=host)
 
 
@@ -112,20 +116,16 @@ def serve(c, config=None, set=None, work_root=str(WORK_ROOT), http_port=8000, gr
 })
 def image(c, config=None, set=None, work_root=str(WORK_ROOT), push=False, dry_run=False, builder=False):
     """Build the container image of the published build (tags and labels derived from its provenance)."""
-    from pipeline.release.image import image_task
-
-    with cli.user_errors():
-        image_task(config, set or [], Path(work_root), push=push, dry_run=dry_run, builder=builder)
+    with commands.user_errors():
+        commands.image(config, set or [], Path(work_root), push=push, dry_run=dry_run, builder=builder)
 
 
 @task(iterable=["set"], help={**RUN_HELP, "dry_run": "print what would run (all, docker build, docker push); run nothing"})
 def release(c, config=None, set=None, work_root=str(WORK_ROOT), dry_run=False, force=False, verbose=False):
     """`all`, then the image with the build report inside, then push it to image.repository."""
-    from pipeline.release.image import release_task
-
-    cli.setup_logging(verbose)
-    with cli.user_errors():
-        release_task(config, set or [], Path(work_root), dry_run=dry_run, force=force)
+    commands.setup_logging(verbose)
+    with commands.user_errors():
+        commands.release(config, set or [], Path(work_root), dry_run=dry_run, force=force)
 
 
 @task(name="deploy-manifests", iterable=["set", "gpu_type"], help={
@@ -134,10 +134,8 @@ def release(c, config=None, set=None, work_root=str(WORK_ROOT), dry_run=False, f
 })
 def deploy_manifests(c, config=None, set=None, work_root=str(WORK_ROOT), gpu_type=None):
     """Render the Kubernetes manifests (deploy/) for the published build into <work dir>/deploy/."""
-    from pipeline.release.deploy import deploy_manifests_task
-
-    with cli.user_errors():
-        deploy_manifests_task(config, set or [], Path(work_root), gpu_types=gpu_type or [])
+    with commands.user_errors():
+        commands.deploy_manifests(config, set or [], Path(work_root), gpu_types=gpu_type or [])
 
 
 @task(help={"quick": "skip the slow end-to-end tests (marked e2e)",
@@ -155,5 +153,5 @@ def test(c, quick=False, heavy=False, k=None):
     c.run(shlex.join(args), pty=False)
 
 
-ns = Collection(download, sensitivity, quantize, build, publish, verify, bench, report, all_, plan, clean,
+ns = Collection(download, sensitivity, quantize, build, publish, verify, bench, report, all_, explain, plan_alias, clean,
                 serve, image, release, deploy_manifests, test)

@@ -1,6 +1,8 @@
-"""What the invoke tasks call: load the config, run or explain stages, turn errors into one paragraph.
+"""What the invoke tasks call: load the config, open the work dir's runner, run or explain stages, call the
+release and serving entry points, and turn errors into one paragraph.
 
-Kept free of invoke so it can be tested (and used) without a shell.
+Each function here is one task of tasks.py, kept free of invoke so it can be tested (and used) without a
+shell. This is the only module that opens a Runner from a config path; everything below it takes one.
 """
 
 from __future__ import annotations
@@ -10,13 +12,16 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from pipeline import artifacts, constants
 from pipeline.config import LoadedConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.fsutil import remove_tree
+from pipeline.release.deploy import render_manifests
+from pipeline.release.image import ImagePlan, build_image, check_release, release_image
 from pipeline.runner import Runner, WorkDirLock
+from pipeline.serving.server import serve_published
 from pipeline.stages import STAGES, TASK_STAGES
 
 
@@ -60,27 +65,36 @@ def run_task(task: str, config: Optional[str], overrides: Sequence[str], work_ro
 def run_all(config: Optional[str], overrides: Sequence[str], work_root: Path, force: bool = False) -> None:
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
-    built = [s.name for s in STAGES if s.built]
-    runner.run(built, force=force)
-    missing = [s for s in STAGES if not s.built]
-    if missing:
-        print("not built yet (skipped): " + ", ".join(f"{s.name} (issue #{s.issue})" for s in missing))
-    print(f"all: {len(built)} stage(s) ran or were up to date; artifacts in {runner.work_dir}")
+    names = [s.name for s in STAGES]
+    runner.run(names, force=force)
+    print(f"all: {len(names)} stage(s) ran or were up to date; artifacts in {runner.work_dir}")
+
+
+def print_summary(config: Optional[str], overrides: Sequence[str], work_root: Path) -> None:
+    """What `invoke all` prints last: where the report is and its five lines."""
+    runner = open_runner(config, overrides, work_root)
+    report = runner.stage_dir("report")
+    m = runner.read_manifest("report")
+    if not m or m.get("status") != "ok":
+        print("report: not run (`invoke report` writes it)")
+        return
+    print(f"report: {report / artifacts.REPORT_HTML} (Markdown: {report / artifacts.REPORT_MD})")
+    for line in m["summary"]["five_lines"]:
+        print(f"  {line}")
 
 
 def explain(config: Optional[str], overrides: Sequence[str], work_root: Path) -> bool:
-    """Print which stages would run and why; True when everything built is up to date."""
+    """Print which stages would run and why; True when everything is up to date."""
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({', '.join(str(p) for p in runner.loaded.files)})")
     print(f"work dir: {runner.work_dir}")
     all_current = True
     for st in runner.explain([s.name for s in STAGES]):
-        built = runner.stages[st.name].built
         if st.up_to_date:
             print(f"  {st.name:<12} up to date")
         else:
-            all_current = all_current and not built
-            print(f"  {st.name:<12} " + ("will run: " if built else "") + "; ".join(st.reasons))
+            all_current = False
+            print(f"  {st.name:<12} will run: " + "; ".join(st.reasons))
     return all_current
 
 
@@ -97,3 +111,28 @@ def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> P
     (runner.work_dir / artifacts.LOCK_FILE).unlink(missing_ok=True)
     runner.work_dir.rmdir()
     return runner.work_dir
+
+
+def serve(config: Optional[str], overrides: Sequence[str], work_root: Path, **ports) -> None:
+    serve_published(open_runner(config, overrides, work_root).work_dir, **ports)
+
+
+def image(config: Optional[str], overrides: Sequence[str], work_root: Path, *, push: bool = False,
+          dry_run: bool = False, builder: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
+    return build_image(open_runner(config, overrides, work_root), push=push, dry_run=dry_run, builder=builder,
+                       echo=echo)
+
+
+def release(config: Optional[str], overrides: Sequence[str], work_root: Path, *, dry_run: bool = False,
+            force: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
+    """`invoke all`, then the image with the report inside, then push it."""
+    runner = open_runner(config, overrides, work_root)
+    check_release(runner, dry_run=dry_run, echo=echo)
+    if not dry_run:
+        run_all(config, overrides, work_root, force=force)
+    return release_image(runner, dry_run=dry_run, echo=echo)
+
+
+def deploy_manifests(config: Optional[str], overrides: Sequence[str], work_root: Path,
+                     gpu_types: Sequence[str] = (), echo: Callable[[str], None] = print) -> Path:
+    return render_manifests(open_runner(config, overrides, work_root), overrides, gpu_types, echo=echo)

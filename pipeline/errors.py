@@ -31,10 +31,6 @@ class WorkDirBusy(UserError):
     """Another run holds the work dir's lock."""
 
 
-class StageNotBuilt(UserError):
-    """The stage exists in the plan but is not implemented yet."""
-
-
 class EnvironmentProblem(PipelineError, RuntimeError):
     exit_code = 3
 

@@ -35,7 +35,6 @@ from pipeline.errors import (
     InputError,
     PipelineError,
     StageFailed,
-    StageNotBuilt,
     WorkDirBusy,
 )
 from pipeline.fsutil import (
@@ -61,6 +60,7 @@ class StageContext:
     """What a stage's adapter gets: the config, a folder to write into, its upstream stages' folders."""
 
     loaded: LoadedConfig
+    work_dir: Path  # <work_root>/<config name>: the stages' folders, the live Triton repository, logs
     out_dir: Path  # the staging folder; becomes <work_dir>/<stage> when the stage completes
     upstream_dirs: dict[str, Path]
     hash_cache: HashCache
@@ -77,12 +77,11 @@ class StageContext:
 class StageDef:
     name: str
     description: str
+    run: Callable[[StageContext], dict]  # does the work into ctx.out_dir; returns the summary figures
     needs: tuple[str, ...] = ()
     sections: tuple[str, ...] = ()  # config sections (dotted) that are this stage's inputs
     # content fingerprints of outside inputs (files the config points at, a resolved Hub revision)
     external_inputs: Optional[Callable[[LoadedConfig, HashCache], dict]] = None
-    run: Optional[Callable[[StageContext], dict]] = None  # returns the summary figures; None: not built
-    issue: Optional[int] = None  # the issue building it, while run is None
     version: int = 1  # bump when the stage's logic changes in a way that changes its outputs
     # outputs a person may edit by hand (the plan): an edit is validated by accept_edit(stage_dir), which
     # returns summary figures to record, and then used as it is instead of being overwritten
@@ -92,10 +91,6 @@ class StageDef:
     # ConfigError; called for every stage a run selects, upstream ones included, before the first one starts,
     # so a GPU profile on a CPU machine fails in seconds instead of after the download and calibration
     preflight: Optional[Callable[[LoadedConfig], None]] = None
-
-    @property
-    def built(self) -> bool:
-        return self.run is not None
 
 
 @dataclass
@@ -254,10 +249,6 @@ class Runner:
         rerun: set[str] = set()
         for name in self.closure(targets):
             stage = self.stages[name]
-            if not stage.built:
-                out.append(StageStatus(name, False, [f"not built yet (issue #{stage.issue})"]))
-                rerun.add(name)
-                continue
             st = self.status(name)
             stale_deps = [d for d in stage.needs if d in rerun]
             if stale_deps and st.up_to_date:
@@ -279,14 +270,6 @@ class Runner:
         for name in names:
             if self.stages[name].preflight is not None:
                 self.stages[name].preflight(self.loaded)
-        missing = [n for n in names if not self.stages[n].built]
-        if missing:
-            first = self.stages[missing[0]]
-            raise StageNotBuilt(
-                f"Stage '{first.name}' ({first.description}) is not built yet: it is the subject of issue "
-                f"#{first.issue}. Stages that run today: "
-                f"{', '.join(n for n in self.order if self.stages[n].built)}."
-            )
         forced = set(names) if force is True else set(force or [])
         results = []
         with WorkDirLock(self.work_dir):
@@ -330,7 +313,8 @@ class Runner:
             log.setLevel(logging.INFO)  # the stage log keeps the pipeline's INFO lines whatever the console shows
         started = datetime.now(timezone.utc)
         try:
-            ctx = StageContext(self.loaded, staging, {d: self.stage_dir(d) for d in stage.needs}, self.hash_cache)
+            ctx = StageContext(self.loaded, self.work_dir, staging, {d: self.stage_dir(d) for d in stage.needs},
+                               self.hash_cache)
             summary = stage.run(ctx) or {}
             after = self.compute_inputs(stage)
             if hash_json(after) != input_hash:

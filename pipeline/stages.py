@@ -1,7 +1,8 @@
 """The stage graph: which stages exist, what each depends on, and the adapter that calls its module.
 
-Stages are listed in dependency order. A stage whose ``run`` is None is planned but not built yet; the
-runner says so (with its issue number) instead of pretending.
+Stages are listed in dependency order (the order of ``artifacts.STAGE_TASK``). Each adapter reads its
+upstream artifacts by the names in ``pipeline.artifacts`` and calls one stage module's entry point; heavy
+imports stay inside the adapters, so listing the stages (``invoke explain``) imports no torch.
 """
 
 from __future__ import annotations
@@ -96,8 +97,7 @@ def _run_publish(ctx: StageContext) -> dict:
 
     # the live repository (triton.repository_dir, default <work dir>/model_repository) is outside this
     # stage's folder, which the runner replaces on every run: see pipeline/serving/publish.py
-    work_dir = ctx.upstream("build").parent
-    return publish(ctx.config, ctx.loaded.name, work_dir, ctx.upstream("build"),
+    return publish(ctx.config, ctx.loaded.name, ctx.work_dir, ctx.upstream("build"),
                    ctx.upstream("model") / artifacts.MODEL_DIR, ctx.out_dir)
 
 
@@ -125,7 +125,7 @@ def _bench_fingerprint(loaded, hash_cache):
 def _run_report(ctx: StageContext) -> dict:
     from pipeline.release.report import write_report
 
-    return write_report(ctx.upstream("verify").parent, ctx.out_dir, ctx.loaded)
+    return write_report(ctx.work_dir, ctx.out_dir, ctx.loaded)
 
 
 def _check_edited_plan(stage_dir) -> dict:

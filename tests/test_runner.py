@@ -15,7 +15,7 @@ from conftest import DEFAULT_CONFIG, REPO
 
 from pipeline import artifacts
 from pipeline.config import load_config
-from pipeline.errors import InputError, StageFailed, StageNotBuilt, WorkDirBusy
+from pipeline.errors import InputError, StageFailed, WorkDirBusy
 from pipeline.runner import Runner, StageDef, WorkDirLock
 
 calls: list[str] = []
@@ -37,7 +37,6 @@ def make_stages(extra_input=None, first_run=None, second_run=None) -> list[Stage
         StageDef("second", "second", needs=("first",), sections=("build.max_batch_size",),
                  run=second_run or _writer("second", lambda ctx: (ctx.upstream("first") / "out.txt").read_text()
                                            + f" b={ctx.config.build.max_batch_size}")),
-        StageDef("later", "not yet", needs=("second",), issue=99),
     ]
 
 
@@ -142,12 +141,6 @@ def test_input_changed_mid_run_is_refused(tmp_path):
     with pytest.raises(InputError, match="changed while the stage ran"):
         runner(tmp_path, extra_input=external, first_run=sneaky).run(["first"], echo=lambda s: None)
     assert not (tmp_path / "smollm2-135m-cpu" / "first").exists()
-
-
-def test_stage_not_built_is_refused_with_its_issue(tmp_path):
-    with pytest.raises(StageNotBuilt, match="issue #99"):
-        runner(tmp_path).run(["later"], echo=lambda s: None)
-    assert calls == []  # refused before running anything
 
 
 def test_lock_refuses_a_second_run(tmp_path):

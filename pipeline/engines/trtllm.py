@@ -1,6 +1,6 @@
 """The GPU targets of the build stage: TensorRT engines (``trtllm-build``) and TensorRT-LLM LLM-API options.
 
-TensorRT-LLM cannot be installed where this project is developed (design brief §3-4), so this module is
+TensorRT-LLM cannot be installed where this project is developed (its wheel comes from NVIDIA's own index and needs CUDA), so this module is
 kept thin and checked by contract tests: everything it passes to TensorRT-LLM is checked against one table
 of TensorRT-LLM 1.2's option names, allowed values and validity rules (below, each entry with the upstream
 file it was read from), before anything runs. It never imports ``tensorrt_llm``: it finds the package with

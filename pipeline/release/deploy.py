@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import yaml
 
@@ -23,7 +23,7 @@ from pipeline import constants
 from pipeline.config import PipelineConfig
 from pipeline.errors import ConfigError, InputError
 from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
-from pipeline.runner import WorkDirLock
+from pipeline.runner import Runner, WorkDirLock
 
 DEPLOY_DIR = constants.REPO_ROOT / "deploy"
 BASE_DIR = DEPLOY_DIR / "base"
@@ -220,9 +220,9 @@ def write_rendered(out_dir: Path, serving: dict[str, dict], jobs: dict[str, dict
     return out_dir
 
 
-def deploy_manifests_task(config: Optional[str], overrides: Sequence[str], work_root: Path,
-                          gpu_types: Sequence[str] = (), echo: Callable[[str], None] = print) -> Path:
-    from pipeline.commands import open_runner
+def render_manifests(runner: Runner, overrides: Sequence[str], gpu_types: Sequence[str] = (),
+                     echo: Callable[[str], None] = print) -> Path:
+    """`invoke deploy-manifests`: deploy/ rendered for the published build into <work dir>/deploy/."""
     from pipeline.release.image import (
         _published,
         builder_tag,
@@ -231,7 +231,6 @@ def deploy_manifests_task(config: Optional[str], overrides: Sequence[str], work_
         source_revision,
     )
 
-    runner = open_runner(config, overrides, work_root)
     cfg = runner.loaded.config
     with WorkDirLock(runner.work_dir):
         pub = _published(runner, echo)

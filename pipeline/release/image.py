@@ -32,7 +32,6 @@ from pipeline.errors import (
     EnvironmentProblem,
     InputError,
     StageFailed,
-    StageNotBuilt,
 )
 from pipeline.fsutil import (
     atomic_write_json,
@@ -44,7 +43,7 @@ from pipeline.fsutil import (
     sha256_bytes,
     sha256_file,
 )
-from pipeline.runner import WorkDirLock
+from pipeline.runner import Runner, WorkDirLock
 
 PUBLISHED_REPOSITORY = Path("publish") / "model_repository"  # inside the config's work dir
 IMAGE_WORK_DIR = "image"  # <work dir>/image/: release_files/ (a build context) and image.json
@@ -556,11 +555,9 @@ def _published(runner, echo: Callable[[str], None] = print) -> PublishedBuild:
     return pub
 
 
-def image_task(config: Optional[str], overrides: Sequence[str], work_root: Path, *, push: bool = False,
-               dry_run: bool = False, builder: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
-    from pipeline.commands import open_runner
-
-    runner = open_runner(config, overrides, work_root)
+def build_image(runner: Runner, *, push: bool = False, dry_run: bool = False, builder: bool = False,
+                echo: Callable[[str], None] = print) -> ImagePlan:
+    """`invoke image`: the serving image of the published build (or, with builder, the engine-build image)."""
     cfg = runner.loaded.config
     release_files = runner.work_dir / IMAGE_WORK_DIR / RELEASE_FILES_DIR
     if builder:
@@ -592,12 +589,8 @@ def _execute(plan: ImagePlan, work_dir: Path, dry_run: bool, echo: Callable[[str
     return plan
 
 
-def release_task(config: Optional[str], overrides: Sequence[str], work_root: Path, *, dry_run: bool = False,
-                 force: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
-    """`invoke all`, then the image with the report inside (and its digest as a label), then push."""
-    from pipeline.commands import open_runner, run_all
-
-    runner = open_runner(config, overrides, work_root)
+def check_release(runner: Runner, *, dry_run: bool, echo: Callable[[str], None] = print) -> None:
+    """Before `invoke release` runs anything: a release needs a registry to push to."""
     cfg = runner.loaded.config
     if cfg.image.repository is None:
         msg = ("image.repository is not set, so there is nowhere to push: set it to <registry>/<path>/<name>, "
@@ -606,21 +599,24 @@ def release_task(config: Optional[str], overrides: Sequence[str], work_root: Pat
             raise ConfigError(msg)
         echo(f"warning: {msg} The push commands below use the local name and a real release refuses them.")
     if dry_run:
-        stale = [st for st in runner.explain([s for s in runner.order if runner.stages[s].built]) if not st.up_to_date]
+        stale = [st for st in runner.explain(list(runner.order)) if not st.up_to_date]
         echo(f"dry run: would run `invoke all` ({len(stale)} stage(s) would rerun"
              + (f": {', '.join(st.name for st in stale)}" if stale else "") + ")")
         if stale:
             echo("note: the tag below is the current published build's; a rerun that changes it changes the tag")
-    else:
-        run_all(config, list(overrides), work_root, force=force)
+
+
+def release_image(runner: Runner, *, dry_run: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
+    """After `invoke all`: the image with the report inside (and its digest as a label), then push."""
+    cfg = runner.loaded.config
     with WorkDirLock(runner.work_dir):
         pub = _published(runner, echo)
         report_dir: Optional[Path] = runner.work_dir / REPORT_STAGE_DIR
         if not (report_dir / artifacts.MANIFEST_FILE).is_file():
-            msg = (f"No report at {report_dir}: a release carries the build report (`invoke report`, issue #7), "
+            msg = (f"No report at {report_dir}: a release carries the build report (`invoke report`), "
                    f"and it has not been produced for this config.")
             if not dry_run:
-                raise StageNotBuilt(msg)
+                raise InputError(msg)
             echo(f"warning: {msg} A real release stops here.")
             report_dir = None
         release_files = runner.work_dir / IMAGE_WORK_DIR / RELEASE_FILES_DIR

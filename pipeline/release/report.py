@@ -751,17 +751,3 @@ def write_report(work_dir: Path, out_dir: Path, loaded=None) -> dict:
     summary = render(work_dir, out_dir, loaded.config.description if loaded is not None else "")
     return {"five_lines": five_lines(summary), "stages": summary["stages"], "hash_chain_ok": summary["hash_chain_ok"],
             "files": [artifacts.REPORT_HTML, artifacts.REPORT_MD, artifacts.REPORT_SUMMARY_JSON]}
-
-
-def print_summary(config: Optional[str], overrides, work_root: Path) -> None:
-    """What `invoke all` prints last: where the report is and its five lines."""
-    from pipeline.commands import open_runner
-
-    work_dir = open_runner(config, overrides, work_root).work_dir
-    m = _json(work_dir / "report" / artifacts.MANIFEST_FILE)
-    if not m or m.get("status") != "ok":
-        print(f"report: {NOT_RUN} (`invoke report` writes it)")
-        return
-    print(f"report: {work_dir / 'report' / artifacts.REPORT_HTML} (Markdown: {work_dir / 'report' / artifacts.REPORT_MD})")
-    for line in m["summary"]["five_lines"]:
-        print(f"  {line}")

@@ -1,7 +1,7 @@
 """Start a real Triton Inference Server and always stop it: the one place that knows how.
 
 On a CPU machine the server is the Triton 2.51 binary inside the ``nvidia-pytriton`` package (Python backend
-and ensembles only). Running it by hand has traps (design brief §6), each handled here:
+and ensembles only). Running it by hand has traps, each handled here:
 
 - the Python-backend stub ships per Python version beside the backend, not in it: we build a backends
   folder of our own (in a temporary folder, never inside site-packages) with the backend library linked and
@@ -438,22 +438,19 @@ def server_for_target(target: str, repository: Path, **kwargs) -> TritonServer:
 # ---------------------------------------------------------------- invoke serve
 
 
-def serve_published(config: Optional[str], overrides: Sequence[str], work_root: Path, http_port: int = 8000,
-                    grpc_port: int = 8001, metrics_port: int = 8002, host: str = LOOPBACK,
-                    echo=print) -> None:
-    """Run a server on the config's published repository in the foreground until Ctrl-C (or SIGTERM)."""
-    from pipeline.commands import open_runner
+def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                    host: str = LOOPBACK, echo=print) -> None:
+    """Run a server on the work dir's published repository in the foreground until Ctrl-C (or SIGTERM)."""
     from pipeline.serving.publish import model_names
 
-    runner = open_runner(config, overrides, work_root)
-    repo = runner.stage_dir("publish") / artifacts.MODEL_REPOSITORY_DIR
+    repo = artifacts.published_repository(work_dir)
     try:
         prov = json.loads((repo / artifacts.PROVENANCE_FILE).read_text())
     except (OSError, ValueError):
         raise InputError(f"nothing published at {repo}: run `invoke publish` (or `invoke all`) for this config "
                          f"first") from None
     names = model_names(prov["model_name"])
-    log_path = runner.work_dir / "logs" / "tritonserver-serve.log"
+    log_path = work_dir / "logs" / "tritonserver-serve.log"
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         with server_for_target(prov["build"]["target"], repo, http_port=http_port, grpc_port=grpc_port,
