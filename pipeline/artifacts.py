@@ -119,7 +119,7 @@ def published_repository(work_dir: Path) -> Path:
 
 class _Record(BaseModel):
     # Readers accept fields they do not know (a newer pipeline may add some) and check the ones they use.
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
 
 
 class KVCacheSettings(_Record):

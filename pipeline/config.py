@@ -29,6 +29,7 @@ from pydantic import (
 
 from pipeline import constants
 from pipeline.errors import ConfigError
+from pipeline.formats import DECISION_COLUMN
 
 SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # usable as a directory / Triton model name
 _SAFE_NAME_RE = re.compile(SAFE_NAME)
@@ -47,13 +48,12 @@ def _safe_name(v: str) -> str:
 
 SafeName = Annotated[str, AfterValidator(_safe_name)]
 
+# The names of pipeline.formats (static for the schema and type checkers; tests/test_formats.py keeps them equal)
 WeightFormat = Literal["none", "int8_sq", "int8_wo", "fp8", "int4_awq", "w4a8_awq"]
 SensitivityFormat = Literal["int8_w8a8", "int8_sq", "int8_wo", "fp8", "int4_awq"]
 KVCacheFormat = Literal["none", "int8", "fp8"]
 Dtype = Literal["float32", "float16", "bfloat16"]
 # the sensitivity column that predicts each weight format (w4a8_awq: its INT4 weights dominate the error)
-DECISION_COLUMN = {"int8_sq": "int8_sq", "int8_wo": "int8_wo", "fp8": "fp8", "int4_awq": "int4_awq",
-                   "w4a8_awq": "int4_awq"}
 
 
 class Strict(BaseModel):
@@ -459,7 +459,7 @@ class ImageSection(Strict):
     # nvidia/tritonserver behind its registry, or your mirror of it). Required for tensorrt/pytorch; no
     # default, so no registry is ever chosen for you.
     base_repository: Optional[str] = None
-    # None: the newest tag in pipeline.image.TRITON_TRTLLM_TAGS that carries the TensorRT-LLM version the
+    # None: the newest tag in pipeline.serving.image_tags.TRITON_TRTLLM_TAGS that carries the TensorRT-LLM version the
     # published build recorded. "<tag>" or "<tag>@sha256:<digest>" to pin the base by digest.
     base_tag: Optional[str] = None
     # The TensorRT-LLM version inside base_tag, for a tag the table does not know (a custom build).

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from pipeline.config import QuantizationSection  # noqa: E402
 from pipeline.errors import IntegrityError  # noqa: E402
+from pipeline.formats import HIGH_PRECISION  # noqa: E402
 from pipeline.quant.checkpoint import rebuild, unpack_int4  # noqa: E402
-from pipeline.quant.plan import HIGH_PRECISION  # noqa: E402
 from pipeline.quant.quantize import (  # noqa: E402
     _calibrate_phase,
     _check_export,
@@ -119,7 +119,7 @@ def test_rebuilt_model_computes_what_the_fake_quant_model_computes(case, exporte
     lp, lq = want.log_softmax(-1), got.log_softmax(-1)
     assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 1e-4
     base, other = CASES[case]
-    from pipeline.quant.quantize import TRTLLM_QUANT_ALGO
+    from pipeline.formats import TRTLLM_QUANT_ALGO
 
     want_formats = {TRTLLM_QUANT_ALGO[base]: 13 - (4 if other else 0)}
     if other:

@@ -24,6 +24,7 @@ from pipeline.config import BuildSection, load_config
 from pipeline.errors import ConfigError, InputError
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
 from pipeline.release import image as img
+from pipeline.serving import image_tags
 
 DOCKERFILE = REPO / "Dockerfile"
 DEFAULT_NAME = DEFAULT_CONFIG.stem
@@ -208,8 +209,8 @@ def test_from_images_are_pinned_or_arg_driven_with_pinned_defaults():
     # The Triton base: no registry host baked in, and the default tag carries the default TensorRT-LLM.
     assert not re.search(r"[.:]", args["TRITON_REPOSITORY"]), "the base repository default must name no registry"
     default_version = BuildSection().trtllm_version
-    assert args["TRITON_TAG"] == img.triton_tags_for(default_version)[0]
-    assert img.trtllm_version_of_tag(args["TRITON_TAG"]) == default_version
+    assert args["TRITON_TAG"] == image_tags.triton_tags_for(default_version)[0]
+    assert image_tags.trtllm_version_of_tag(args["TRITON_TAG"]) == default_version
     assert {"gpu", "cpu", "builder"} <= names
 
 
@@ -299,12 +300,12 @@ def test_no_credentials_in_any_layer():
 
 
 def test_triton_table_maps_tags_to_trtllm_versions():
-    assert img.trtllm_version_of_tag("25.12-trtllm-python-py3") == "1.1.0"
-    assert img.trtllm_version_of_tag("26.03-trtllm-python-py3") == "1.2.0"
-    assert img.trtllm_version_of_tag("26.07-trtllm-python-py3@sha256:" + "0" * 64) == "1.2.1"
-    assert img.trtllm_version_of_tag("99.01-trtllm-python-py3") is None
-    assert img.triton_tags_for("1.2.1")[0] == "26.07-trtllm-python-py3"
-    assert all(t.endswith(img.TRITON_TAG_SUFFIX) for t in img.TRITON_TRTLLM_TAGS)
+    assert image_tags.trtllm_version_of_tag("25.12-trtllm-python-py3") == "1.1.0"
+    assert image_tags.trtllm_version_of_tag("26.03-trtllm-python-py3") == "1.2.0"
+    assert image_tags.trtllm_version_of_tag("26.07-trtllm-python-py3@sha256:" + "0" * 64) == "1.2.1"
+    assert image_tags.trtllm_version_of_tag("99.01-trtllm-python-py3") is None
+    assert image_tags.triton_tags_for("1.2.1")[0] == "26.07-trtllm-python-py3"
+    assert all(t.endswith(image_tags.TRITON_TAG_SUFFIX) for t in image_tags.TRITON_TRTLLM_TAGS)
 
 
 def _cfg(*overrides: str):
@@ -319,7 +320,7 @@ def test_refuses_base_images_whose_trtllm_differs_from_the_engines(tmp_path):
     with pytest.raises(ConfigError, match=r"TensorRT-LLM 1\.2\.1, but the base image tag 25\.12-trtllm-python-py3 "
                                           r"carries TensorRT-LLM 1\.1\.0"):
         img.plan_image(_cfg(f"image.base_repository={MIRROR}", "image.base_tag=25.12-trtllm-python-py3"), pub, rel)
-    with pytest.raises(ConfigError, match="not in pipeline.image.TRITON_TRTLLM_TAGS"):
+    with pytest.raises(ConfigError, match="not in pipeline.serving.image_tags.TRITON_TRTLLM_TAGS"):
         img.plan_image(_cfg(f"image.base_repository={MIRROR}", "image.base_tag=my-own-build"), pub, rel)
     # a custom base, with its TensorRT-LLM stated, is accepted when it matches
     plan = img.plan_image(_cfg(f"image.base_repository={MIRROR}", "image.base_tag=my-own-build",

@@ -12,7 +12,8 @@ from pipeline.config import (
     SensitivitySection,
 )
 from pipeline.errors import InputError
-from pipeline.quant.plan import HIGH_PRECISION, _bytes, make_plan
+from pipeline.formats import HIGH_PRECISION
+from pipeline.quant.plan import _bytes, make_plan
 
 Q = QuantizationSection(weight_format="int8_sq")
 S = SensitivitySection(formats=("int8_sq",), threshold=0.1)

@@ -40,20 +40,14 @@ from pathlib import Path
 
 from pipeline import artifacts
 from pipeline.errors import IntegrityError
+from pipeline.formats import FORMAT_OF_ALGO
 
 HF_OF = {"attention.dense": "self_attn.o_proj", "mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj",
          "mlp.proj": "mlp.down_proj"}
 NORMS = {"input_layernorm": "input_layernorm", "post_layernorm": "post_attention_layernorm"}
 ROW_PARALLEL = ("attention.dense", "mlp.proj")
-READABLE_ALGOS = ("W8A8_SQ_PER_CHANNEL", "W8A16", "FP8", "W4A16_AWQ", "W4A8_AWQ")
-INT4_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
-# what each format must carry besides its weight (pre-quant scales are optional for SmoothQuant)
-REQUIRED = {"W8A8_SQ_PER_CHANNEL": ("weights_scaling_factor", "activation_scaling_factor"),
-            "W8A16": ("weights_scaling_factor",),
-            "FP8": ("weights_scaling_factor", "activation_scaling_factor"),
-            "W4A16_AWQ": ("weights_scaling_factor", "prequant_scaling_factor"),
-            "W4A8_AWQ": ("weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor",
-                         "prequant_scaling_factor")}
+READABLE_ALGOS = tuple(FORMAT_OF_ALGO)
+INT4_ALGOS = tuple(a for a, f in FORMAT_OF_ALGO.items() if f.awq)
 SCALE_NAMES = ("weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor",
                "prequant_scaling_factor")
 
@@ -94,7 +88,7 @@ def _dequantize(name: str, algo: str | None, w, s: dict, group_size: int | None)
 
     if algo is None:
         return w.float()
-    missing = [k for k in REQUIRED[algo] if s.get(k) is None]
+    missing = [k for k in FORMAT_OF_ALGO[algo].checkpoint_scales if s.get(k) is None]
     if missing:
         raise IntegrityError(f"{name}: {algo} weight without {', '.join(missing)}")
     wsf = s["weights_scaling_factor"].float()

@@ -22,21 +22,19 @@ from pathlib import Path
 import yaml
 
 from pipeline import artifacts
-from pipeline.config import (
-    DECISION_COLUMN,
-    PlanSection,
-    QuantizationSection,
-    SensitivitySection,
-)
+from pipeline.config import PlanSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
-from pipeline.quant.sensitivity import quantized_weight_bytes
+from pipeline.formats import (
+    DECISION_COLUMN,
+    HIGH_PRECISION,
+    LAYER_FORMATS,
+    bits,
+    weight_bytes,
+)
 
 PLAN_FORMAT_VERSION = 1
-HIGH_PRECISION = "high_precision"
 BUDGET_GRID_BYTES = 4096
 
-VALID_LAYER_FORMATS = (HIGH_PRECISION, "int8_sq", "int8_wo", "fp8", "int4_awq", "w4a8_awq")
-FORMAT_BITS = {HIGH_PRECISION: 16, "int8_sq": 8, "int8_wo": 8, "fp8": 8, "int4_awq": 4, "w4a8_awq": 4}
 
 
 @dataclass
@@ -54,9 +52,7 @@ def decision_format(quant: QuantizationSection) -> str | None:
 
 
 def _bytes(fmt: str, layer: dict, group_size: int) -> int:
-    if fmt == HIGH_PRECISION:
-        return quantized_weight_bytes("none", layer["out_features"], layer["in_features"], group_size)
-    return quantized_weight_bytes(fmt, layer["out_features"], layer["in_features"], group_size)
+    return weight_bytes(fmt, layer["out_features"], layer["in_features"], group_size)
 
 
 def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: QuantizationSection) -> dict:
@@ -126,7 +122,7 @@ def _align_fused(choices: dict, table: dict, base: str, g: int, widen: bool) -> 
         if len(formats) < 2:
             continue
         if widen:
-            leader = max(members, key=lambda m: FORMAT_BITS[choices[m].format])
+            leader = max(members, key=lambda m: bits(choices[m].format))
         else:
             leader = next((m for m in members if choices[m].format == base), members[0])
         fmt = choices[leader].format
@@ -253,7 +249,7 @@ def write_plan(plan_doc: dict, out_dir: Path, config_name: str) -> None:
     header = (
         f"# Mixed-precision plan for {config_name} (written by the plan stage).\n"
         f"# Each linear layer: its format (high_precision = kept in FP16/BF16) and why. You may edit `format`\n"
-        f"# (one of: {', '.join(VALID_LAYER_FORMATS)}); the next stages use the edited file as it is.\n"
+        f"# (one of: {', '.join(LAYER_FORMATS)}); the next stages use the edited file as it is.\n"
     )
     (out_dir / artifacts.PLAN_FILE).write_text(header + yaml.safe_dump(plan_doc, sort_keys=False, width=120))
 
@@ -270,8 +266,8 @@ def read_plan(path: Path, table_layers: list[str] | None = None) -> dict:
         raise InputError(f"{path}: format_version must be {PLAN_FORMAT_VERSION}")
     for name, entry in doc["layers"].items():
         fmt = entry.get("format") if isinstance(entry, dict) else None
-        if fmt not in VALID_LAYER_FORMATS:
-            raise InputError(f"{path}: layer {name}: format {fmt!r} is not one of {', '.join(VALID_LAYER_FORMATS)}")
+        if fmt not in LAYER_FORMATS:
+            raise InputError(f"{path}: layer {name}: format {fmt!r} is not one of {', '.join(LAYER_FORMATS)}")
     if table_layers is not None:
         missing = sorted(set(table_layers) - set(doc["layers"]))
         unknown = sorted(set(doc["layers"]) - set(table_layers))

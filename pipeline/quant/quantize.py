@@ -40,7 +40,13 @@ from pathlib import Path
 from pipeline import artifacts
 from pipeline.config import BuildSection, QuantizationSection
 from pipeline.errors import InputError, StageFailed
-from pipeline.quant.plan import HIGH_PRECISION
+from pipeline.formats import (
+    AWQ_FORMATS,
+    FORMATS,
+    HIGH_PRECISION,
+    KV_CACHE_ALGOS,
+    TRTLLM_QUANT_ALGO,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +55,6 @@ GREEDY_PROMPTS = ("The capital of France is", "A function in Python is defined w
 GREEDY_NEW_TOKENS = 16
 
 # our format -> ModelOpt preset, and the quant_algo its TensorRT-LLM export writes
-MODELOPT_PRESET = {"int8_sq": "INT8_SMOOTHQUANT_CFG", "int8_wo": "INT8_WEIGHT_ONLY_CFG", "fp8": "FP8_DEFAULT_CFG",
-                   "int4_awq": "INT4_AWQ_CFG", "w4a8_awq": "W4A8_AWQ_BETA_CFG"}
-TRTLLM_QUANT_ALGO = {"int8_sq": "W8A8_SQ_PER_CHANNEL", "int8_wo": "W8A16", "fp8": "FP8", "int4_awq": "W4A16_AWQ",
-                     "w4a8_awq": "W4A8_AWQ"}
-KV_ALGO = {"int8": "INT8", "fp8": "FP8", "none": None}
-AWQ_FORMATS = ("int4_awq", "w4a8_awq")
 # TensorRT-LLM splits these on their input dim under tensor parallelism (row-parallel)
 ROW_PARALLEL = ("o_proj", "down_proj")
 # tokenizer files copied into the HF unified checkpoint, so the LLM API can serve it on its own
@@ -129,7 +129,7 @@ def _algorithm(fmt: str, quant: QuantizationSection):
 
     if fmt == "int8_sq":
         return {"method": "smoothquant", "alpha": quant.smoothquant_alpha}
-    return copy.deepcopy(getattr(mtq, MODELOPT_PRESET[fmt]).get("algorithm", "max"))
+    return copy.deepcopy(getattr(mtq, FORMATS[fmt].modelopt_preset).get("algorithm", "max"))
 
 
 def _layer_entries(name: str, fmt: str, group: int) -> list[dict]:
@@ -137,7 +137,7 @@ def _layer_entries(name: str, fmt: str, group: int) -> list[dict]:
     import modelopt.torch.quantization as mtq
 
     entries = []
-    for e in copy.deepcopy(getattr(mtq, MODELOPT_PRESET[fmt]))["quant_cfg"]:
+    for e in copy.deepcopy(getattr(mtq, FORMATS[fmt].modelopt_preset))["quant_cfg"]:
         qn = e.get("quantizer_name")
         if qn in ("*weight_quantizer", "*input_quantizer") and not e.get("parent_class"):
             item = {"quantizer_name": f"{name}.{qn[1:]}"}
@@ -158,7 +158,7 @@ def modelopt_config(plan_doc: dict, quant: QuantizationSection) -> dict:
     import modelopt.torch.quantization as mtq
 
     base = quant.weight_format
-    cfg = copy.deepcopy(getattr(mtq, MODELOPT_PRESET[base]))
+    cfg = copy.deepcopy(getattr(mtq, FORMATS[base].modelopt_preset))
     entries = cfg["quant_cfg"]
     if base == "int8_sq":
         cfg["algorithm"] = {"method": "smoothquant", "alpha": quant.smoothquant_alpha}
@@ -312,8 +312,8 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
     problems = []
     kept = {trtllm_name(n) for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
     formats = quantized_formats(plan_doc)
-    if q.get("kv_cache_quant_algo") != KV_ALGO[quant.kv_cache]:
-        problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_ALGO[quant.kv_cache]})")
+    if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
+        problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_CACHE_ALGOS[quant.kv_cache]})")
     if model_config.get("rope_theta") is not None and cfg.get("rotary_base") != model_config["rope_theta"]:
         problems.append(f"rotary_base {cfg.get('rotary_base')} != the model's rope_theta {model_config['rope_theta']}")
     if model_config.get("rope_scaling") and not cfg.get("rotary_scaling"):
@@ -378,8 +378,8 @@ def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, m
     formats = quantized_formats(plan_doc)
     layers = list(plan_doc["layers"])
     kept = {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
-    if q.get("kv_cache_quant_algo") != KV_ALGO[quant.kv_cache]:
-        problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_ALGO[quant.kv_cache]})")
+    if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
+        problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_CACHE_ALGOS[quant.kv_cache]})")
     if len(formats) <= 1:
         want = TRTLLM_QUANT_ALGO[next(iter(formats))] if formats else None
         if q.get("quant_algo") != want:

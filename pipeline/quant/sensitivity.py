@@ -51,7 +51,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK_ELEMENTS = 4 * 1024 * 1024  # output elements per quantized-matmul chunk (16 MB of fp32; lm_head: ~85 rows)
 AWQ_SEARCH_TOKENS = 4096  # AWQ-lite's alpha search runs on the first tokens only (11 matmuls per layer)
 AWQ_ALPHAS = tuple(round(0.1 * i, 1) for i in range(11))
-FP16_BYTES = 2
 
 
 @dataclass
@@ -69,22 +68,6 @@ class _Accum:
             "mean": sum(per_sample) / len(per_sample),
             "max": max(per_sample),
         }
-
-
-def quantized_weight_bytes(fmt: str, out_f: int, in_f: int, group_size: int) -> int:
-    """Bytes a layer's weight takes in the exported checkpoint, scales included."""
-    params = out_f * in_f
-    if fmt in ("int8_w8a8", "int8_wo"):
-        return params + 4 * out_f
-    if fmt == "int8_sq":
-        return params + 4 * out_f + 4 * in_f  # + the SmoothQuant pre-quant scale
-    if fmt == "fp8":
-        return params + 4
-    if fmt in ("int4_awq", "w4a8_awq"):
-        return params // 2 + FP16_BYTES * (params // group_size) + FP16_BYTES * in_f
-    if fmt == "none":
-        return FP16_BYTES * params
-    raise ValueError(fmt)
 
 
 def _model_facts(model_dir: Path):

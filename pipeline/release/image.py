@@ -16,7 +16,6 @@ the commands (and stages the small release-files folder they name) on any machin
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import shutil
@@ -44,6 +43,7 @@ from pipeline.fsutil import (
     sha256_file,
 )
 from pipeline.runner import Runner, WorkDirLock
+from pipeline.serving.image_tags import TRITON_TRTLLM_TAGS, triton_tags_for, trtllm_version_of_tag
 
 PUBLISHED_REPOSITORY = Path("publish") / "model_repository"  # inside the config's work dir
 IMAGE_WORK_DIR = "image"  # <work dir>/image/: release_files/ (a build context) and image.json
@@ -65,42 +65,6 @@ DOCKER_TARGET = {"tensorrt": "gpu", "pytorch": "gpu", "cpu": "cpu"}
 BUILDER_TARGET = "builder"
 LOCAL_REPOSITORY = "trtllm-pipeline"  # used when image.repository is unset (never pushed)
 LABEL_PREFIX = "trtllm-pipeline."
-
-# Triton TensorRT-LLM image tag -> (TensorRT-LLM, TensorRT) inside it, from the upstream server repository's
-# compatibility matrix (docs/introduction/compatibility.md, read in November 2026). An engine only loads under
-# the TensorRT-LLM and TensorRT it was built with. TensorRT-LLM 1.2.x (the last line with trtllm-build) ships
-# from 26.03 on. Add a row when a new tag is released; a tag not listed needs image.base_trtllm_version.
-TRITON_TAG_SUFFIX = "-trtllm-python-py3"
-TRITON_TRTLLM_TAGS: dict[str, tuple[str, str]] = {
-    "26.07-trtllm-python-py3": ("1.2.1", "10.14.1.48"),
-    "26.06-trtllm-python-py3": ("1.2.1", "10.14.1.48"),
-    "26.05-trtllm-python-py3": ("1.2.1", "10.14.1.48"),
-    "26.04-trtllm-python-py3": ("1.2.1", "10.14.1.48"),
-    "26.03-trtllm-python-py3": ("1.2.0", "10.14.1.48"),
-    "26.02-trtllm-python-py3": ("1.1.0", "10.13.3.9"),
-    "26.01-trtllm-python-py3": ("1.1.0", "10.13.3.9"),
-    "25.12-trtllm-python-py3": ("1.1.0", "10.13.3.9"),
-    "25.11-trtllm-python-py3": ("1.0.3.2510", "10.13.3.9"),
-    "25.10-trtllm-python-py3": ("1.0.0", "10.11.0.33"),
-    "25.09-trtllm-python-py3": ("1.0.0", "10.11.0.33"),
-    "25.08-trtllm-python-py3": ("0.21.0", "10.11.0.33"),
-    "25.07-trtllm-python-py3": ("0.20.0", "10.10.0.31"),
-    "25.06-trtllm-python-py3": ("0.20.0", "10.10.0.31"),
-    "25.05-trtllm-python-py3": ("0.19.0", "10.9.0.34"),
-    "25.04-trtllm-python-py3": ("0.18.2", "10.9.0.34"),
-    "25.03-trtllm-python-py3": ("0.18.0", "10.9.0.34"),
-}
-
-
-def triton_tags_for(trtllm_version: str) -> list[str]:
-    """Tags of the table that carry this TensorRT-LLM version, newest first."""
-    return sorted((t for t, (v, _) in TRITON_TRTLLM_TAGS.items() if v == trtllm_version), reverse=True)
-
-
-def trtllm_version_of_tag(tag: str) -> Optional[str]:
-    row = TRITON_TRTLLM_TAGS.get(tag.split("@", 1)[0])
-    return row[0] if row else None
-
 
 # ---------------------------------------------------------------- the published build
 
@@ -127,53 +91,24 @@ class PublishedBuild:
 
 def read_published(repository_dir: Path) -> PublishedBuild:
     """Read and check ``<repository_dir>/provenance.json``; raise InputError saying what to run when absent."""
+    prov = artifacts.read_provenance(repository_dir)
     path = repository_dir / artifacts.PROVENANCE_FILE
-    if not path.is_file():
-        raise InputError(
-            f"No published build at {repository_dir} (no {artifacts.PROVENANCE_FILE}). Run `invoke publish` (or "
-            f"`invoke all`) for this config first; the image is built from what publish wrote."
-        )
-    try:
-        prov = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e}). Publish again (`invoke publish --force`).") from None
-    problems = []
-
-    def need(obj: object, key: str, kind: type | tuple, where: str) -> object:
-        value = obj.get(key) if isinstance(obj, dict) else None
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-            problems.append(f"{where}{key} (got {value!r})")
-        return value
-
-    need(prov, "config_name", str, "")
-    need(prov, "model_name", str, "")
-    need(prov, "version", int, "")
-    digest = need(prov, "repository_digest", str, "")
-    quant = need(prov, "quantization", dict, "")
-    build = need(prov, "build", dict, "")
-    if isinstance(quant, dict):
-        need(quant, "weight_format", str, "quantization.")
-        need(quant, "kv_cache", (str, type(None)), "quantization.")
-    if isinstance(build, dict):
-        need(build, "target", str, "build.")
-        need(build, "trtllm_version", (str, type(None)), "build.")
-    if problems:
-        raise InputError(f"{path}: missing or mistyped field(s): {', '.join(problems)}. It was not written by "
-                         f"this pipeline's publish stage, or by an older one: publish again.")
-    hexdigest = digest.removeprefix("sha256:")
+    hexdigest = prov.repository_digest.removeprefix("sha256:")
     if not re.fullmatch(r"[0-9a-f]{64}", hexdigest):
-        raise InputError(f"{path}: repository_digest {digest!r} is not a sha256 (64 hex characters). Publish again.")
-    target = build["target"]
+        raise InputError(f"{path}: repository_digest {prov.repository_digest!r} is not a sha256 (64 hex characters). "
+                         f"Publish again.")
+    target = prov.build.target
     if target not in DOCKER_TARGET:
         raise InputError(f"{path}: build.target {target!r} is not one of {', '.join(DOCKER_TARGET)}.")
-    if target != "cpu" and not build.get("trtllm_version"):
+    if target != "cpu" and not prov.build.trtllm_version:
         raise InputError(f"{path}: a {target} build must record the TensorRT-LLM version it was built for "
                          f"(build.trtllm_version is empty). Build and publish again.")
     return PublishedBuild(
-        repository_dir=repository_dir, provenance=prov, config_name=prov["config_name"],
-        model_name=prov["model_name"], version=prov["version"], target=target,
-        trtllm_version=build.get("trtllm_version") if target != "cpu" else None,
-        weight_format=quant["weight_format"], kv_cache=quant.get("kv_cache") or "none", repository_digest=hexdigest,
+        repository_dir=repository_dir, provenance=prov.model_dump(), config_name=prov.config_name,
+        model_name=prov.model_name, version=prov.version, target=target,
+        trtllm_version=prov.build.trtllm_version if target != "cpu" else None,
+        weight_format=prov.quantization.weight_format, kv_cache=prov.quantization.kv_cache or "none",
+        repository_digest=hexdigest,
     )
 
 
@@ -309,14 +244,14 @@ def choose_base(section: ImageSection, target: str, recorded_trtllm: str) -> Bas
             known = ", ".join(sorted({v for v, _ in TRITON_TRTLLM_TAGS.values()}))
             raise ConfigError(
                 f"The published {what} for TensorRT-LLM {recorded_trtllm}, which no Triton tag in "
-                f"pipeline.release.image.TRITON_TRTLLM_TAGS carries (known versions: {known}). Set image.base_tag to an "
+                f"pipeline.serving.image_tags.TRITON_TRTLLM_TAGS carries (known versions: {known}). Set image.base_tag to an "
                 f"image with TensorRT-LLM {recorded_trtllm} and image.base_trtllm_version: {recorded_trtllm}."
             )
         tag = tags[0]
     base_version = section.base_trtllm_version or trtllm_version_of_tag(tag)
     if base_version is None:
         raise ConfigError(
-            f"image.base_tag {tag!r} is not in pipeline.image.TRITON_TRTLLM_TAGS, so its TensorRT-LLM version is "
+            f"image.base_tag {tag!r} is not in pipeline.serving.image_tags.TRITON_TRTLLM_TAGS, so its TensorRT-LLM version is "
             f"unknown. Set image.base_trtllm_version to the version inside it (or use a listed tag)."
         )
     if base_version != recorded_trtllm:

@@ -56,6 +56,7 @@ from pipeline.fsutil import (
     remove_tree,
     sha256_file,
 )
+from pipeline.serving.image_tags import trtllm_version_of_tag
 
 log = logging.getLogger(__name__)
 
@@ -318,25 +319,12 @@ def read_config(path: Path):
 
 
 def read_build_settings(build_dir: Path) -> dict:
-    path = build_dir / artifacts.BUILD_SETTINGS_FILE
-    try:
-        settings = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path} is missing or unreadable ({e}); run `invoke build` first") from None
-    missing = [k for k in ("target", "artifact_dir", "max_batch_size", "max_input_len", "max_seq_len",
-                           "kv_cache", "cuda_graphs", "trtllm_version", "checkpoint_sha256") if k not in settings]
-    if missing:
-        raise InputError(f"{path} lacks {', '.join(missing)}: it was written by another pipeline version; "
-                         f"run `invoke build --force`")
-    return settings
+    """build_settings.json, checked by its typed reader; the config builders below take it as a dict."""
+    return artifacts.read_build_settings(build_dir).model_dump()
 
 
 def runtime_trtllm_version(config) -> tuple[str, str]:
     """The TensorRT-LLM of the image that will serve, and where that figure comes from."""
-    from pipeline.release.image import (
-        trtllm_version_of_tag,  # the one table of Triton image tags
-    )
-
     image = config.image
     if image.base_trtllm_version:
         return image.base_trtllm_version, "image.base_trtllm_version"
