@@ -140,9 +140,16 @@ def deploy_manifests(c, config=None, set=None, work_root=str(WORK_ROOT), gpu_typ
 
 @task(help={"quick": "skip the slow end-to-end tests (marked e2e)",
             "heavy": "also run the tests marked heavy (INT4 AWQ calibration of the real model: ~15 min on 2 cores)",
-            "k": "pytest -k expression"})
-def test(c, quick=False, heavy=False, k=None):
-    """Run the test suite: everything but the heavy tests (--heavy adds them; --quick also skips e2e)."""
+            "k": "pytest -k expression",
+            "no_lint": "skip the house rules (ruff, import layers, mypy) and run only the tests"})
+def test(c, quick=False, heavy=False, k=None, no_lint=False):
+    """The house rules (ruff, the import-layer contract, mypy), then the test suite: everything but the heavy
+    tests (--heavy adds them; --quick also skips e2e)."""
+    if not no_lint:
+        bin_dir = Path(sys.executable).parent
+        c.run(shlex.join([str(bin_dir / "ruff"), "check", "pipeline", "tests", "tasks.py", "scripts"]), pty=False)
+        c.run(shlex.join([str(bin_dir / "lint-imports"), "--no-cache"]), pty=False)
+        c.run(shlex.join([str(bin_dir / "mypy")]), pty=False)
     args = [sys.executable, "-m", "pytest", "-q"]
     if quick:
         args += ["-m", "not e2e and not heavy"]

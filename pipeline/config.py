@@ -306,7 +306,7 @@ class BuildSection(Strict):
     multiple_profiles: bool = True
     # The TensorRT-LLM release the engine is built with and served by (engines only load under it).
     trtllm_version: str = "1.2.1"
-    # GPU targets (pipeline/engines/trtllm.py checks these against TensorRT-LLM 1.2's option table and rules).
+    # GPU targets (pipeline/engines/trtllm/ checks these against TensorRT-LLM 1.2's option table and rules).
     # None: chosen by weight format (fp8 for FP8 weights, else auto = the checkpoint dtype)
     gemm_plugin: Optional[Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"]] = None
     # None: on wherever TensorRT-LLM allows it (never with an INT8 KV cache); KV-cache reuse needs it
@@ -388,7 +388,7 @@ class TritonSection(Strict):
 
 
 class BenchSection(Strict):
-    """`invoke bench` (pipeline/serving/bench.py): a closed-loop concurrency sweep over the streaming model."""
+    """`invoke bench` (pipeline/serving/bench/): a closed-loop concurrency sweep over the streaming model."""
 
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     requests_per_level: int = Field(32, ge=1)  # measured requests per level, after the warm-up

@@ -77,7 +77,7 @@ def _run_build(ctx: StageContext) -> dict:
     ckpt = ctx.upstream("quantize") / "trtllm_checkpoint"
     if cfg.build.target == "cpu":
         return build_cpu(ckpt, ctx.upstream("model") / artifacts.MODEL_DIR, cfg, ctx.out_dir)
-    from pipeline.engines import trtllm
+    from pipeline.engines.trtllm import targets as trtllm
 
     if cfg.build.target == "tensorrt":
         return trtllm.build_tensorrt(ckpt, cfg, ctx.out_dir)
@@ -85,7 +85,7 @@ def _run_build(ctx: StageContext) -> dict:
 
 
 def _build_preflight(loaded) -> None:
-    from pipeline.engines.trtllm import (
+    from pipeline.engines.trtllm.preflight import (
         preflight,  # GPU targets: a GPU and TensorRT-LLM here, or stop before any work
     )
 
@@ -108,14 +108,14 @@ def _run_verify(ctx: StageContext) -> dict:
 
 
 def _run_bench(ctx: StageContext) -> dict:
-    from pipeline.serving.bench import run_bench
+    from pipeline.serving.bench.stage import run_bench
 
     return run_bench(ctx.config, ctx.upstream("publish"), ctx.upstream("text") / artifacts.EVALUATION_TEXT_FILE,
                      ctx.upstream("build"), ctx.out_dir)
 
 
 def _bench_fingerprint(loaded, hash_cache):
-    from pipeline.serving.bench import (
+    from pipeline.serving.bench.stage import (
         compare_fingerprint,  # the comparison baseline is an input outside this work dir
     )
 
@@ -123,7 +123,7 @@ def _bench_fingerprint(loaded, hash_cache):
 
 
 def _run_report(ctx: StageContext) -> dict:
-    from pipeline.release.report import write_report
+    from pipeline.release.report.stage import write_report
 
     return write_report(ctx.work_dir, ctx.out_dir, ctx.loaded)
 

@@ -13,17 +13,10 @@ import numpy as np
 import pytest
 
 from pipeline import artifacts
-from pipeline.serving import bench
-from pipeline.serving.bench import (
-    RequestRecord,
-    find_knee,
-    level_figures,
-    metrics_delta,
-    padding_factor,
-    parse_metrics,
-    percentile,
-    summarize,
-)
+from pipeline.serving.bench.load import RequestRecord, drive, level_figures, make_prompts
+from pipeline.serving.bench.metrics import metrics_delta, parse_metrics
+from pipeline.serving.bench.plots import LATENCY_PNG, THROUGHPUT_PNG
+from pipeline.serving.bench.stats import find_knee, knee_sentence, padding_factor, percentile, summarize
 
 # ---------------------------------------------------------------- statistics on known samples
 
@@ -87,9 +80,9 @@ def test_knee_where_throughput_stops_paying():
     still_rising = find_knee([1, 2, 4], [10, 20, 40], 0.10)
     assert not still_rising["found"] and still_rising["concurrency"] == 4
     levels = [{"concurrency": c, "output_tokens_per_s": t, "e2e_ms": {"p50": 100.0 * c}} for c, t in
-              zip([1, 2, 4, 8, 16], [10, 19, 34, 36, 36.5])]
-    assert "the knee is at concurrency 4" in bench.knee_sentence(knee, levels)
-    assert "beyond this sweep" in bench.knee_sentence(still_rising, levels[:3])
+              zip([1, 2, 4, 8, 16], [10, 19, 34, 36, 36.5], strict=True)]
+    assert "the knee is at concurrency 4" in knee_sentence(knee, levels)
+    assert "beyond this sweep" in knee_sentence(still_rising, levels[:3])
 
 
 def test_padding_factor_from_build_settings():
@@ -149,14 +142,14 @@ def test_prompts_are_windows_of_the_evaluation_text(tmp_path, tiny_tokenizer_dir
     samples.write_text("\n".join(json.dumps({"index": i, "text": f"The statement number {i} is about loops and "
                                                                  f"classes.</s>Another document starts here."})
                                  for i in range(3)) + "\n")
-    prompts = bench.make_prompts(samples, tok, 8, 40)
+    prompts = make_prompts(samples, tok, 8, 40)
     assert len(prompts) == 40
     assert all("</s>" not in p.text for p in prompts)
     assert all(6 <= p.tokens <= 10 for p in prompts)  # re-tokenized windows of 8 tokens
     distinct = {p.text for p in prompts}
     assert 1 < len(distinct) < 40  # windows repeat once the text is used up
     with pytest.raises(Exception, match="fewer than bench.prompt_tokens"):
-        bench.make_prompts(samples, tok, 10_000, 1)
+        make_prompts(samples, tok, 10_000, 1)
 
 
 # ---------------------------------------------------------------- a real server on the tiny published model
@@ -203,7 +196,7 @@ def test_bench_stage_on_a_real_server(published_tiny):
         assert tri["tiny_tensorrt_llm"]["requests"] == 6 and tri["tiny_preprocessing"]["requests"] >= 6
         assert tri["tiny_stream"]["queue_ms"] >= 0 and tri["tiny_preprocessing"]["compute_infer_ms"] > 0
     assert t["knee"]["concurrency"] in (1, 2, 4)
-    assert (out / bench.THROUGHPUT_PNG).stat().st_size > 10_000 and (out / bench.LATENCY_PNG).stat().st_size > 10_000
+    assert (out / THROUGHPUT_PNG).stat().st_size > 10_000 and (out / LATENCY_PNG).stat().st_size > 10_000
     s = manifest["summary"]
     assert s["levels"][0]["output_tokens_per_s"] == round(t["levels"][0]["output_tokens_per_s"], 2)
     prov = json.loads((runner.work_dir / "publish" / "model_repository" / "provenance.json").read_text())
@@ -258,7 +251,7 @@ def test_comparison_mode_alternates_two_servers(published_tiny, tmp_path):
     assert this["repository_digest"] != baseline["repository_digest"]
     ratios = results["comparison"]["levels"]
     assert [r["concurrency"] for r in ratios] == [1, 2]
-    for r, a, b in zip(ratios, this["levels"], baseline["levels"]):
+    for r, a, b in zip(ratios, this["levels"], baseline["levels"], strict=True):
         assert r["output_tokens_per_s"] == pytest.approx(a["output_tokens_per_s"] / b["output_tokens_per_s"])
         assert r["e2e_p50"] == pytest.approx(a["e2e_ms"]["p50"] / b["e2e_ms"]["p50"])
     # the baseline is an input: republishing it would make bench stale, and so would dropping it
@@ -290,10 +283,10 @@ def test_client_agrees_with_perf_analyzer(published_tiny):
     repo = runner.work_dir / "publish" / "model_repository"
     prov = json.loads((repo / "provenance.json").read_text())
     tok = AutoTokenizer.from_pretrained(str(repo / f"tiny_preprocessing/{prov['version']}/tokenizer"))
-    prompts = bench.make_prompts(runner.work_dir / "text" / "evaluation_samples.jsonl", tok, 16, 8)
+    prompts = make_prompts(runner.work_dir / "text" / "evaluation_samples.jsonl", tok, 16, 8)
     with TritonServer(repo) as server, tempfile.TemporaryDirectory() as tmp:
-        bench.drive(server.grpc_url, "tiny_stream", prompts[:2], 1, 8)  # warm-up
-        records, wall = bench.drive(server.grpc_url, "tiny_stream", prompts, 2, 8)
+        drive(server.grpc_url, "tiny_stream", prompts[:2], 1, 8)  # warm-up
+        records, wall = drive(server.grpc_url, "tiny_stream", prompts, 2, 8)
         ours = level_figures(records, wall, 2)
         data = {"data": [{"text_input": [p.text], "max_tokens": [8], "end_id": [-1]} for p in prompts]}
         Path(tmp, "input.json").write_text(json.dumps(data))

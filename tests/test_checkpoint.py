@@ -275,7 +275,7 @@ def test_the_stage_refuses_a_quant_cfg_that_differs_from_the_plan(exported, tiny
         "wrong group": (lambda c: c["quantized_layers"]["transformer.layers.0.mlp.fc"].update(group_size=64),
                         r"transformer.layers.0.mlp.fc is .*'group_size': 64"),
     }
-    for what, (edit, message) in edits.items():
+    for _what, (edit, message) in edits.items():
         if (tmp_path / "tampered").exists():
             shutil.rmtree(tmp_path / "tampered")
         bad = _tampered(e["ckpt"][1], tmp_path, lambda t: None, quant_cfg_edit=edit)

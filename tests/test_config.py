@@ -26,7 +26,7 @@ def test_default_config_is_the_embedded_cpu_model():
 
 
 def test_extends_inherits_and_child_wins(tmp_path):
-    base = write_yaml(tmp_path / "base.yaml", f"""
+    write_yaml(tmp_path / "base.yaml", f"""
         extends: {DEFAULT_CONFIG}
         build: {{max_batch_size: 4}}
         """)

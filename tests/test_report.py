@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.release import report
-from pipeline.release.report import Doc, render
+from pipeline import artifacts
+from pipeline.release.report.document import Doc
+from pipeline.release.report.stage import render
+from pipeline.release.report.summary import five_lines
+from pipeline.release.report.workdir import STAGES as REPORTED_STAGES
 
 
 def _manifest(stage: str, summary: dict, upstream: dict | None = None, digest: str = "d" * 64) -> dict:
@@ -37,7 +40,7 @@ def test_stages_not_run_are_said_so(tmp_path):
     out = tmp_path / "report"
     out.mkdir()
     summary = render(work, out)
-    assert summary["stages"] == {s: ("ok" if s == "model" else "not run") for s in report.STAGES}
+    assert summary["stages"] == {s: ("ok" if s == "model" else "not run") for s in REPORTED_STAGES}
     assert summary["model"] == model_summary["model"]
     assert summary["sizes"]["model_weight_bytes"] == 4938268
     assert summary["accuracy"] is None and summary["bench"] is None and summary["verify"] is None
@@ -46,10 +49,28 @@ def test_stages_not_run_are_said_so(tmp_path):
                         ("text", "download")):
         assert f"**not run**: the `{stage}` stage has no manifest in this work dir (`invoke {task}` runs it)." in md
     assert "4,938,268" in md  # the model's weight bytes, as recorded
-    lines = report.five_lines(summary)
+    lines = five_lines(summary)
     assert len(lines) == 5 and lines[1] == "accuracy: not run" and lines[4] == "speed: bench not run"
     html = (out / "index.html").read_text()
     assert html.startswith("<!DOCTYPE html>") and "<strong>not run</strong>" in html
+
+
+def test_unreadable_files_read_as_not_run(tmp_path):
+    """The report reads leniently: a garbled provenance, build settings or result file is shown as absent."""
+    work = tmp_path / "synthetic"
+    (work / "publish").mkdir(parents=True)
+    (work / "publish" / "manifest.json").write_text(json.dumps(_manifest("publish", {"models": ["m"]})))
+    for path in (artifacts.published_repository(work) / artifacts.PROVENANCE_FILE,
+                 work / "build" / artifacts.BUILD_SETTINGS_FILE, work / "verify" / artifacts.VERIFY_RESULTS_FILE,
+                 artifacts.published_repository(work) / "m" / artifacts.MODEL_CONFIG_FILE):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{not json")
+    out = tmp_path / "report"
+    out.mkdir()
+    summary = render(work, out)
+    assert summary["repository"] is None and summary["verify"] is None and summary["target"] is None
+    assert summary["stages"]["publish"] == "ok" and summary["hash_chain_ok"] is None
+    assert "| `m` | — | — | — | — | — | 0 | 0.0 MiB |" in (out / "index.md").read_text()
 
 
 def test_markdown_and_html_say_the_same():
@@ -100,7 +121,7 @@ def test_report_figures_equal_the_manifests(tiny_run):
     verify = json.loads((work / "verify" / "verify_results.json").read_text())
     bench_summary = _m(work, "bench")["summary"]
 
-    assert s["stages"] == {st: "ok" for st in report.STAGES}
+    assert s["stages"] == {st: "ok" for st in REPORTED_STAGES}
     assert s["model"] == mo["model"]
     assert s["accuracy"] == q["accuracy"]
     assert s["accuracy_gate"] == _m(work, "quantize")["inputs"]["config"]["quantization"]["accuracy"]
@@ -127,16 +148,16 @@ def test_report_figures_equal_the_manifests(tiny_run):
         assert prov["repository_digest"] in text
         assert f"{q['checkpoint_bytes']:,}" in text
         assert mo["model"]["architecture"] in text
-        assert f"{bench_summary['levels'][0]['ttft_p50_ms']}" in report.five_lines(s)[4]
-    for line in report.five_lines(s):
+        assert f"{bench_summary['levels'][0]['ttft_p50_ms']}" in five_lines(s)[4]
+    for line in five_lines(s):
         assert line in md
-    assert f"+{q['accuracy']['perplexity_increase_pct']:.2f} %" in report.five_lines(s)[1]
+    assert f"+{q['accuracy']['perplexity_increase_pct']:.2f} %" in five_lines(s)[1]
     for img in ("sensitivity_heatmap.png", "plan_errors.png", "throughput_vs_concurrency.png",
                 "latency_vs_concurrency.png"):
         assert (out / "img" / img).stat().st_size > 5_000
         assert f"img/{img}" in md and f'src="img/{img}"' in html
     # the stage's own summary carries the five lines `invoke all` prints
-    assert _m(work, "report")["summary"]["five_lines"] == report.five_lines(s)
+    assert _m(work, "report")["summary"]["five_lines"] == five_lines(s)
 
 
 @pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""The GPU targets (pipeline/engines/trtllm.py), without a GPU or TensorRT-LLM: contract tests of every shipped
+"""The GPU targets (pipeline/engines/trtllm/), without a GPU or TensorRT-LLM: contract tests of every shipped
 profile against the option table and rules, one test per validity rule, GPU/requirements detection, and the
 tensorrt path end to end through `invoke build` against stand-ins for `trtllm-build` and `nvidia-smi`
 (tests/bin/, installed under those names in a temporary PATH directory) that record and check what they are
@@ -18,8 +18,9 @@ import yaml
 from conftest import REPO, run_invoke, tiny_config
 
 from pipeline.config import load_config
-from pipeline.engines import trtllm
-from pipeline.engines.trtllm import GPU, QuantFacts
+from pipeline.engines.trtllm import options, preflight, rules, targets
+from pipeline.engines.trtllm.preflight import GPU
+from pipeline.engines.trtllm.rules import QuantFacts
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, StageFailed
 
 CONFIGS = sorted((REPO / "engine_configs").glob("*.yaml"))
@@ -33,7 +34,7 @@ def _cfg(name: str, *overrides: str):
 
 
 def _rules(cfg, sm, facts=None) -> set[str]:
-    return {rule for rule, _ in trtllm.validity_problems(cfg, sm, facts)}
+    return {rule for rule, _ in rules.validity_problems(cfg, sm, facts)}
 
 
 # ---------------------------------------------------------------------------------------------- stand-ins
@@ -107,45 +108,45 @@ def _synthetic_checkpoint(path: Path, quant_algo="FP8", kv="FP8", tp=1) -> Path:
 
 
 def test_option_table_names_types_and_sources():
-    for name, opt in trtllm.TRTLLM_BUILD_OPTIONS.items():
+    for name, opt in options.TRTLLM_BUILD_OPTIONS.items():
         assert re.fullmatch(r"--[a-z_0-9]+", name), name
         assert opt.kind in ("int", "path", "choice", "flag"), name
         assert (opt.kind == "choice") == bool(opt.choices), name
         assert opt.source.startswith(("tensorrt_llm/", "docs")), name
     # the 1.2 facts the rest relies on
-    assert trtllm.TRTLLM_BUILD_OPTIONS["--kv_cache_type"].choices == ("continuous", "paged", "disabled")
-    assert "fp8" in trtllm.TRTLLM_BUILD_OPTIONS["--gemm_plugin"].choices
-    assert "--paged_kv_cache" not in trtllm.TRTLLM_BUILD_OPTIONS  # deprecated: --kv_cache_type paged
-    for rule in trtllm.RULES.values():
+    assert options.TRTLLM_BUILD_OPTIONS["--kv_cache_type"].choices == ("continuous", "paged", "disabled")
+    assert "fp8" in options.TRTLLM_BUILD_OPTIONS["--gemm_plugin"].choices
+    assert "--paged_kv_cache" not in options.TRTLLM_BUILD_OPTIONS  # deprecated: --kv_cache_type paged
+    for rule in rules.RULES.values():
         assert rule.text and rule.source
-    assert {r["id"] for r in trtllm.rules_table()} == set(trtllm.RULES)
+    assert {r["id"] for r in rules.rules_table()} == set(rules.RULES)
 
 
 def test_argv_checker_refuses_what_trtllm_build_would():
     ok = ["--checkpoint_dir", "c", "--output_dir", "o", "--tokens_per_block", "32"]
-    assert trtllm.check_trtllm_build_argv(ok) == []
-    assert "unknown option" in trtllm.check_trtllm_build_argv(ok + ["--paged_kv_cache", "enable"])[0]
-    assert "invalid choice" in " ".join(trtllm.check_trtllm_build_argv(ok + ["--gemm_plugin", "int8"]))
-    assert "invalid choice" in " ".join(trtllm.check_trtllm_build_argv(ok + ["--use_paged_context_fmha", "true"]))
-    assert "more than once" in " ".join(trtllm.check_trtllm_build_argv(ok + ["--output_dir", "p"]))
-    assert "--checkpoint_dir is required" in trtllm.check_trtllm_build_argv(["--output_dir", "o"])
-    assert "positive" in " ".join(trtllm.check_trtllm_build_argv(ok + ["--max_batch_size", "0"]))
+    assert options.check_trtllm_build_argv(ok) == []
+    assert "unknown option" in options.check_trtllm_build_argv(ok + ["--paged_kv_cache", "enable"])[0]
+    assert "invalid choice" in " ".join(options.check_trtllm_build_argv(ok + ["--gemm_plugin", "int8"]))
+    assert "invalid choice" in " ".join(options.check_trtllm_build_argv(ok + ["--use_paged_context_fmha", "true"]))
+    assert "more than once" in " ".join(options.check_trtllm_build_argv(ok + ["--output_dir", "p"]))
+    assert "--checkpoint_dir is required" in options.check_trtllm_build_argv(["--output_dir", "o"])
+    assert "positive" in " ".join(options.check_trtllm_build_argv(ok + ["--max_batch_size", "0"]))
 
 
 def test_cuda_graph_batch_sizes():
     b = _cfg("llama-3.1-8b-h100-fp8.yaml").build
-    assert trtllm.cuda_graph_batch_sizes(b) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert rules.cuda_graph_batch_sizes(b) == [1, 2, 4, 8, 16, 32, 64, 128]
     odd = _cfg("llama-3.1-8b-h100-fp8.yaml", "build.max_batch_size=48", "bench.concurrency=[1,8]").build
-    assert trtllm.cuda_graph_batch_sizes(odd) == [1, 2, 4, 8, 16, 32, 48]
+    assert rules.cuda_graph_batch_sizes(odd) == [1, 2, 4, 8, 16, 32, 48]
     explicit = _cfg("llama-3.1-8b-h100-fp8.yaml", "build.cuda_graphs.batch_sizes=[1,8,64]").build
-    assert trtllm.cuda_graph_batch_sizes(explicit) == [1, 8, 64]
-    assert trtllm.cuda_graph_settings(explicit) == {"enabled": True, "batch_sizes": [1, 8, 64], "enable_padding": True,
-                                                    "cuda_graph_mode": True, "cuda_graph_cache_size": 3}
+    assert rules.cuda_graph_batch_sizes(explicit) == [1, 8, 64]
+    assert rules.cuda_graph_settings(explicit) == {"enabled": True, "batch_sizes": [1, 8, 64], "enable_padding": True,
+                                                   "cuda_graph_mode": True, "cuda_graph_cache_size": 3}
     one = _cfg("llama-3.1-8b-h100-fp8.yaml", "build.max_batch_size=1", "bench.concurrency=[1]").build
-    assert trtllm.cuda_graph_batch_sizes(one) == [1]
+    assert rules.cuda_graph_batch_sizes(one) == [1]
     off = _cfg("llama-3.2-1b-jetson-orin-edge.yaml").build
-    assert trtllm.cuda_graph_settings(off) == {"enabled": False, "batch_sizes": [], "enable_padding": False,
-                                               "cuda_graph_mode": False, "cuda_graph_cache_size": 0}
+    assert rules.cuda_graph_settings(off) == {"enabled": False, "batch_sizes": [], "enable_padding": False,
+                                              "cuda_graph_mode": False, "cuda_graph_cache_size": 0}
 
 
 # ---------------------------------------------------------------------------------------------- shipped configs
@@ -162,21 +163,21 @@ def test_shipped_config_contract(path):
     loaded = load_config(path)
     cfg, b = loaded.config, loaded.config.build
     if b.target == "cpu":
-        assert trtllm.check_target_requirements(cfg) is None  # the cpu target needs nothing of this module
-        trtllm.preflight(loaded)
+        assert preflight.check_target_requirements(cfg) is None  # the cpu target needs nothing of this module
+        preflight.preflight(loaded)
         return
     # pinned to a real commit, sized for a named GPU, on the 1.2 line
     assert cfg.model.source.kind == "hub" and cfg.model.source.pinned, "GPU profiles pin a 40-character revision"
     assert b.target_gpu and b.target_sm and b.trtllm_version.startswith("1.2.")
-    assert trtllm.validity_problems(cfg, b.target_sm) == []
-    facts = trtllm.facts_from_config(cfg)
+    assert rules.validity_problems(cfg, b.target_sm) == []
+    facts = rules.facts_from_config(cfg)
     gpu = GPU(b.target_gpu, b.target_sm, "570.00")
     gpus = b.tensor_parallel_size * b.pipeline_parallel_size
-    args = trtllm.trtllm_build_argv(Path("ckpt"), Path("engine"), cfg, gpu, facts, Path("in.cache"), Path("out.cache"),
-                                    gpu_count=gpus)
-    assert trtllm.check_trtllm_build_argv(args) == []
+    args = targets.trtllm_build_argv(Path("ckpt"), Path("engine"), cfg, gpu, facts, Path("in.cache"), Path("out.cache"),
+                                     gpu_count=gpus)
+    assert options.check_trtllm_build_argv(args) == []
     opts = dict(zip(args[::2], args[1::2]))
-    assert set(opts) <= set(trtllm.TRTLLM_BUILD_OPTIONS)
+    assert set(opts) <= set(options.TRTLLM_BUILD_OPTIONS)
     assert opts["--kv_cache_type"] == "paged" and opts["--tokens_per_block"] == str(b.kv_cache.tokens_per_block)
     for key in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens"):
         assert opts[f"--{key}"] == str(getattr(b, key))
@@ -194,35 +195,35 @@ def test_shipped_config_contract(path):
     # the same profile through the LLM API (pytorch target), where its KV cache allows
     if kv == "INT8":
         with pytest.raises(ConfigError, match="int8 cannot be served by TensorRT-LLM's LLM API"):
-            trtllm.llm_api_options(cfg)
+            targets.llm_api_options(cfg)
     else:
         llm = load_config(path, ["build.target=pytorch", "quantization.export_hf_checkpoint=true"]).config
-        assert trtllm.validity_problems(llm, b.target_sm) == []
-        api = trtllm.llm_api_options(llm)
-        assert trtllm.check_llm_api_options(api) == []
+        assert rules.validity_problems(llm, b.target_sm) == []
+        api = targets.llm_api_options(llm)
+        assert options.check_llm_api_options(api) == []
         assert api["kv_cache_config"]["dtype"] == ("fp8" if kv == "FP8" else "auto")
         assert api["kv_cache_config"]["tokens_per_block"] == b.kv_cache.tokens_per_block
         assert api["tensor_parallel_size"] == b.tensor_parallel_size
         if b.cuda_graphs.enabled:
-            assert api["cuda_graph_config"] == {"batch_sizes": trtllm.cuda_graph_batch_sizes(b),
+            assert api["cuda_graph_config"] == {"batch_sizes": rules.cuda_graph_batch_sizes(b),
                                                 "enable_padding": b.cuda_graphs.enable_padding}
         else:
             assert api["cuda_graph_config"] is None
 
 
 def test_llm_api_option_checker():
-    good = trtllm.llm_api_options(_cfg("llama-3.1-8b-h100-fp8.yaml", "build.target=pytorch",
-                                       "quantization.export_hf_checkpoint=true"))
-    assert trtllm.check_llm_api_options(good) == []
-    unknown = trtllm.check_llm_api_options({**good, "cuda_graph_batch_sizes": [1]})
+    good = targets.llm_api_options(_cfg("llama-3.1-8b-h100-fp8.yaml", "build.target=pytorch",
+                                        "quantization.export_hf_checkpoint=true"))
+    assert options.check_llm_api_options(good) == []
+    unknown = options.check_llm_api_options({**good, "cuda_graph_batch_sizes": [1]})
     assert "unknown option cuda_graph_batch_sizes" in unknown[0]
     bad_kv = {**good, "kv_cache_config": {**good["kv_cache_config"], "dtype": "int8"}}
-    assert "allowed ['auto', 'fp8']" in trtllm.check_llm_api_options(bad_kv)[0]
+    assert "allowed ['auto', 'fp8']" in options.check_llm_api_options(bad_kv)[0]
     bad_frac = {**good, "kv_cache_config": {**good["kv_cache_config"], "free_gpu_memory_fraction": 1.5}}
-    assert "between 0 and 1" in trtllm.check_llm_api_options(bad_frac)[0]
+    assert "between 0 and 1" in options.check_llm_api_options(bad_frac)[0]
     too_big = {**good, "cuda_graph_config": {"batch_sizes": [1, 512], "enable_padding": True}}
-    assert "beyond max_batch_size" in trtllm.check_llm_api_options(too_big)[0]
-    assert trtllm.check_llm_api_options({**good, "cuda_graph_config": None}) == []
+    assert "beyond max_batch_size" in options.check_llm_api_options(too_big)[0]
+    assert options.check_llm_api_options({**good, "cuda_graph_config": None}) == []
 
 
 # ---------------------------------------------------------------------------------------------- each rule
@@ -257,7 +258,7 @@ OTHER_RULE_TESTS = {  # rules whose trigger needs more than a config and a GPU: 
 
 
 def test_every_rule_has_a_test_that_triggers_it():
-    assert set(RULE_CASES) | set(ARGV_RULE_CASES) | set(OTHER_RULE_TESTS) == set(trtllm.RULES)
+    assert set(RULE_CASES) | set(ARGV_RULE_CASES) | set(OTHER_RULE_TESTS) == set(rules.RULES)
     for name in OTHER_RULE_TESTS.values():
         assert callable(globals()[name])
 
@@ -266,18 +267,18 @@ def test_every_rule_has_a_test_that_triggers_it():
 def test_rule_triggers(rule):
     name, overrides, sm = RULE_CASES[rule]
     profile = _cfg(name)
-    assert trtllm.validity_problems(profile, profile.build.target_sm) == []  # valid on its own GPU
+    assert rules.validity_problems(profile, profile.build.target_sm) == []  # valid on its own GPU
     assert rule in _rules(_cfg(name, *overrides), sm)
     cfg = _cfg(name, *overrides)
     with pytest.raises(ConfigError, match=rf"\[{rule}\]"):
-        trtllm.enforce_rules(cfg, sm)
+        rules.enforce_rules(cfg, sm)
 
 
 @pytest.mark.parametrize("rule", sorted(ARGV_RULE_CASES))
 def test_argv_rule_triggers(rule):
     base = ["--checkpoint_dir", "c", "--output_dir", "o"]
-    assert trtllm.check_trtllm_build_argv(base) == []
-    problems = trtllm.check_trtllm_build_argv(base + ARGV_RULE_CASES[rule])
+    assert options.check_trtllm_build_argv(base) == []
+    problems = options.check_trtllm_build_argv(base + ARGV_RULE_CASES[rule])
     assert any(p.startswith(f"[{rule}]") for p in problems), problems
 
 
@@ -304,7 +305,7 @@ def test_rule_details():
 def test_pytorch_target_refuses_int8_kv():
     a100 = _cfg("llama-3.1-8b-a100-int8sq.yaml")
     with pytest.raises(ConfigError, match=r"\[pytorch_int8_kv\]"):
-        trtllm.llm_api_options(a100)
+        targets.llm_api_options(a100)
     as_pytorch = a100.model_copy(update={"build": a100.build.model_copy(update={"target": "pytorch"})})
     assert "pytorch_int8_kv" in _rules(as_pytorch, 80)
     with pytest.raises(ConfigError, match="not supported by the pytorch target"):  # the config says so first
@@ -313,13 +314,13 @@ def test_pytorch_target_refuses_int8_kv():
 
 def test_checkpoint_must_match_the_config(tmp_path):
     cfg = _cfg("llama-3.1-8b-h100-fp8.yaml")
-    trtllm.check_checkpoint_matches(cfg, trtllm.facts_from_checkpoint(_synthetic_checkpoint(tmp_path / "ok")))
+    preflight.check_checkpoint_matches(cfg, preflight.facts_from_checkpoint(_synthetic_checkpoint(tmp_path / "ok")))
     for name, kwargs, said in (("kv", {"kv": "INT8"}, "kv_cache_quant_algo is INT8"),
                                ("weights", {"quant_algo": "W8A8_SQ_PER_CHANNEL"}, "quant_algo is W8A8_SQ_PER_CHANNEL"),
                                ("tp", {"tp": 2}, "mapping tp_size=2")):
-        facts = trtllm.facts_from_checkpoint(_synthetic_checkpoint(tmp_path / name, **kwargs))
+        facts = preflight.facts_from_checkpoint(_synthetic_checkpoint(tmp_path / name, **kwargs))
         with pytest.raises(InputError, match=said):
-            trtllm.check_checkpoint_matches(cfg, facts)
+            preflight.check_checkpoint_matches(cfg, facts)
 
 
 # ---------------------------------------------------------------------------------------------- requirements
@@ -327,7 +328,7 @@ def test_checkpoint_must_match_the_config(tmp_path):
 
 def test_no_nvidia_smi_means_no_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert trtllm.detect_gpus() is None and trtllm.detect_gpu() is None
+    assert preflight.detect_gpus() is None and preflight.detect_gpu() is None
 
 
 def test_gpu_detection_reads_nvidia_smi(tmp_path, monkeypatch):
@@ -336,16 +337,16 @@ def test_gpu_detection_reads_nvidia_smi(tmp_path, monkeypatch):
     monkeypatch.setenv("STANDIN_GPU_NAME", "NVIDIA L40S")
     monkeypatch.setenv("STANDIN_GPU_COMPUTE_CAP", "8.9")
     monkeypatch.setenv("STANDIN_GPU_COUNT", "2")
-    gpus = trtllm.detect_gpus()
+    gpus = preflight.detect_gpus()
     assert gpus == (GPU("NVIDIA L40S", 89, "570.000.00", 81559),) * 2
-    assert trtllm.detect_gpu().sm == 89
+    assert preflight.detect_gpu().sm == 89
 
 
 def test_requirements_on_a_machine_without_gpu_or_trtllm(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi, no trtllm-build
     cfg = _cfg("llama-3.1-8b-h100-fp8.yaml")
     with pytest.raises(EnvironmentProblem) as e:
-        trtllm.check_target_requirements(cfg, before_work=True)
+        preflight.check_target_requirements(cfg, before_work=True)
     msg = str(e.value)
     assert "an NVIDIA GPU (H100-SXM-80GB, SM 90): nvidia-smi is not on PATH" in msg
     assert "TensorRT-LLM 1.2.1 with its trtllm-build command: the Python package tensorrt_llm is not installed" in msg
@@ -353,25 +354,25 @@ def test_requirements_on_a_machine_without_gpu_or_trtllm(tmp_path, monkeypatch):
     assert "Nothing has been downloaded or quantized." in msg
     pytorch = _cfg("llama-3.1-8b-h100-fp8.yaml", "build.target=pytorch", "quantization.export_hf_checkpoint=true")
     with pytest.raises(EnvironmentProblem, match="its LLM API serves this target"):
-        trtllm.check_target_requirements(pytorch)
+        preflight.check_target_requirements(pytorch)
 
 
 def test_requirements_name_only_what_is_missing(standins):
     standins(trtllm_version=None)  # a GPU, no TensorRT-LLM
     with pytest.raises(EnvironmentProblem) as e:
-        trtllm.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml"))
+        preflight.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml"))
     assert "NVIDIA GPU" not in str(e.value) and "tensorrt_llm is not installed" in str(e.value)
 
 
 def test_requirements_need_trtllm_build_on_path(standins):
     standins(trtllm_build=False)
     with pytest.raises(EnvironmentProblem, match="tensorrt_llm 1.2.1 is installed but trtllm-build is not on PATH"):
-        trtllm.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml"))
+        preflight.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml"))
 
 
 def test_requirements_met(standins):
     standins()
-    env = trtllm.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml"))
+    env = preflight.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml"))
     assert env.trtllm_version == "1.2.1" and env.tensorrt_version == "10.13.0" and env.cuda_version == "12.9.0"
     assert env.gpu == GPU("NVIDIA H100 80GB HBM3", 90, "570.000.00", 81559)
     assert env.trtllm_build.endswith("trtllm-build")
@@ -380,7 +381,7 @@ def test_requirements_met(standins):
 def test_installed_trtllm_must_be_the_pinned_version(standins):
     standins(trtllm_version="1.2.0")
     with pytest.raises(EnvironmentProblem, match="has TensorRT-LLM 1.2.0, but build.trtllm_version is 1.2.1"):
-        trtllm.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml"))
+        preflight.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml"))
 
 
 def test_a_profile_refuses_another_gpu(standins, monkeypatch):
@@ -388,10 +389,10 @@ def test_a_profile_refuses_another_gpu(standins, monkeypatch):
     monkeypatch.setenv("STANDIN_GPU_NAME", "NVIDIA A100-SXM4-80GB")
     monkeypatch.setenv("STANDIN_GPU_COMPUTE_CAP", "8.0")
     with pytest.raises(ConfigError, match=r"\[target_gpu\] this machine's GPU is NVIDIA A100-SXM4-80GB \(SM 80\)"):
-        trtllm.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml"))
+        preflight.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml"))
     # without a target_sm the profile is judged by the GPU found: FP8 on SM 80 breaks the rules
     with pytest.raises(ConfigError, match=r"\[fp8_needs_sm89\]"):
-        trtllm.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml", "build.target_sm=null"))
+        preflight.check_target_requirements(_cfg("llama-3.1-8b-h100-fp8.yaml", "build.target_sm=null"))
 
 
 def test_invoke_build_gpu_profile_without_gpu_fails_fast(tmp_path):
@@ -423,7 +424,7 @@ def test_build_tensorrt_tensor_parallel(standins, monkeypatch, tmp_path):
     ckpt = _synthetic_checkpoint(tmp_path / "ckpt", tp=2)
     out = tmp_path / "stage"
     out.mkdir()
-    summary = trtllm.build_tensorrt(ckpt, cfg, out)
+    summary = targets.build_tensorrt(ckpt, cfg, out)
     (rec,) = _records(env)
     assert rec["problems"] == []
     opts = dict(zip(rec["argv"][::2], rec["argv"][1::2]))
@@ -446,9 +447,9 @@ def test_build_tensorrt_failure_keeps_the_log_and_the_cache(standins, monkeypatc
     out.mkdir()
     monkeypatch.setenv("STANDIN_TRTLLM_BUILD_FAIL", "1")
     with pytest.raises(StageFailed, match="trtllm-build exited with code 1") as e:
-        trtllm.build_tensorrt(ckpt, cfg, out)
+        targets.build_tensorrt(ckpt, cfg, out)
     assert "failing on purpose" in str(e.value)  # the log's tail
-    assert (out / trtllm.BUILD_LOG_FILE).is_file()
+    assert (out / targets.BUILD_LOG_FILE).is_file()
     assert list((tmp_path / "tc").iterdir()) == []  # no timing cache from a failed build, no temp file left
     assert not (out / "build_settings.json").exists()
 
@@ -459,14 +460,14 @@ def test_build_tensorrt_checks_the_checkpoint_before_running(standins, tmp_path)
     out = tmp_path / "stage"
     out.mkdir()
     with pytest.raises(InputError, match="kv_cache_quant_algo is INT8"):
-        trtllm.build_tensorrt(_synthetic_checkpoint(tmp_path / "ckpt", kv="INT8"), cfg, out)
+        targets.build_tensorrt(_synthetic_checkpoint(tmp_path / "ckpt", kv="INT8"), cfg, out)
     assert _records(env) == []  # trtllm-build never ran
 
 
 def test_engine_dir_check_catches_a_wrong_engine(tmp_path):
     facts = QuantFacts("FP8", "FP8", frozenset({"FP8"}))
     cfg = _cfg("llama-3.1-8b-h100-fp8.yaml")
-    args = trtllm.trtllm_build_argv(Path("c"), tmp_path, cfg, GPU("H100", 90, "x"), facts)
+    args = targets.trtllm_build_argv(Path("c"), tmp_path, cfg, GPU("H100", 90, "x"), facts)
     good = {"version": "1.2.1",
             "pretrained_config": {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"},
                                   "mapping": {"world_size": 1}},
@@ -475,19 +476,19 @@ def test_engine_dir_check_catches_a_wrong_engine(tmp_path):
                              "plugin_config": {"tokens_per_block": 32, "use_paged_context_fmha": True}}}
     (tmp_path / "config.json").write_text(json.dumps(good))
     (tmp_path / "rank0.engine").write_bytes(b"x")
-    assert trtllm.check_engine_dir(tmp_path, args, facts, "1.2.1")["engine_bytes"] == 1
+    assert targets.check_engine_dir(tmp_path, args, facts, "1.2.1")["engine_bytes"] == 1
     with pytest.raises(StageFailed, match="engine version '1.2.1' is not the installed TensorRT-LLM 1.2.0"):
-        trtllm.check_engine_dir(tmp_path, args, facts, "1.2.0")
+        targets.check_engine_dir(tmp_path, args, facts, "1.2.0")
     bad = json.loads(json.dumps(good))
     bad["build_config"]["plugin_config"]["tokens_per_block"] = 64
     bad["pretrained_config"]["quantization"]["kv_cache_quant_algo"] = None
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(StageFailed, match="kv_cache_quant_algo None.*tokens_per_block 64"):
-        trtllm.check_engine_dir(tmp_path, args, facts, "1.2.1")
+        targets.check_engine_dir(tmp_path, args, facts, "1.2.1")
     (tmp_path / "config.json").write_text(json.dumps(good))
     (tmp_path / "rank0.engine").write_bytes(b"")
     with pytest.raises(StageFailed, match="rank0.engine missing or empty"):
-        trtllm.check_engine_dir(tmp_path, args, facts, "1.2.1")
+        targets.check_engine_dir(tmp_path, args, facts, "1.2.1")
 
 
 def test_build_pytorch_writes_llm_api_options(standins, tmp_path):
@@ -501,10 +502,10 @@ def test_build_pytorch_writes_llm_api_options(standins, tmp_path):
         "producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
     out = tmp_path / "stage"
     out.mkdir()
-    summary = trtllm.build_pytorch(hf, cfg, out)
+    summary = targets.build_pytorch(hf, cfg, out)
     text = (out / "llm_api" / "llm_api_options.yaml").read_text()
     opts = yaml.safe_load(text)
-    assert trtllm.check_llm_api_options(opts) == []
+    assert options.check_llm_api_options(opts) == []
     assert opts["kv_cache_config"] == {"dtype": "fp8", "free_gpu_memory_fraction": 0.9, "enable_block_reuse": True,
                                        "tokens_per_block": 32}
     assert opts["cuda_graph_config"] == {"batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128], "enable_padding": True}
@@ -515,7 +516,7 @@ def test_build_pytorch_writes_llm_api_options(standins, tmp_path):
     assert summary["llm_api_options"] == opts
     (hf / "hf_quant_config.json").unlink()
     with pytest.raises(InputError, match="export_hf_checkpoint: true"):
-        trtllm.build_pytorch(hf, cfg, tmp_path / "other")
+        targets.build_pytorch(hf, cfg, tmp_path / "other")
 
 
 # ---------------------------------------------------------------------------------------------- end to end

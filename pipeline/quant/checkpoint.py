@@ -156,7 +156,7 @@ def _layer_formats(ckpt_dir: Path, qcfg: dict):
     return fmt
 
 
-def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None):
+def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None):  # noqa: C901 - to split (see README)
     """An HF model (fp32) whose linears compute what the checkpoint's quantized GEMMs compute, plus facts.
 
     ``kept``: the HF names of the layers the plan keeps in high precision (checked when given)."""

@@ -1,0 +1,112 @@
+"""The numbers of a sweep: percentiles and summaries, the knee, the padding factor, and this/baseline ratios.
+
+The knee: the lowest level past which throughput gains less than ``bench.knee_min_gain`` per doubling of
+concurrency, i.e. where added concurrency stops paying and only adds latency.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between order statistics (numpy's default method)."""
+    if not len(values):
+        raise ValueError("percentile of no values")
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def summarize(values: Sequence[float]) -> dict:
+    """n, mean, std, min, max, P50/P90/P99, P99/P50 and jitter (std / mean; population std)."""
+    if not len(values):
+        return {"n": 0}
+    x = np.asarray(values, dtype=np.float64)
+    mean, std = float(x.mean()), float(x.std())
+    pct = {q: percentile(values, q) for q in PERCENTILES}
+    out: dict = {"n": int(x.size), "mean": mean, "std": std, "min": float(x.min()), "max": float(x.max())}
+    out.update({f"p{q}": v for q, v in pct.items()})
+    out["p99_over_p50"] = pct[99] / pct[50] if pct[50] > 0 else None
+    out["jitter"] = std / mean if mean > 0 else None
+    return out
+
+
+def find_knee(concurrency: Sequence[int], throughput: Sequence[float], min_gain: float) -> dict:
+    """Where added concurrency stops paying: the first level whose next level gains < min_gain per doubling.
+
+    The gain from level c1 to c2 is normalised per doubling, (t2 / t1) ** (1 / log2(c2 / c1)) - 1, so sweeps
+    with uneven steps are judged alike. No such level: the knee is not inside the sweep (``found`` false;
+    ``concurrency`` is then the highest level, where throughput was still rising).
+    """
+    if len(concurrency) != len(throughput) or not concurrency:
+        raise ValueError("one throughput per concurrency level")
+    gains = []
+    for (c1, t1), (c2, t2) in itertools.pairwise(zip(concurrency, throughput, strict=True)):
+        gain = (t2 / t1) ** (1.0 / math.log2(c2 / c1)) - 1.0 if t1 > 0 else float("inf")
+        gains.append({"from": c1, "to": c2, "gain_per_doubling": gain})
+    for i, g in enumerate(gains):
+        if g["gain_per_doubling"] < min_gain:
+            return {"found": True, "concurrency": concurrency[i], "throughput": throughput[i],
+                    "next_gain_per_doubling": g["gain_per_doubling"], "min_gain": min_gain, "gains": gains}
+    return {"found": False, "concurrency": concurrency[-1], "throughput": throughput[-1],
+            "next_gain_per_doubling": None, "min_gain": min_gain, "gains": gains}
+
+
+def knee_sentence(knee: dict, levels: list[dict]) -> str:
+    """The knee in one sentence, with the throughput rise and the latency cost of the level past it."""
+    by_c = {l["concurrency"]: l for l in levels}
+    first, top = levels[0], max(levels, key=lambda l: l["output_tokens_per_s"])
+    rise = (f"throughput rises from {first['output_tokens_per_s']:.1f} output tokens/s at concurrency "
+            f"{first['concurrency']} to {top['output_tokens_per_s']:.1f} at {top['concurrency']}")
+    if not knee["found"]:
+        return (f"{rise}, and was still rising at the highest level ({knee['concurrency']}): the knee is beyond "
+                f"this sweep; add higher bench.concurrency levels to find it.")
+    c = knee["concurrency"]
+    nxt = next(g for g in knee["gains"] if g["from"] == c)["to"]
+    lat = by_c[nxt]["e2e_ms"]["p50"] / by_c[c]["e2e_ms"]["p50"]
+    return (f"{rise}; past concurrency {c} it gains {knee['next_gain_per_doubling'] * 100:.0f}% per doubling "
+            f"(below {knee['min_gain'] * 100:.0f}%) while median end-to-end latency grows {lat:.2f}x: the knee is "
+            f"at concurrency {c}.")
+
+
+def padding_factor(settings: Optional[dict], concurrency: int) -> dict:
+    """Useful batch slots / processed batch slots in a decode step, where the build says how batches pad."""
+    if not settings:
+        return {"value": None, "basis": "unknown: no build settings for this repository"}
+    live = min(concurrency, int(settings["max_batch_size"]))
+    if settings["target"] == "cpu":
+        return {"value": 1.0, "basis": "cpu runtime: prompts are prefilled one at a time, unpadded, and each decode "
+                                       "step runs exactly the live sequences (attention's K/V padding to the "
+                                       "longest sequence is inside the runtime and not counted)"}
+    graphs = settings.get("cuda_graphs") or {}
+    if graphs.get("enabled") and graphs.get("enable_padding"):
+        sizes = sorted(graphs.get("batch_sizes") or [])
+        padded = next((s for s in sizes if s >= live), live)
+        return {"value": live / padded, "basis": f"CUDA graphs pad a decode batch of {live} to the captured size "
+                                                 f"{padded} (batch_sizes {sizes})"}
+    return {"value": 1.0, "basis": "no CUDA-graph padding: decode batches are the live sequences"}
+
+
+def ratios(this: list[dict], base: list[dict]) -> list[dict]:
+    """Per level, this build's figures / the baseline's (None where either is missing or the baseline's is 0)."""
+
+    def r(a, b):
+        return a / b if a is not None and b else None
+
+    out = []
+    for a, b in zip(this, base, strict=True):
+        out.append({
+            "concurrency": a["concurrency"],
+            "output_tokens_per_s": r(a["output_tokens_per_s"], b["output_tokens_per_s"]),
+            "requests_per_s": r(a["requests_per_s"], b["requests_per_s"]),
+            "ttft_p50": r(a["ttft_ms"].get("p50"), b["ttft_ms"].get("p50")),
+            "itl_p50": r(a["itl_ms"].get("p50"), b["itl_ms"].get("p50")),
+            "e2e_p50": r(a["e2e_ms"].get("p50"), b["e2e_ms"].get("p50")),
+            "e2e_p99": r(a["e2e_ms"].get("p99"), b["e2e_ms"].get("p99")),
+        })
+    return out

@@ -1,0 +1,153 @@
+"""One published build under load: its repository and build settings, the server answering for it, its levels.
+
+Per level this joins the client's figures (``load``), the padding factor where the build says how batches
+are padded (``stats``), and Triton's own counters read before and after the level (``metrics``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from pipeline import artifacts
+from pipeline.config import BenchSection
+from pipeline.errors import InputError, StageFailed
+from pipeline.serving.bench.load import Prompt, RequestRecord, drive, level_figures
+from pipeline.serving.bench.metrics import metrics_delta, scrape_metrics
+from pipeline.serving.bench.stats import padding_factor
+from pipeline.serving.publish import ModelNames, model_names
+from pipeline.serving.server import TritonServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Target:
+    """A published repository being benchmarked, and the server answering for it."""
+
+    label: str  # "this build" / "baseline"
+    repository: Path
+    provenance: artifacts.Provenance
+    settings: Optional[dict]  # build_settings.json, when known
+    grpc_url: str = ""
+    metrics_url: Optional[str] = None
+    server: Optional[TritonServer] = None
+    levels: list[dict] = field(default_factory=list)
+
+    @property
+    def names(self) -> ModelNames:
+        return model_names(self.provenance.model_name)
+
+    def describe(self) -> dict:
+        """What was benchmarked, and on which server, as the results record it."""
+        p = self.provenance
+        return {"label": self.label, "repository": str(self.repository), "config_name": p.config_name,
+                "model_name": p.model_name, "version": p.version, "quantization": p.quantization.model_dump(),
+                "target": p.build.target, "repository_digest": p.repository_digest,
+                "server": "started by bench" if self.server is not None else f"existing server at {self.grpc_url}"}
+
+
+# ---------------------------------------------------------------- reading a published build
+
+
+def read_repository(path: Path) -> tuple[Path, artifacts.Provenance]:
+    """A published repository, given it or the work dir that holds it: (repository, its provenance)."""
+    for candidate in (path, artifacts.published_repository(path), path / artifacts.MODEL_REPOSITORY_DIR):
+        if (candidate / artifacts.PROVENANCE_FILE).is_file():
+            return candidate, artifacts.read_provenance(candidate)
+    raise InputError(f"{path} is not a published model repository (no readable provenance.json there or in "
+                     f"publish/model_repository under it); run `invoke publish` for that build first")
+
+
+def build_dir_of(repository: Path) -> Optional[Path]:
+    """The build stage folder of the work dir a publish snapshot lies in; None for any other repository."""
+    work_dir = repository.parent.parent
+    if artifacts.published_repository(work_dir) != repository:
+        return None
+    return artifacts.stage_dir(work_dir, "build")
+
+
+def build_settings(build_dir: Optional[Path]) -> Optional[dict]:
+    """The build's settings, where there is a build folder with build_settings.json in it."""
+    if build_dir is None or not (build_dir / artifacts.BUILD_SETTINGS_FILE).is_file():
+        return None
+    return artifacts.read_build_settings(build_dir).model_dump()
+
+
+# ---------------------------------------------------------------- checks before any load
+
+
+def check_lengths(cfg: BenchSection, target: Target) -> None:
+    """The prompt and the generated tokens must fit the build's limits, where they are known."""
+    settings = target.settings
+    if not settings:
+        return
+    if cfg.prompt_tokens > settings["max_input_len"] or cfg.prompt_tokens + cfg.output_tokens > settings["max_seq_len"]:
+        raise InputError(
+            f"bench.prompt_tokens {cfg.prompt_tokens} + output_tokens {cfg.output_tokens} do not fit "
+            f"{target.label}'s limits (max_input_len {settings['max_input_len']}, max_seq_len "
+            f"{settings['max_seq_len']}); lower them"
+        )
+
+
+def check_served(target: Target) -> None:
+    """An existing server must serve the published version of every model this build publishes."""
+    import tritonclient.grpc as grpcclient  # optional and heavy (gRPC stubs): only when a server is asked
+
+    version = str(target.provenance.version)
+    client = grpcclient.InferenceServerClient(target.grpc_url)
+    try:
+        missing = [m for m in target.names.all() if not client.is_model_ready(m, version)]
+    except Exception as e:  # noqa: BLE001 - any failure to ask is a server we cannot use
+        raise InputError(f"bench.grpc_url {target.grpc_url}: cannot ask the server which models are ready ({e}); "
+                         f"check the address, or drop bench.grpc_url to start a server here") from None
+    finally:
+        client.close()
+    if missing:
+        raise InputError(f"the server at bench.grpc_url {target.grpc_url} does not serve version {version} (the "
+                         f"published one) of {', '.join(sorted(set(missing)))}; load that repository there, or "
+                         f"drop bench.grpc_url to start a server on it here")
+
+
+# ---------------------------------------------------------------- load
+
+
+def _send(target: Target, prompts: list[Prompt], concurrency: int,
+          cfg: BenchSection) -> tuple[list[RequestRecord], float]:
+    """Every prompt to the target's streaming model, ``concurrency`` in flight: (records, wall seconds)."""
+    return drive(target.grpc_url, target.names.stream, prompts, concurrency, cfg.output_tokens,
+                 -1 if cfg.ignore_eos else None, cfg.request_timeout_s)
+
+
+def _raise_on_errors(target: Target, records: list[RequestRecord], what: str) -> None:
+    failed = [r.error for r in records if r.error is not None]
+    if failed:
+        raise StageFailed(f"bench ({target.label}, {what}): {len(failed)} of {len(records)} request(s) failed; "
+                          f"first error: {failed[0]}. The server's log is kept beside the stage log.")
+
+
+def warm_up(target: Target, prompts: list[Prompt], concurrency: int, cfg: BenchSection) -> None:
+    """Unmeasured requests before the sweep (none: nothing to do)."""
+    if not prompts:
+        return
+    records, wall = _send(target, prompts, concurrency, cfg)
+    _raise_on_errors(target, records, "warm-up")
+    log.info("%s: warm-up of %d request(s) in %.1f s", target.label, len(records), wall)
+
+
+def run_level(target: Target, prompts: list[Prompt], concurrency: int, cfg: BenchSection) -> dict:
+    """One measured level: the client's figures, the padding factor and what Triton counted meanwhile."""
+    models = target.names.all()
+    before = scrape_metrics(target.metrics_url)
+    records, wall = _send(target, prompts, concurrency, cfg)
+    after = scrape_metrics(target.metrics_url)
+    _raise_on_errors(target, records, f"concurrency {concurrency}")
+    fig = level_figures(records, wall, concurrency)
+    fig["padding_factor"] = padding_factor(target.settings, concurrency)
+    fig["triton"] = metrics_delta(before, after, models)
+    log.info("%s c=%d: %.1f tok/s, %.2f req/s, TTFT p50 %.0f ms, ITL p50 %.1f ms, e2e p50/p99 %.0f/%.0f ms",
+             target.label, concurrency, fig["output_tokens_per_s"], fig["requests_per_s"], fig["ttft_ms"]["p50"],
+             fig["itl_ms"].get("p50", float("nan")), fig["e2e_ms"]["p50"], fig["e2e_ms"]["p99"])
+    return fig

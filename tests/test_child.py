@@ -1,0 +1,59 @@
+"""run_in_child: results, user errors and crashes come back as the pipeline's own errors, with the log's tail."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import child_targets as targets
+import pytest
+
+from pipeline.child import run_in_child
+from pipeline.errors import ConfigError, StageFailed
+
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def test_result_and_peak_rss(tmp_path):
+    result, peak = run_in_child(targets.add, 2, 3, log_path=tmp_path / "stage.log")
+    assert result == 5
+    assert 10 * 2**20 < peak < 2 * 2**30  # the child's own interpreter, not the parent's
+
+
+def test_user_error_is_reraised_as_the_same_class(tmp_path):
+    with pytest.raises(ConfigError, match="max_batch_size: 0 is not allowed"):
+        run_in_child(targets.raise_config_error, log_path=tmp_path / "stage.log")
+
+
+def test_a_bug_becomes_stage_failed_with_the_traceback_in_the_log(tmp_path):
+    log = tmp_path / "stage.log"
+    with pytest.raises(StageFailed, match="KeyError: 'a bug, not a user error'"):
+        run_in_child(targets.raise_bug, log_path=log)
+    assert "Traceback" in log.read_text()
+
+
+def test_a_killed_child_is_a_stage_failure_not_a_hang(tmp_path):
+    with pytest.raises(StageFailed, match=r"died \(exit code -9"):
+        run_in_child(targets.killed, log_path=tmp_path / "stage.log")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (CGROUP_V1 / "cgroup.procs").is_file(),
+                    reason="needs root and cgroup v1 memory controller (as on the CI machines)")
+def test_out_of_memory_kill_names_the_likely_cause(tmp_path):
+    cg = CGROUP_V1 / f"pipeline-test-{uuid.uuid4().hex[:8]}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(200 * 2**20))
+        if (cg / "memory.memsw.limit_in_bytes").exists():
+            (cg / "memory.memsw.limit_in_bytes").write_text(str(200 * 2**20))
+        with pytest.raises(StageFailed, match="ran out of memory"):
+            run_in_child(targets.allocate_in_cgroup, str(cg), 600, log_path=tmp_path / "stage.log")
+    finally:
+        for _ in range(50):  # the killed child leaves the cgroup as the kernel reaps it
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                import time
+                time.sleep(0.1)

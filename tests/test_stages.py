@@ -1,0 +1,32 @@
+"""The stage graph: in pipeline order, named as the work dir's folders, each config input resolvable."""
+
+from __future__ import annotations
+
+from conftest import DEFAULT_CONFIG
+
+from pipeline import artifacts
+from pipeline.config import load_config
+from pipeline.runner import Runner
+from pipeline.stages import STAGES, TASK_STAGES
+
+
+def test_stages_are_the_work_dir_folders_in_dependency_order():
+    assert [s.name for s in STAGES] == list(artifacts.STAGE_TASK)
+    seen: set[str] = set()
+    for s in STAGES:
+        assert set(s.needs) <= seen, f"{s.name} needs a later stage"
+        seen.add(s.name)
+
+
+def test_every_stage_is_run_by_exactly_one_task():
+    listed = [stage for stages in TASK_STAGES.values() for stage in stages]
+    assert sorted(listed) == sorted(artifacts.STAGE_TASK)
+
+
+def test_every_stages_inputs_resolve_on_the_default_config(tmp_path):
+    runner = Runner(load_config(DEFAULT_CONFIG), STAGES, tmp_path)
+    for s in STAGES:
+        if s.external_inputs is None:  # external fingerprints read the model source: covered by the e2e tests
+            inputs = runner.compute_inputs(s)
+            assert set(inputs["config"]) == set(s.sections)
+            assert set(inputs["upstream"]) == set(s.needs)
