@@ -86,7 +86,7 @@ COPY pipeline ./pipeline
 # The pipeline (CPU runtime) and nvidia-pytriton (a real Triton server with the Python backend) in one venv,
 # under the project's pins (numpy < 2: the Python-backend stub returns empty tensors with numpy 2). The pip
 # config, if given, is a BuildKit secret: read during this RUN only, never stored in a layer. Then the
-# Python-backend stub for this Python goes where tritonserver looks for it (design brief section 6).
+# Python-backend stub for this Python goes where tritonserver looks for it.
 RUN --mount=type=secret,id=pip_conf,required=false \
     if [ -f /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; else export PIP_CONFIG_FILE=/dev/null; fi \
  && python -m venv /opt/venv \
