@@ -2,8 +2,10 @@
 
 A crash in the child (segfault, out-of-memory kill) becomes a StageFailed carrying the log's tail instead
 of taking the pipeline down or hanging; a PipelineError raised in the child is re-raised in the parent as
-the same class with the same message. The child is a fresh interpreter (spawn), so its peak RSS is its
-own work's, not whatever the parent loaded before.
+the same class with the same message. The child is a fresh interpreter (spawn), and its peak RSS is read
+from VmHWM in /proc/self/status: the high-water mark of the child's own address space. getrusage's
+ru_maxrss would not do: Linux carries it across execve, so a child spawned by a 3 GB parent (a test
+session with torch loaded) reports at least 3 GB however little it does (see getrusage(2), ru_maxrss).
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ from pipeline.errors import PipelineError, StageFailed
 LOG_TAIL_LINES = 30
 
 
+def own_peak_rss() -> int:
+    """Peak resident set of this process's current address space, in bytes (VmHWM; ru_maxrss without /proc)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _child_main(fn: Callable, args: tuple, kwargs: dict, log_path: str, conn) -> None:
     handler = logging.FileHandler(log_path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -30,7 +43,7 @@ def _child_main(fn: Callable, args: tuple, kwargs: dict, log_path: str, conn) ->
     logging.getLogger("pipeline").setLevel(logging.INFO)
     try:
         result = fn(*args, **kwargs)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = own_peak_rss()
         conn.send(("ok", result, peak))
     except PipelineError as e:
         logging.getLogger("pipeline").error("%s", e)
