@@ -43,9 +43,13 @@ EXPOSE 8000 8001 8002
 # Engines can take minutes to load: a long start period; after it, not ready three times in a row = unhealthy.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
   CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status != 200)"]
-# The base's entrypoint script (driver checks, banner) runs tritonserver with the repository; HTTP (with the
-# /v2/health endpoints), gRPC and Prometheus metrics on their usual ports. Extra flags: container args.
-ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "tritonserver", "--model-repository=/models", \
+# The base's entrypoint script (driver checks, banner), then the pipeline's launcher: tritonserver itself for
+# a one-GPU build, or, for a tensor/pipeline-parallel build, one tritonserver per GPU rank under mpirun (the
+# tensorrtllm backend's leader mode; pipeline/serving/launch.py reads the rank count from /models/provenance.json).
+# HTTP (with the /v2/health endpoints), gRPC and Prometheus metrics on their usual ports. Extra flags: container
+# args (every rank gets them).
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "python3", "-m", "pipeline.serving.launch", "tritonserver", \
+            "--model-repository=/models", \
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
             "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true", \
             "--strict-readiness=true", "--disable-auto-complete-config"]

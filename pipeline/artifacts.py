@@ -142,6 +142,9 @@ class BuildSettings(_Record):
 
     target: str
     artifact_dir: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_chunked_context: bool = False  # tensorrt: the Triton backend chunks long contexts
     max_batch_size: int
     max_input_len: int
     max_seq_len: int
@@ -161,6 +164,8 @@ class PublishedQuantization(_Record):
 class PublishedBuildInfo(_Record):
     target: str
     trtllm_version: Optional[str]
+    world_size: int = 1  # GPUs (tensor x pipeline parallel ranks) one server of it needs
+    tensorrt_llm_model: str = ""  # the engine model: the one every rank loads (serving/launch.py)
 
 
 class Provenance(_Record):

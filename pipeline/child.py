@@ -15,12 +15,32 @@ import multiprocessing
 import resource
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from pipeline import errors
 from pipeline.errors import PipelineError, StageFailed
 
 LOG_TAIL_LINES = 30
+WATCH_S = 0.2  # how often the parent reads the child's peak memory while it works
+
+
+class StageLogHandler(logging.FileHandler):
+    """A stage's log file. A line that cannot be written (the disk is full) is dropped without logging's
+    "--- Logging error ---" traceback on the console: the stage's own error says what went wrong."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
+
+
+def _peak_of(pid: Optional[int]) -> Optional[int]:
+    """VmHWM of another process (the child, watched from the parent), None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def own_peak_rss() -> int:
@@ -35,7 +55,7 @@ def own_peak_rss() -> int:
 
 
 def _child_main(fn: Callable, args: tuple, kwargs: dict, log_path: str, conn) -> None:
-    handler = logging.FileHandler(log_path, encoding="utf-8")
+    handler = StageLogHandler(log_path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
@@ -52,7 +72,10 @@ def _child_main(fn: Callable, args: tuple, kwargs: dict, log_path: str, conn) ->
         logging.getLogger("pipeline").error("child failed:\n%s", traceback.format_exc())
         conn.send(("error", f"{type(e).__name__}: {e}", 0))
     finally:
-        handler.close()
+        try:
+            handler.close()
+        except OSError:  # a full disk: the error sent above says so
+            pass
         conn.close()
 
 
@@ -63,14 +86,21 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-def run_in_child(fn: Callable, *args: Any, log_path: Path, **kwargs: Any) -> tuple[Any, int]:
-    """fn(*args, **kwargs) in a spawned process; returns (its result, the child's peak RSS in bytes)."""
+def run_in_child(fn: Callable, *args: Any, log_path: Path, what: str = "the stage", bound: Any = None,
+                 **kwargs: Any) -> tuple[Any, int]:
+    """fn(*args, **kwargs) in a spawned process; returns (its result, the child's peak RSS in bytes).
+
+    ``what`` names the work in errors; ``bound`` (a compute.Bound) is the memory it was meant to stay under,
+    named with the peak watched so far when the child is killed."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child_main, args=(fn, args, kwargs, str(log_path), sender), daemon=True)
     proc.start()
     sender.close()
+    watched = 0
     try:
+        while not receiver.poll(WATCH_S):  # the child's peak so far, known even if it is killed
+            watched = max(watched, _peak_of(proc.pid) or 0)
         message = receiver.recv()
     except EOFError:
         message = None
@@ -78,9 +108,13 @@ def run_in_child(fn: Callable, *args: Any, log_path: Path, **kwargs: Any) -> tup
         proc.join()
         receiver.close()
     if message is None:
+        memory = f"; its peak memory was at least {watched / 2**30:.2f} GiB" if watched else ""
+        if bound is not None:
+            memory += f", against a bound of {bound.text()}"
         raise StageFailed(
-            f"the child process died (exit code {proc.exitcode}; -9 usually means it ran out of memory). "
-            f"Last lines of {log_path}:\n{log_tail(log_path)}"
+            f"{what}: the child process died (exit code {proc.exitcode}; -9 usually means it ran out of "
+            f"memory{memory}). Last lines of {log_path}:\n"
+            f"{log_tail(log_path)}"
         )
     status, payload, peak = message
     if status == "pipeline_error":

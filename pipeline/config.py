@@ -20,6 +20,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     ValidationError,
@@ -154,7 +155,64 @@ class FilesText(Strict):
     paths: tuple[Path, ...] = Field(min_length=1)
 
 
-TextSource = Annotated[Union[PydocTopicsText, FilesText], Field(discriminator="kind")]
+class DatasetText(Strict):
+    """Rows of a dataset read with Hugging Face ``datasets``; each row's ``text_field`` is one document.
+
+    Either a Hub dataset at a pinned commit (e.g. what ModelOpt calibrates on: cnn_dailymail, config ``3.0.0``,
+    split ``train``, field ``article``), or local data files, which make one split, ``train``.
+    No code from a dataset repository runs: a dataset that needs a loading script is refused.
+    """
+
+    kind: Literal["dataset"]
+    repo_id: Optional[str] = None
+    # a commit, never a branch or tag: those move, and the calibration set would move with them unseen
+    revision: Optional[str] = None
+    name: Optional[str] = None  # the dataset's config, e.g. "3.0.0" for cnn_dailymail
+    files: tuple[Path, ...] = ()
+    format: Optional[Literal["parquet", "jsonl", "json", "arrow", "csv"]] = None  # jsonl and json: one reader
+    split: str = "train"
+    text_field: str
+    # render each row with the model's chat template (for instruct models): a list of {role, content}
+    # messages as it is, a string as one user message
+    chat: bool = False
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and (not _REPO_ID_RE.match(v) or ".." in v or len(v) > 96):
+            raise ValueError("must look like 'owner/name' (letters, digits, '.', '_', '-')")
+        return v
+
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _SHA_RE.match(v):
+            raise ValueError(
+                "must be a 40-character commit sha of the dataset repository (a branch or tag moves, and the "
+                "calibration set with it); copy one from the dataset's commit history on the Hub"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> "DatasetText":
+        if (self.repo_id is None) == (not self.files):
+            raise ValueError("give either repo_id (a Hub dataset) or files (local data files), not "
+                             + ("both" if self.files else "neither"))
+        if self.repo_id is not None:
+            if self.revision is None:
+                raise ValueError(f"repo_id {self.repo_id} needs revision: a 40-character commit sha of the "
+                                 "dataset repository")
+            if self.format is not None:
+                raise ValueError("format is for local files; a Hub dataset's files say what they are")
+        else:
+            if self.format is None:
+                raise ValueError("files need format: one of parquet, jsonl, json, arrow, csv")
+            if self.revision is not None or self.name is not None:
+                raise ValueError("revision and name pick a Hub dataset's commit and config; local files have neither")
+        return self
+
+
+TextSource = Annotated[Union[PydocTopicsText, FilesText, DatasetText], Field(discriminator="kind")]
 
 
 class TokenSet(Strict):
@@ -169,6 +227,23 @@ class TextSection(Strict):
     seed: int = 0
     calibration: TokenSet = TokenSet(num_samples=32, seq_len=256)
     evaluation: TokenSet = TokenSet(num_samples=16, seq_len=256)
+
+
+# ---------------------------------------------------------------- compute
+
+
+class ComputeSection(Strict):
+    """Where the model stages (sensitivity, quantize) run and how much memory they may hold."""
+
+    # auto: CUDA when torch sees a GPU, else the CPU. On a GPU the reference runs in bfloat16 (float16 before
+    # SM 80); on a CPU in sensitivity.reference_dtype (float32 by default).
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Host memory the model stages may hold, e.g. "24GB" or "2.5GiB". None: what this process may use here
+    # (the memory cgroup's limit where there is one, else the available RAM) less memory_margin.
+    max_host_memory: Optional[ByteSize] = None
+    # GPU memory per GPU. None: the GPU's free memory less memory_margin.
+    max_gpu_memory: Optional[ByteSize] = None
+    memory_margin: float = Field(0.1, ge=0.0, lt=0.9)  # the share of the default bounds left free
 
 
 # ---------------------------------------------------------------- sensitivity and plan
@@ -307,10 +382,18 @@ class BuildSection(Strict):
     # The TensorRT-LLM release the engine is built with and served by (engines only load under it).
     trtllm_version: str = "1.2.1"
     # GPU targets (pipeline/engines/trtllm/ checks these against TensorRT-LLM 1.2's option table and rules).
-    # None: chosen by weight format (fp8 for FP8 weights, else auto = the checkpoint dtype)
+    # None: chosen by weight format (disable for FP8 and INT8 SmoothQuant weights, else auto = the checkpoint
+    # dtype; pipeline/engines/trtllm/rules.py default_gemm_plugin cites why)
     gemm_plugin: Optional[Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"]] = None
     # None: on wherever TensorRT-LLM allows it (never with an INT8 KV cache); KV-cache reuse needs it
     use_paged_context_fmha: Optional[bool] = None
+    # tensorrt target: context chunking in the Triton backend (enable_chunked_context). None: on wherever paged
+    # context FMHA is on (it needs it); then max_num_tokens must be a multiple of kv_cache.tokens_per_block.
+    chunked_context: Optional[bool] = None
+    # tensorrt target: the FP8 GEMM + SwiGLU fusion of the gated MLP (--gemm_swiglu_plugin fp8), Hopper only.
+    # None: on for FP8 weights on SM 90 when the model is large (hidden size >= 4096), as upstream recommends;
+    # false where its accuracy loss is not acceptable (the accuracy gate measures the checkpoint, not this fusion).
+    fp8_swiglu_fusion: Optional[bool] = None
     # TensorRT's timing cache, kept across builds (absolute, or relative to the current directory);
     # None: <user cache dir>/trtllm-pipeline/timing-cache. One file per GPU model and TensorRT-LLM version.
     timing_cache_dir: Optional[Path] = None
@@ -503,6 +586,7 @@ class PipelineConfig(Strict):
     description: str = ""
     model: ModelSection
     text: TextSection
+    compute: ComputeSection = ComputeSection()
     sensitivity: SensitivitySection = SensitivitySection()
     plan: PlanSection = PlanSection()
     quantization: QuantizationSection = QuantizationSection()
@@ -551,7 +635,8 @@ class PipelineConfig(Strict):
 # ---------------------------------------------------------------- loading
 
 # Fields holding file paths: resolved relative to the YAML file that wrote them.
-_PATH_FIELDS = (("model", "source", "path"), ("model", "source", "cache_dir"), ("text", "source", "paths"))
+_PATH_FIELDS = (("model", "source", "path"), ("model", "source", "cache_dir"), ("text", "source", "paths"),
+                ("text", "source", "files"))
 _OVERRIDE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)=(.*)$", re.S)
 
 
@@ -820,4 +905,10 @@ def _check_sources_exist(cfg: PipelineConfig, origins: dict[str, str]) -> None:
         if missing:
             raise ConfigError(
                 f"{_origin_for('text.source', origins)}: text.source.paths: no such file(s): {', '.join(missing)}"
+            )
+    elif isinstance(text, DatasetText):
+        missing = [str(p) for p in text.files if not p.is_file()]
+        if missing:
+            raise ConfigError(
+                f"{_origin_for('text.source', origins)}: text.source.files: no such file(s): {', '.join(missing)}"
             )

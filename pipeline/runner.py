@@ -16,11 +16,13 @@ Layout of a work dir (``build/<config name>/`` by default)::
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import platform
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,8 +32,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from pipeline import __version__, artifacts
+from pipeline.child import StageLogHandler
 from pipeline.config import LoadedConfig
 from pipeline.errors import (
+    EnvironmentProblem,
     InputError,
     PipelineError,
     StageFailed,
@@ -302,8 +306,14 @@ class Runner:
         echo(f"{stage.name}: running ({why})")
 
         staging = self.work_dir / artifacts.STAGING_DIR / f"{stage.name}-{uuid.uuid4().hex[:8]}"
-        staging.mkdir(parents=True)
-        handler = logging.FileHandler(staging / artifacts.STAGE_LOG_FILE, encoding="utf-8")
+        try:
+            staging.mkdir(parents=True)
+            handler = StageLogHandler(staging / artifacts.STAGE_LOG_FILE, encoding="utf-8")
+        except OSError as e:
+            remove_tree(staging)
+            if _disk_full(e):
+                raise EnvironmentProblem(self._disk_full_message(stage.name)) from e
+            raise
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler.setLevel(logging.INFO)
         root_logger = logging.getLogger()
@@ -327,10 +337,12 @@ class Runner:
             elif not isinstance(e, KeyboardInterrupt):
                 log.error("%s failed", stage.name, exc_info=True)
             root_logger.removeHandler(handler)
-            handler.close()
+            _close_log(handler)
             log.setLevel(saved_level)
             kept = self._keep_failed_log(stage.name, staging)
             remove_tree(staging)
+            if _disk_full(e):
+                raise EnvironmentProblem(self._disk_full_message(stage.name)) from e
             if isinstance(e, KeyboardInterrupt):
                 echo(f"{stage.name}: interrupted; nothing was written to {self.stage_dir(stage.name)}")
                 raise
@@ -341,7 +353,7 @@ class Runner:
                 f"are untouched."
             ) from e
         root_logger.removeHandler(handler)
-        handler.close()
+        _close_log(handler)
         log.setLevel(saved_level)
 
         files = {}
@@ -371,8 +383,15 @@ class Runner:
             "finished_at": finished.isoformat(timespec="seconds"),
             "duration_s": round((finished - started).total_seconds(), 3),
         }
-        atomic_write_json(staging / artifacts.MANIFEST_FILE, manifest)
-        fsync_tree(staging)
+        try:
+            atomic_write_json(staging / artifacts.MANIFEST_FILE, manifest)
+            fsync_tree(staging)
+        except OSError as e:
+            remove_tree(staging)
+            if _disk_full(e):
+                raise EnvironmentProblem(self._disk_full_message(stage.name)) from e
+            raise StageFailed(f"{stage.name}: could not write its manifest ({e}). Previous outputs, if any, are "
+                              f"untouched.") from e
         self._swap_into_place(stage.name, staging)
         echo(f"{stage.name}: done in {manifest['duration_s']:.1f} s -> {self.stage_dir(stage.name)}")
         return manifest
@@ -421,10 +440,38 @@ class Runner:
     def _keep_failed_log(self, name: str, staging: Path) -> Path:
         src = staging / artifacts.STAGE_LOG_FILE
         dst = self.work_dir / "logs" / f"{name}.failed.log"
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_file():
-            os.replace(src, dst)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_file():
+                os.replace(src, dst)
+        except OSError as e:  # a full disk may not take even the folder
+            log.warning("could not keep the failed stage's log at %s: %s", dst, e)
         return dst
+
+    def _disk_full_message(self, name: str) -> str:
+        free = shutil.disk_usage(self.work_dir).free
+        return (f"{name}: the file system holding {self.work_dir} is full (no space left on device; "
+                f"{free / 2**20:.0f} MiB free now that the stage's partial output is removed). Free space there "
+                f"or give another --work-root. Previous outputs, if any, are untouched.")
+
+
+def _close_log(handler: logging.Handler) -> None:
+    """Close a stage's log handler; a log that cannot be flushed (a full disk) must not hide the stage's outcome."""
+    try:
+        handler.close()
+    except OSError as e:
+        log.warning("could not finish writing the stage log: %s", e)
+
+
+def _disk_full(e: Optional[BaseException]) -> bool:
+    """Whether a failure (or what caused it; a child's error arrives as text) is a full file system."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "[Errno 28]" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _describe_changes(old: dict, new: dict, prefix: str = "") -> list[str]:

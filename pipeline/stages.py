@@ -24,16 +24,21 @@ def _run_text(ctx: StageContext) -> dict:
 
 
 def _run_sensitivity(ctx: StageContext) -> dict:
+    from pipeline import compute
     from pipeline.child import run_in_child
     from pipeline.quant.plan import decision_format
     from pipeline.quant.sensitivity import run_analysis
 
     cfg = ctx.config
+    model_dir = ctx.upstream("model") / artifacts.MODEL_DIR
+    bound = compute.host_memory_bound(cfg.compute)
+    if cfg.compute.device == "cpu" or compute.nvidia_gpu_count() == 0:  # on a GPU the layer lives there
+        compute.check_layer_fits(model_dir, cfg.sensitivity.reference_dtype, bound, "sensitivity")
     summary, peak_rss = run_in_child(
-        run_analysis, ctx.upstream("model") / artifacts.MODEL_DIR,
+        run_analysis, model_dir,
         ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE, cfg.sensitivity, cfg.quantization, ctx.out_dir,
-        cfg.plan.decision_format or decision_format(cfg.quantization), cfg.build.target,
-        log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE,
+        cfg.plan.decision_format or decision_format(cfg.quantization), cfg.build.target, cfg.compute,
+        log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE, what="sensitivity", bound=bound,
     )
     return {**summary, "peak_rss_bytes": peak_rss}
 
@@ -56,18 +61,29 @@ def _run_plan(ctx: StageContext) -> dict:
 
 
 def _run_quantize(ctx: StageContext) -> dict:
-    from pipeline import artifacts
+    from pipeline import artifacts, compute
     from pipeline.child import run_in_child
-    from pipeline.quant.quantize import run_quantize
+    from pipeline.quant.quantize import check_host_memory, run_quantize
 
     cfg = ctx.config
+    model_dir = ctx.upstream("model") / artifacts.MODEL_DIR
+    bound = compute.host_memory_bound(cfg.compute)
+    if cfg.compute.device == "cpu" or compute.nvidia_gpu_count() == 0:
+        check_host_memory(model_dir, cfg.quantization, bound)
     summary, peak_rss = run_in_child(
-        run_quantize, ctx.upstream("model") / artifacts.MODEL_DIR,
+        run_quantize, model_dir,
         ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE, ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
-        ctx.upstream("plan") / artifacts.PLAN_FILE, ctx.upstream("sensitivity") / artifacts.SENSITIVITY_TABLE_JSON, cfg.quantization, cfg.build,
-        ctx.out_dir, log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE,
+        ctx.upstream("plan") / artifacts.PLAN_FILE, ctx.upstream("sensitivity") / artifacts.SENSITIVITY_TABLE_JSON,
+        cfg.quantization, cfg.build, ctx.out_dir, cfg.compute,
+        log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE, what="quantize", bound=bound,
     )
     return {**summary, "peak_rss_bytes": peak_rss}
+
+
+def _compute_preflight(loaded) -> None:
+    from pipeline.compute import check_device  # compute.device: cuda without a GPU stops before any work
+
+    check_device(loaded.config.compute)
 
 
 def _run_build(ctx: StageContext) -> dict:
@@ -159,8 +175,8 @@ STAGES: list[StageDef] = [
              external_inputs=_text_fingerprint, run=_run_text),
     StageDef("sensitivity", "per-layer INT8 sensitivity table", needs=("model", "text"),
              sections=("sensitivity", "quantization.weight_format", "quantization.smoothquant_alpha",
-                       "quantization.awq_group_size", "build.target", "plan.decision_format"),
-             run=_run_sensitivity),
+                       "quantization.awq_group_size", "build.target", "plan.decision_format", "compute.device"),
+             run=_run_sensitivity, preflight=_compute_preflight),
     StageDef("plan", "mixed-precision plan", needs=("sensitivity",),
              sections=("plan", "sensitivity.threshold", "quantization.weight_format", "quantization.kv_cache",
                        "quantization.awq_group_size"),
@@ -168,7 +184,8 @@ STAGES: list[StageDef] = [
              version=3),  # 2, 3: fused q/k/v share one format
     StageDef("quantize", "ModelOpt quantization, TensorRT-LLM checkpoint export, accuracy gate",
              needs=("model", "text", "sensitivity", "plan"),
-             sections=("quantization", "build.dtype", "build.tensor_parallel_size"), run=_run_quantize,
+             sections=("quantization", "build.dtype", "build.tensor_parallel_size", "compute.device"),
+             run=_run_quantize, preflight=_compute_preflight,
              version=2),  # 2: mixed formats, INT4 and tensor-parallel read-back, HF unified checkpoint
     StageDef("build", "engine / LLM-API options / CPU runtime bundle", needs=("model", "quantize"),
              sections=("build",), run=_run_build, preflight=_build_preflight),

@@ -26,7 +26,13 @@ def killed() -> None:
 
 
 def allocate_in_cgroup(cgroup: str, mib: int) -> int:
-    """Join a memory cgroup (its limit is enforced by the kernel), then touch more than it allows."""
+    """Join a memory cgroup (its limit is enforced by the kernel), then touch more than it allows, 16 MiB at a
+    time as a stage's working set grows (slowly enough for the parent to watch it)."""
+    import time
+
     Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
-    chunks = [bytearray(1 << 20) for _ in range(mib)]  # bytearray zero-fills: the pages are really touched
+    chunks = []
+    for _ in range(0, mib, 16):
+        chunks.append(bytearray(16 << 20))  # bytearray zero-fills: the pages are really touched
+        time.sleep(0.05)
     return len(chunks)

@@ -23,6 +23,30 @@ def run_invoke(*args: str, env: dict | None = None, timeout: float = 600, cwd: P
                           text=True, timeout=timeout)
 
 
+def kill_the_starter(code: str, wait_s: float = 30) -> tuple[dict, list[int]]:
+    """Run ``code`` in a fresh interpreter (it starts a server and prints one JSON line with the server's
+    ``pid``), kill -9 that interpreter, and wait up to ``wait_s`` for the server's process group to die.
+    Returns (the printed facts, the group's processes still alive; this helper has killed them)."""
+    import signal
+    import time
+
+    from pipeline.serving.server import group_members
+
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True)
+    try:
+        facts = json.loads(parent.stdout.readline())
+    finally:
+        parent.kill()  # SIGKILL: no clean-up code runs in it
+        parent.wait()
+    deadline = time.monotonic() + wait_s
+    while group_members(facts["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = group_members(facts["pid"])
+    if left:  # the test started them: they end here, and the test fails on what it got
+        os.killpg(facts["pid"], signal.SIGKILL)
+    return facts, left
+
+
 def write_yaml(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text).lstrip())

@@ -1,12 +1,14 @@
 """The build stage on the embedded default (SmolLM2-135M, INT8 SmoothQuant + INT8 KV): the cpu bundle, and
-the reference runtime's greedy tokens against the checkpoint-rebuilt model, solo and 8 at once."""
+the reference runtime's greedy tokens against the checkpoint-rebuilt model, solo and 8 at once; then the
+published repository served and its run killed: no model process may outlive it."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from conftest import run_invoke
+from conftest import kill_the_starter, run_invoke
 
 from pipeline.engines import reference
 from pipeline.engines.cpu_runtime import CpuRuntime, SamplingParams
@@ -74,3 +76,38 @@ def test_int8_cache_runtime_solo_and_eight_at_once(built, prompt_ids):
         # batched: equal to its solo run, or the first difference is a float-rounding tie of the reference
         assert t == s or together_check["ok"], (t, s, want.tokens, together_check)
     assert sum(a["equal"] for a, _ in report) >= 6
+
+
+def test_a_killed_run_leaves_no_model_process_and_the_next_run_clears_its_leftovers(built, default_work_root):
+    """kill -9 of the process that started a server (as of `invoke verify`) while requests are in flight: the
+    server dies with it, and so must the stub holding the loaded runtime (without llm_io.exit_with_server it
+    stayed, an orphan of 1.26 GB); its shared memory and temporary folder go at the next server start."""
+    from pipeline.serving.server import SHM_DIR, remove_stale_leftovers
+
+    proc = run_invoke("publish", "--work-root", str(default_work_root), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    repo = default_work_root / NAME / "publish" / "model_repository"
+    facts, left = kill_the_starter(f"""
+        import json, threading, time, urllib.request
+        from pathlib import Path
+        from pipeline.serving.server import TritonServer
+        s = TritonServer(Path({str(repo)!r})).start()
+        def ask():
+            body = json.dumps({{"text_input": "Tell me a long story. " * 8, "max_tokens": 64}}).encode()
+            while True:
+                try:
+                    urllib.request.urlopen(urllib.request.Request(
+                        f"http://{{s.http_url}}/v2/models/smollm2/generate", data=body, method="POST"), timeout=120)
+                except Exception:
+                    pass
+        for _ in range(4):
+            threading.Thread(target=ask, daemon=True).start()
+        time.sleep(2)
+        print(json.dumps({{"pid": s.pid, "prefix": s.shm_prefix, "tmp": str(s._tmp)}}), flush=True)
+        time.sleep(600)
+        """, wait_s=20)
+    assert left == [], "a model's stub outlived the run that started its server"
+    leftovers = list(SHM_DIR.glob(facts["prefix"] + "*")) + [Path(facts["tmp"])]
+    assert all(p.exists() for p in leftovers)  # nobody was left to remove them ...
+    removed = remove_stale_leftovers()  # ... until the next server starts
+    assert set(leftovers) <= set(removed) and not any(p.exists() for p in leftovers)

@@ -10,6 +10,7 @@ import child_targets as targets
 import pytest
 
 from pipeline.child import run_in_child
+from pipeline.compute import Bound
 from pipeline.errors import ConfigError, StageFailed
 
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
@@ -50,8 +51,11 @@ def test_out_of_memory_kill_names_the_likely_cause(tmp_path):
         (cg / "memory.limit_in_bytes").write_text(str(200 * 2**20))
         if (cg / "memory.memsw.limit_in_bytes").exists():
             (cg / "memory.memsw.limit_in_bytes").write_text(str(200 * 2**20))
-        with pytest.raises(StageFailed, match="ran out of memory"):
-            run_in_child(targets.allocate_in_cgroup, str(cg), 600, log_path=tmp_path / "stage.log")
+        bound = Bound(200 * 2**20, "a test cgroup")
+        with pytest.raises(StageFailed, match=r"^quantize: .*ran out of memory; its peak memory was at least "
+                                              r"[0-9.]+ GiB, against a bound of 0.20 GiB \(a test cgroup\)"):
+            run_in_child(targets.allocate_in_cgroup, str(cg), 600, log_path=tmp_path / "stage.log",
+                         what="quantize", bound=bound)
     finally:
         for _ in range(50):  # the killed child leaves the cgroup as the kernel reaps it
             try:

@@ -58,7 +58,7 @@ def make_published(work_root: Path, config_name: str = DEFAULT_NAME, target: str
         (version_dir / "engine" / "rank0.engine").write_bytes(b"\0" * 64)
         backend = "tensorrtllm"
         params = {"gpt_model_path": f"{img.IMAGE_MODEL_REPOSITORY}/{llm}/1/engine",
-                  "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"}
+                  "guided_decoding_backend": "", "xgrammar_tokenizer_info_path": ""}
     else:
         (version_dir / "cpu_bundle").mkdir(parents=True, exist_ok=True)
         (version_dir / "model.py").write_text("# the Triton Python model publish writes\n")
@@ -337,7 +337,7 @@ def test_refuses_repositories_that_cannot_be_served_from_an_image(tmp_path):
     bad = make_published(tmp_path / "a", target="tensorrt", parameters={"gpt_model_path": "/home/someone/engine"})
     with pytest.raises(InputError, match="triton.serving_repository_path=/models"):
         img.plan_image(_cfg(*gpu), img.read_published(bad), rel)
-    ok = make_published(tmp_path / "b", target="tensorrt")  # /models/... and the base image's own /opt/tritonserver
+    ok = make_published(tmp_path / "b", target="tensorrt")  # /models/... and empty parameters
     img.plan_image(_cfg(*gpu), img.read_published(ok), rel)
     missing = make_published(tmp_path / "b2", target="tensorrt",
                              parameters={"gpt_model_path": f"{img.IMAGE_MODEL_REPOSITORY}/smollm2_tensorrt_llm/2/engine"})

@@ -210,7 +210,8 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
         assert "import tensorrt_llm" not in code.split("class ")[0]  # never imported at module level
         assert "from tensorrt_llm import" in code
     prov = json.loads((snap / artifacts.PROVENANCE_FILE).read_text())
-    assert prov["build"] == {"target": target, "trtllm_version": "1.2.1", "provenance": {"gpu": "stand-in"}}
+    assert prov["build"] == {"target": target, "trtllm_version": "1.2.1", "provenance": {"gpu": "stand-in"},
+                             "world_size": 1, "tensorrt_llm_model": names.tensorrt_llm}
 
 
 def setup_yaml(work: Path) -> Path:

@@ -4,7 +4,6 @@ failures with the log's tail, and the clean-up of every process and shared-memor
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import kill_the_starter
 
 from pipeline.errors import EnvironmentProblem, StageFailed
 from pipeline.serving.server import (
@@ -189,7 +189,7 @@ def test_a_server_killed_hard_has_its_stubs_and_memory_cleaned(tmp_path, no_left
 def test_the_server_dies_with_the_process_that_started_it(tmp_path):
     repo = tmp_path / "repo"
     _model(repo, "echo")
-    code = textwrap.dedent(f"""
+    facts, left = kill_the_starter(f"""
         import json, sys, time
         from pathlib import Path
         from pipeline.serving.server import TritonServer
@@ -197,22 +197,9 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path):
         print(json.dumps({{"pid": s.pid, "prefix": s.shm_prefix}}), flush=True)
         time.sleep(600)
         """)
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        facts = json.loads(parent.stdout.readline())
-    finally:
-        parent.kill()  # SIGKILL: no clean-up code runs in it
-        parent.wait()
-    deadline = time.monotonic() + 30
-    while _group_alive(facts["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    alive = _group_alive(facts["pid"])
-    if alive:
-        os.killpg(facts["pid"], signal.SIGKILL)
-        time.sleep(1)
     for leftover in SHM_DIR.glob(facts["prefix"] + "*"):  # nobody was left to free them: this test does
         leftover.unlink()
-    assert not alive, "the server outlived the process that started it"
+    assert left == [], "the server outlived the process that started it"
 
 
 def test_log_tail_puts_errors_first_and_drops_tables(tmp_path):

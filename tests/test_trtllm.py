@@ -166,8 +166,12 @@ def test_shipped_config_contract(path):
         assert preflight.check_target_requirements(cfg) is None  # the cpu target needs nothing of this module
         preflight.preflight(loaded)
         return
-    # pinned to a real commit, sized for a named GPU, on the 1.2 line
+    # pinned to a real commit, sized for a named GPU, on the 1.2 line (the Jetson profile: refused, see
+    # tests/test_upstream_contract.py)
     assert cfg.model.source.kind == "hub" and cfg.model.source.pinned, "GPU profiles pin a 40-character revision"
+    if b.target_sm == rules.JETSON_ORIN_SM:
+        assert [r for r, _ in rules.validity_problems(cfg, b.target_sm)] == ["trtllm_release_line"]
+        return
     assert b.target_gpu and b.target_sm and b.trtllm_version.startswith("1.2.")
     assert rules.validity_problems(cfg, b.target_sm) == []
     facts = rules.facts_from_config(cfg)
@@ -185,7 +189,7 @@ def test_shipped_config_contract(path):
     assert opts["--multiple_profiles"] == ("enable" if b.multiple_profiles else "disable")
     assert opts["--input_timing_cache"] == "in.cache" and opts["--output_timing_cache"] == "out.cache"
     kv = facts.kv_cache_quant_algo
-    assert opts["--gemm_plugin"] == ("fp8" if facts.quant_algo == "FP8" else "auto")
+    assert opts["--gemm_plugin"] == ("disable" if facts.quant_algo in ("FP8", "W8A8_SQ_PER_CHANNEL") else "auto")
     if kv == "INT8":
         assert opts["--use_paged_context_fmha"] == "disable" and not b.kv_cache.enable_block_reuse
     if b.kv_cache.enable_block_reuse:
@@ -240,7 +244,10 @@ RULE_CASES = {
     "int8_int4_need_sm80": ("llama-3.1-8b-a100-int8sq.yaml", [], 75),
     "bf16_needs_sm80": ("mistral-7b-l40s-int4awq.yaml", ["build.dtype=bfloat16"], 75),
     "blackwell_int8": ("llama-3.1-8b-a100-int8sq.yaml", [], 100),
-    "max_num_tokens_bounds": ("llama-3.2-1b-jetson-orin-edge.yaml", ["build.max_num_tokens=4096"], 87),
+    "max_num_tokens_bounds": ("llama-3.1-8b-a100-int8sq.yaml", ["build.max_num_tokens=300000"], 80),
+    "chunked_context_needs_paged_context_fmha": ("llama-3.1-8b-a100-int8sq.yaml", ["build.chunked_context=true"], 80),
+    "chunked_context_max_num_tokens": ("llama-3.1-8b-h100-fp8.yaml", ["build.max_num_tokens=8200"], 90),
+    "fp8_swiglu_fusion": ("llama-3.1-8b-a100-int8sq.yaml", ["build.fp8_swiglu_fusion=true"], 80),
     "gemm_plugin_fp8": ("llama-3.1-8b-a100-int8sq.yaml", ["build.gemm_plugin=fp8"], 80),
 }
 ARGV_RULE_CASES = {
@@ -522,7 +529,8 @@ def test_build_pytorch_writes_llm_api_options(standins, tmp_path):
 # ---------------------------------------------------------------------------------------------- end to end
 
 SETTINGS_KEYS = {"target", "artifact_dir", "max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
-                 "kv_cache", "cuda_graphs", "trtllm_version", "provenance", "checkpoint_sha256"}
+                 "kv_cache", "cuda_graphs", "trtllm_version", "provenance", "checkpoint_sha256",
+                 "tensor_parallel_size", "pipeline_parallel_size", "enable_chunked_context"}
 
 
 @pytest.mark.e2e
@@ -553,7 +561,7 @@ def test_invoke_build_tensorrt_end_to_end(tmp_path, tiny_model_dir):
     opts = dict(zip(args[::2], args[1::2]))
     assert opts["--kv_cache_type"] == "paged" and opts["--tokens_per_block"] == "16"
     assert opts["--use_paged_context_fmha"] == "enable" and opts["--use_fp8_context_fmha"] == "enable"
-    assert opts["--gemm_plugin"] == "fp8" and opts["--workers"] == "1" and opts["--multiple_profiles"] == "enable"
+    assert opts["--gemm_plugin"] == "disable" and opts["--workers"] == "1" and opts["--multiple_profiles"] == "enable"
     assert opts["--max_batch_size"] == "4" and opts["--max_seq_len"] == "128" and opts["--max_num_tokens"] == "256"
     assert "--input_timing_cache" not in opts
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -193,9 +194,104 @@ def _stop_words_and_seeded_sampling(server, work):
     assert at is not None, "no generated token that is a word of its own"
     stopped = _generate(server.http_url, "llm", max_tokens=8, stop_words=[tok.decode([ids[at]])])
     assert stopped["output_ids"] == ids[: at + 1]  # ends with the stop word, as TensorRT-LLM does
-    sampled = [_generate(server.http_url, "llm", max_tokens=8, temperature=1.0, top_k=20, random_seed=seed)["output_ids"]
+    sampled = [_generate(server.http_url, "llm", max_tokens=8, temperature=1.0, top_k=20, seed=seed)["output_ids"]
                for seed in (7, 7, 8)]
-    assert sampled[0] == sampled[1] and sampled[0] != ids
+    # the ensemble's `seed` (upstream's name) reaches the runtime: same seed, same tokens; another seed, others
+    assert sampled[0] == sampled[1] and sampled[0] != ids and sampled[0] != sampled[2]
+
+
+def _status(url: str, body: bytes, timeout: float = 60) -> int:
+    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _metric(metrics_url: str, family: str, label: str, value: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(family + "{") and f'{label}="{value}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{family}{{{label}={value}}} is not on the metrics endpoint")
+
+
+# (body, HTTP status): ours (the models' INVALID_ARG) are 400; Triton 2.51's HTTP frontend answers what it
+# cannot parse with 500 (README, "Bad input and HTTP statuses"; tests/data/upstream/triton_http_errors.json)
+HOSTILE = {
+    "empty prompt": (b'{"text_input": "", "max_tokens": 4}', 400),
+    "max_tokens 0": (b'{"text_input": "hi", "max_tokens": 0}', 400),
+    "max_tokens negative": (b'{"text_input": "hi", "max_tokens": -5}', 400),
+    "prompt over max_input_len": (json.dumps({"text_input": "word " * 400, "max_tokens": 4}).encode(), 400),
+    "prompt + max_tokens over max_seq_len": (b'{"text_input": "hi", "max_tokens": 100000}', 400),
+    "chat template without one": (b'{"text_input": "hi", "max_tokens": 2, "apply_chat_template": true}', 400),
+    "unicode: emoji, RTL, zero-width, NUL": (rb'{"text_input": "\u00e9\ud83d\ude00 \u05e9\u05dc\u05d5\u05dd \u200b\u0000x", '
+                                             rb'"max_tokens": 2}', 200),
+    "max_tokens a float": (b'{"text_input": "hi", "max_tokens": 1.5}', 500),
+    "max_tokens a string": (b'{"text_input": "hi", "max_tokens": "eight"}', 500),
+    "text_input a number": (b'{"text_input": 5, "max_tokens": 2}', 500),
+    "not JSON": (b"hello there", 500),
+    "truncated JSON": (b'{"text_input": "hi", "max_tok', 500),
+    "a JSON array": (b'[1, 2, 3]', 500),
+}
+
+
+def test_a_hostile_client_leaves_the_server_ready_the_kv_pool_free_and_answers_unchanged(tiny):
+    _, _, work, _ = tiny
+    with TritonServer(work / "publish" / "model_repository") as server:
+        base = f"http://{server.http_url}/v2/models/llm"
+        greedy = _generate(server.http_url, "llm", max_tokens=8)["output_ids"]
+        got = {label: _status(f"{base}/generate", body) for label, (body, _) in HOSTILE.items()}
+        assert got == {label: want for label, (_, want) in HOSTILE.items()}
+        # a burst far above max_batch_size 4, half of it streams dropped after the first piece
+        import concurrent.futures
+        import http.client
+
+        def drop_a_stream(i: int) -> None:
+            conn = http.client.HTTPConnection(server.http_url, timeout=60)
+            conn.request("POST", "/v2/models/llm/generate_stream",
+                         json.dumps({"text_input": f"Story {i}: once upon", "max_tokens": 40}))
+            conn.getresponse().read(1)
+            conn.close()  # the client goes away mid-stream
+
+        def ask(i: int) -> int:
+            return _status(f"{base}/generate", json.dumps({"text_input": f"Count to {i}:", "max_tokens": 6}).encode())
+
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            drops = [pool.submit(drop_a_stream, i) for i in range(12)]
+            asks = [pool.submit(ask, i) for i in range(24)]
+            assert [f.result() for f in asks] == [200] * 24
+            for f in drops:
+                f.result()
+        assert urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=10).status == 200
+        deadline = time.monotonic() + 60  # the dropped streams' sequences finish or are cancelled
+        family, label = "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type"
+        while (_metric(server.metrics_url, family, label, "used") or
+               _metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type", "active")) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _metric(server.metrics_url, family, label, "used") == 0
+        assert _metric(server.metrics_url, family, label, "free") == _metric(server.metrics_url, family, label, "max") > 0
+        assert _metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type", "active") == 0
+        assert _generate(server.http_url, "llm", max_tokens=8)["output_ids"] == greedy
+
+
+def test_the_tasks_that_read_a_published_build_run_on_one(tiny):
+    """A user's next commands after a publish: none may end in a traceback (an `invoke image --dry-run` did)."""
+    cfg, work_root, work, _ = tiny
+    common = ["--config", str(cfg), "--work-root", str(work_root), *[a for s in TINY_SETS for a in ("--set", s)]]
+    said = {}
+    for args in (["image", "--dry-run"], ["release", "--dry-run"], ["deploy-manifests"], ["explain"], ["plan"]):
+        proc = run_invoke(*args, *common, timeout=300)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "Traceback" not in out, f"invoke {' '.join(args)}:\n{out}"
+        said[args[0]] = out
+    assert "docker buildx build" in said["image"] and "--target cpu" in said["image"]
+    assert "docker" in said["release"]
+    assert list((work / "deploy").rglob("deployment.yaml")), said["deploy-manifests"]
+    assert "publish" in said["explain"] and "`invoke plan` is now `invoke explain`" in said["plan"]
 
 
 def test_invoke_serve_prints_endpoints_answers_and_stops_on_ctrl_c(tiny):

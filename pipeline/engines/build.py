@@ -38,10 +38,13 @@ def checkpoint_sha256(ckpt_dir: Path) -> str:
 
 
 def build_settings(cfg, target: str, artifact_dir: str, kv_algo: Optional[str], cuda_graphs: dict,
-                   trtllm_version: Optional[str], provenance: dict, ckpt_hash: str) -> dict:
+                   trtllm_version: Optional[str], provenance: dict, ckpt_hash: str,
+                   enable_chunked_context: bool = False) -> dict:
     """build_settings.json, the same shape for every target (publish and the report read it)."""
     b = cfg.build
     return {"target": target, "artifact_dir": artifact_dir,
+            "tensor_parallel_size": b.tensor_parallel_size, "pipeline_parallel_size": b.pipeline_parallel_size,
+            "enable_chunked_context": enable_chunked_context,
             "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
             "max_num_tokens": b.max_num_tokens,
             "kv_cache": {"quant_algo": kv_algo, "tokens_per_block": b.kv_cache.tokens_per_block,

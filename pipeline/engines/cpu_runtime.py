@@ -327,6 +327,15 @@ class CpuRuntime:
             self._lock.notify()
         return req
 
+    def stats(self) -> dict[str, int]:
+        """The KV pool and the request queue now, in the vocabulary of the tensorrtllm backend's metrics."""
+        with self._lock:
+            free, waiting, running = self.pool.free_blocks, len(self._waiting), len(self._running)
+        return {"kv_max_blocks": self.pool.num_blocks, "kv_free_blocks": free,
+                "kv_used_blocks": self.pool.num_blocks - free, "kv_tokens_per_block": self.pool.tokens_per_block,
+                "requests_active": waiting + running, "requests_scheduled": running, "requests_waiting": waiting,
+                "requests_max": self.max_batch_size}
+
     def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> list[int]:
         return self.submit(prompt_ids, params).result()
 

@@ -70,7 +70,7 @@ def group_fake_quant(weight: torch.Tensor, group_size: int, num_bits: int = 4) -
 
 def input_channel_amax(weight: torch.Tensor, rows: int = 4096) -> torch.Tensor:
     """max |W| per input channel, [1, in]; computed in row blocks (a 49k-row lm_head needs no full copy)."""
-    out = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
+    out = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
     for a in range(0, weight.shape[0], rows):
         torch.maximum(out, weight[a:a + rows].abs().amax(dim=0, keepdim=True), out=out)
     return out

@@ -30,8 +30,9 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
-from pipeline.config import QuantizationSection, SensitivitySection
+from pipeline.config import ComputeSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -102,20 +103,20 @@ class _WeightStore:
                     for k in sf.keys():
                         self.files[k] = f
 
-    def get(self, name: str, dtype):
+    def get(self, name: str, dtype, device="cpu"):
         if name not in self.files:
             raise InputError(f"tensor {name} is not in the model's safetensors files")
         with self._open(str(self.files[name]), framework="pt") as sf:
-            return sf.get_tensor(name).to(dtype)
+            return sf.get_tensor(name).to(device=device, dtype=dtype)
 
-    def load_module(self, module, prefix: str, dtype) -> None:
-        """Materialise a meta-device module from the files (its parameters only)."""
+    def load_module(self, module, prefix: str, dtype, device="cpu") -> None:
+        """Materialise a meta-device module from the files (its parameters only) on ``device``."""
         import torch
 
-        module.to_empty(device="cpu")
+        module.to_empty(device=device)
         with torch.no_grad():
             for name, param in module.named_parameters(recurse=True):
-                param.copy_(self.get(f"{prefix}.{name}", dtype))
+                param.copy_(self.get(f"{prefix}.{name}", dtype, device))
 
 
 @dataclass
@@ -154,7 +155,8 @@ class Analyser:
         ref_rows(a, b): rows a..b of its reference output."""
         import torch
 
-        ch_amax = torch.zeros(x2.shape[1], dtype=x2.dtype)
+        dev = x2.device
+        ch_amax = torch.zeros(x2.shape[1], dtype=x2.dtype, device=dev)
         abs_sum = 0.0
         for a in range(0, x2.shape[0], _ROW_BLOCK):  # row blocks: no full-size temporaries
             blk = x2[a:a + _ROW_BLOCK].abs()
@@ -166,11 +168,11 @@ class Analyser:
         med = float(ch_amax.median())
         rec.activation = {"amax": float(ch_amax.max()), "mean_abs": mean_abs,
                           "outlier_ratio": float(ch_amax.max()) / med if med > 0 else float("inf")}
-        sample_of_row = torch.arange(x2.shape[0]) // tokens_per_sample
+        sample_of_row = torch.arange(x2.shape[0], device=dev) // tokens_per_sample
         chunk = max(16, CHUNK_ELEMENTS // weight.shape[0])
         preps = {fmt: self._prepare(fmt, name, short, block, x2, ch_amax, weight) for fmt in self.formats}
-        diff2 = {fmt: torch.zeros(self.n, dtype=torch.float64) for fmt in self.formats}
-        ref2 = torch.zeros(self.n, dtype=torch.float64)
+        diff2 = {fmt: torch.zeros(self.n, dtype=torch.float64, device=dev) for fmt in self.formats}
+        ref2 = torch.zeros(self.n, dtype=torch.float64, device=dev)
         for start in range(0, x2.shape[0], chunk):
             stop = min(start + chunk, x2.shape[0])
             ref = ref_rows(start, stop)
@@ -266,8 +268,8 @@ def _int8_input(x2, pre_scale, in_amax):
     """The per-tensor INT8 input over all calibration rows (optionally smoothed first), as int8 values."""
     import torch
 
-    x_scale = torch.tensor(127.0) / in_amax.float()
-    out = torch.empty(x2.shape, dtype=torch.int8)
+    x_scale = 127.0 / in_amax.float()
+    out = torch.empty(x2.shape, dtype=torch.int8, device=x2.device)
     for a in range(0, x2.shape[0], _ROW_BLOCK):
         xs = x2[a:a + _ROW_BLOCK].float()
         if pre_scale is not None:
@@ -286,14 +288,14 @@ def _int8_matmul(x_int, weight, fold, in_amax):
 
     x_q, x_scale = x_int
     out_f = weight.shape[0]
-    w_int = torch.empty((out_f, weight.shape[1]), dtype=torch.int8)
-    w_scale = torch.empty(out_f, dtype=torch.float32)
+    w_int = torch.empty((out_f, weight.shape[1]), dtype=torch.int8, device=weight.device)
+    w_scale = torch.empty(out_f, dtype=torch.float32, device=weight.device)
     step = max(1, (_ROW_BLOCK * 64) // weight.shape[1])
     for a in range(0, out_f, step):
         wb = weight[a:a + step].float()
         if fold is not None:
             wb = fold(wb)
-        sc = torch.tensor(127.0) / wb.abs().amax(dim=1, keepdim=True)  # per output channel
+        sc = 127.0 / wb.abs().amax(dim=1, keepdim=True)  # per output channel
         w_int[a:a + step] = (wb * sc).round_().clamp_(-127, 127).to(torch.int8)
         w_scale[a:a + step] = sc.reshape(-1)
     w_t = w_int.t().contiguous()
@@ -308,22 +310,25 @@ def _int8_matmul(x_int, weight, fold, in_amax):
 
 
 def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant: QuantizationSection,
-            fusion_groups: tuple[tuple[str, ...], ...] = TRTLLM_FUSION_GROUPS) -> dict:
+            fusion_groups: tuple[tuple[str, ...], ...] = TRTLLM_FUSION_GROUPS, device: str = "cpu",
+            dtype_name: Optional[str] = None) -> dict:
     """Run the analysis; return {"layers": [...], "embedding": {...}, "timing": {...}, "model": {...}}.
 
-    fusion_groups: the layers the target's checkpoint fuses (``fusion_groups_for(build.target)``)."""
+    fusion_groups: the layers the target's checkpoint fuses (``fusion_groups_for(build.target)``).
+    device / dtype_name: where the reference runs and in what (default: the CPU, sensitivity.reference_dtype);
+    one decoder layer's weights and the calibration set's activations live there, the rest on disk."""
     import torch
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
-    dtype = getattr(torch, section.reference_dtype)
+    dtype = getattr(torch, dtype_name or section.reference_dtype)
     config = _model_facts(model_dir)
     config._attn_implementation = "sdpa"
     store = _WeightStore(model_dir)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
     skeleton.eval()
-    ids = torch.as_tensor(calibration_ids, dtype=torch.long)
+    ids = torch.as_tensor(calibration_ids, dtype=torch.long, device=device)
     n, t = ids.shape
     analyser = Analyser(section.formats, quant.smoothquant_alpha, quant.awq_group_size, n, fusion_groups)
     result: dict = {"model": {"model_type": config.model_type, "layers": config.num_hidden_layers,
@@ -332,19 +337,19 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
 
     with torch.no_grad():
         embed_name = "model.embed_tokens.weight"
-        embed = store.get(embed_name, dtype)
+        embed = store.get(embed_name, dtype, device)
         hidden = embed[ids]  # [N, T, H]
         result["embedding"] = _embedding_error(embed, ids)
         del embed
 
-        rotary = type(skeleton.model.rotary_emb)(config=config)
-        positions = torch.arange(t).unsqueeze(0)
+        rotary = type(skeleton.model.rotary_emb)(config=config).to(device)
+        positions = torch.arange(t, device=device).unsqueeze(0)
         cos, sin = rotary(hidden, positions)
 
         stash = _Stash(n * t)
         for i, layer in enumerate(skeleton.model.layers):
             prefix = f"model.layers.{i}"
-            store.load_module(layer, prefix, dtype)
+            store.load_module(layer, prefix, dtype, device)
             linears = _record_linears(layer, stash)
             out = torch.empty_like(hidden)
             for a in range(0, n, SAMPLES_PER_FORWARD):  # the reference forward, a few samples at a time
@@ -366,10 +371,10 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
         _trim_heap()
 
         norm = skeleton.model.norm
-        store.load_module(norm, "model.norm", dtype)
+        store.load_module(norm, "model.norm", dtype, device)
         hidden = norm(hidden)
         head_name = "lm_head.weight" if "lm_head.weight" in store.files else embed_name  # tied embeddings
-        head = store.get(head_name, dtype)
+        head = store.get(head_name, dtype, device)
         _measure_lm_head(analyser, hidden, head)
         del head
     result["layers"] = [r.__dict__ for r in analyser.records]
@@ -416,12 +421,12 @@ class _Stash:
         self.path: dict[str, str] = {}  # linear short name -> path inside the decoder layer
         self.handles: list = []
 
-    def _buffer(self, key: str, cols: int, dtype):
+    def _buffer(self, key: str, cols: int, dtype, device):
         import torch
 
         buf = self.buffers.get(key)
-        if buf is None or buf.shape[1] != cols or buf.dtype != dtype:
-            buf = self.buffers[key] = torch.empty(self.total_rows, cols, dtype=dtype)
+        if buf is None or buf.shape[1] != cols or buf.dtype != dtype or buf.device != device:
+            buf = self.buffers[key] = torch.empty(self.total_rows, cols, dtype=dtype, device=device)
         return buf
 
     def hook(self, short: str):
@@ -433,9 +438,10 @@ class _Stash:
                 key = next((k for k, t in self._last.items() if t is x), f"in:{short}")
                 self.input_of[short] = key
             if self._last.get(key) is not x:  # (holding the reference keeps its address from being reused)
-                self._buffer(key, x.shape[-1], x.dtype)[a:b] = x.reshape(-1, x.shape[-1])
+                self._buffer(key, x.shape[-1], x.dtype, x.device)[a:b] = x.reshape(-1, x.shape[-1])
                 self._last[key] = x
-            self._buffer(f"out:{short}", output.shape[-1], output.dtype)[a:b] = output.reshape(-1, output.shape[-1])
+            self._buffer(f"out:{short}", output.shape[-1], output.dtype, output.device)[a:b] = \
+                output.reshape(-1, output.shape[-1])
         return record
 
     def start_recording(self, linears: dict) -> None:
@@ -504,21 +510,30 @@ def _return_freed_memory_to_the_os() -> None:
 
 
 def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySection,
-                 quant: QuantizationSection, out_dir: Path, decision: str | None, target: str) -> dict:
+                 quant: QuantizationSection, out_dir: Path, decision: str | None, target: str,
+                 compute: Optional[ComputeSection] = None) -> dict:
     """The stage's work (runs in a child process): table JSON + Markdown + heatmap; returns the summary."""
     import json
 
     from safetensors.numpy import load_file
 
     from pipeline import artifacts
+    from pipeline import compute as comp
     from pipeline.quant.plots import heatmap_png, table_markdown
 
+    compute = compute or ComputeSection()
+    device = comp.resolve_device(compute)
+    dtype = comp.reference_dtype(device, section.reference_dtype)
+    log.info("sensitivity on %s in %s", device, dtype)
     _return_freed_memory_to_the_os()
     if section.end_to_end:
         raise InputError("sensitivity.end_to_end (error at the logits, one layer quantized at a time) is not "
                          "built yet; set it to false.")
     ids = load_file(str(calibration_file))[artifacts.TOKENS_KEY]
-    table = analyse(model_dir, ids, section, quant, fusion_groups_for(target))
+    table = analyse(model_dir, ids, section, quant, fusion_groups_for(target), device, dtype)
+    # wall time goes to the manifest's summary, not into the table: an output that differed on every run
+    # would change the inputs of every stage after this one
+    timing = table.pop("timing")
     table["fusion_groups"] = [list(g) for g in fusion_groups_for(target)]
     (out_dir / artifacts.SENSITIVITY_TABLE_JSON).write_text(json.dumps(table, indent=1))
     col = decision or section.formats[0]
@@ -531,7 +546,8 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
         "over_threshold": over,
         "threshold": section.threshold,
         "decision_column": col,
-        "analysis_s": table["timing"]["analysis_s"],
+        "analysis_s": timing["analysis_s"],
         "calibration_tokens": table["calibration"]["tokens"],
         "embedding_int8_error": table["embedding"]["int8_per_row_error"],
+        "compute": comp.compute_record(device, dtype, comp.host_memory_bound(compute)),
     }

@@ -127,6 +127,11 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
             else:
                 for part in ("requests", "limits"):
                     res[part][GPU_RESOURCE] = str(gpus)
+                # one tritonserver per GPU rank (serving/launch.py): each has its own Python-backend shared
+                # memory region, and NCCL moves tensors between the ranks through /dev/shm too
+                for vol in pod["spec"]["volumes"]:
+                    if vol["name"] == "dshm":
+                        vol["emptyDir"]["sizeLimit"] = f"{max(4, 2 * gpus)}Gi"
         elif kind == "HorizontalPodAutoscaler":
             doc["spec"]["scaleTargetRef"]["name"] = name
             metrics = doc["spec"]["metrics"]

@@ -54,7 +54,6 @@ REPORT_STAGE_DIR = "report"
 # Inside every serving image.
 IMAGE_MODEL_REPOSITORY = "/models"  # publish with triton.serving_repository_path: /models for an image
 IMAGE_RELEASE_DIR = "/opt/release"
-BASE_IMAGE_PATHS = ("/opt/tritonserver/",)  # absolute paths a config may name: the Triton base's own files
 
 # BuildKit named contexts the Dockerfile copies from (besides its own stages); `invoke image` passes both.
 NAMED_CONTEXTS = {
@@ -156,7 +155,7 @@ def check_repository(repository_dir: Path) -> list[str]:
                 if not inside.exists():
                     raise InputError(f"{rel}: parameter {key} = {value!r} names {inside.relative_to(repository_dir)}, "
                                      f"which the repository does not have. Publish again.")
-            elif not value.startswith(BASE_IMAGE_PATHS):
+            else:
                 raise InputError(
                     f"{rel}: parameter {key} = {value!r} is an absolute path of the machine that published the "
                     f"repository; inside the image the repository is at {IMAGE_MODEL_REPOSITORY}. Publish for the "
@@ -481,9 +480,9 @@ def _published(runner, echo: Callable[[str], None] = print) -> PublishedBuild:
                          f"{runner.loaded.name!r}. Publish this config again.")
     if "publish" in runner.stages and runner.read_manifest("publish") is not None:
         st = runner.status("publish")
-        if st.problems:
+        if st.output_problems:
             raise InputError("The published repository changed after publish wrote it: "
-                             f"{'; '.join(st.problems)}. Run `invoke publish --force`.")
+                             f"{'; '.join(st.output_problems)}. Run `invoke publish --force`.")
         if not st.up_to_date:
             echo(f"note: publish is not up to date ({'; '.join(st.reasons)}); the image is built from what "
                   f"was published, digest {pub.short_digest}.")

@@ -65,7 +65,6 @@ TRITON_SOURCE = constants.REPO_ROOT / "triton_repo"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "config.json")
-EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
 _MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -165,7 +164,7 @@ def _text_inputs() -> list:
         _inp("temperature", "FP32", [1], optional=True),
         _inp("top_k", "INT32", [1], optional=True),
         _inp("top_p", "FP32", [1], optional=True),
-        _inp("random_seed", "UINT64", [1], optional=True),
+        _inp("seed", "UINT64", [1], optional=True),
     ]
 
 
@@ -182,7 +181,7 @@ def _llm_io(msg, reshape: bool = True, streaming: bool = True) -> None:
         _inp("temperature", "FP32", [1], optional=True, **scalar),
         _inp("runtime_top_k", "INT32", [1], optional=True, **scalar),
         _inp("runtime_top_p", "FP32", [1], optional=True, **scalar),
-        _inp("random_seed", "UINT64", [1], optional=True, **scalar),
+        _inp("seed", "UINT64", [1], optional=True, **scalar),
     ])
     if streaming:
         msg.input.append(_inp("streaming", "BOOL", [1], optional=True, **scalar))
@@ -220,20 +219,27 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
     _batching(llm, triton.max_queue_delay_us)
     if target == "tensorrt":
         kv, graphs = settings["kv_cache"], settings["cuda_graphs"]
+        # Every key the backend reads is one of tests/data/upstream/tensorrtllm_backend_parameters.json. Three
+        # are read without a guard, so a missing one fails the model's load: tokenizer_dir (its value only
+        # matters to guided decoding), guided_decoding_backend and xgrammar_tokenizer_info_path (empty: no
+        # guided decoding). Triton hands an empty string_value to the backend as "" (checked on Triton 2.51).
+        # Multi-GPU runs in leader mode (one tritonserver per rank under mpirun: serving/launch.py), so no
+        # orchestrator keys (executor_worker_path, participant_ids) are written.
         _params(llm, {
             "gpt_model_type": "inflight_fused_batching",
             "gpt_model_path": f"{serving_root}/{names.tensorrt_llm}/{version}/{artifacts.ARTIFACT_DIRS['tensorrt']}",
+            "tokenizer_dir": f"{serving_root}/{names.preprocessing}/{version}/{artifacts.TOKENIZER_DIR}",
+            "guided_decoding_backend": "",
+            "xgrammar_tokenizer_info_path": "",
             "batch_scheduler_policy": "guaranteed_no_evict",
             "max_beam_width": 1,
             "kv_cache_free_gpu_mem_fraction": kv["free_gpu_memory_fraction"],
             "enable_kv_cache_reuse": kv["enable_block_reuse"],
-            "enable_chunked_context": False,
+            "enable_chunked_context": settings["enable_chunked_context"],
             "cuda_graph_mode": graphs["cuda_graph_mode"],
             "cuda_graph_cache_size": graphs["cuda_graph_cache_size"],
             "exclude_input_in_output": True,
-            "decoupled_mode": triton.decoupled,
             "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
-            "executor_worker_path": EXECUTOR_WORKER,
         })
         _instances(llm, 1)  # the backend drives the GPUs itself; one instance batches every request
     elif target == "pytorch":
@@ -285,7 +291,7 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
     for name in ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list"):
         llm_step.input_map[name] = f"_{name}"
     for theirs, ours in (("temperature", "temperature"), ("runtime_top_k", "top_k"), ("runtime_top_p", "top_p"),
-                         ("random_seed", "random_seed")):
+                         ("seed", "seed")):
         llm_step.input_map[theirs] = ours
     llm_step.output_map["output_ids"] = "output_ids"
     llm_step.output_map["sequence_length"] = "sequence_length"
@@ -517,6 +523,8 @@ def _provenance(config, config_name: str, settings: dict, names: ModelNames, ver
                          "kv_cache": config.quantization.kv_cache},
         "checkpoint_sha256": settings["checkpoint_sha256"],
         "build": {"target": settings["target"], "trtllm_version": settings["trtllm_version"],
+                  "world_size": settings["tensor_parallel_size"] * settings["pipeline_parallel_size"],
+                  "tensorrt_llm_model": names.tensorrt_llm,
                   "provenance": settings.get("provenance", {})},
         "repository_digest": digest_of_files(files),
     }

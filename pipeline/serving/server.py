@@ -46,6 +46,7 @@ from typing import Optional, Sequence
 
 from pipeline import artifacts
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed
+from pipeline.serving import launch
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,41 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+TMP_PREFIX = "tritonserver-"  # + the starting process's pid: <tmp>/tritonserver-<pid>-<random>/
+SHM_PREFIX = "tps"  # + the starting process's pid: /dev/shm/tps<pid>_<random>_...
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_leftovers() -> list[Path]:
+    """Remove the shared-memory regions and temporary folders of servers whose starting process is dead (a run
+    of this pipeline killed before it could stop its server); returns what was removed."""
+    removed = []
+    candidates = [(p, p.name[len(SHM_PREFIX):].split("_", 1)[0]) for p in SHM_DIR.glob(f"{SHM_PREFIX}*_*")] \
+        if SHM_DIR.is_dir() else []
+    candidates += [(p, p.name[len(TMP_PREFIX):].split("-", 1)[0])
+                   for p in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*-*")]
+    for path, pid in candidates:
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed %d leftover(s) of dead servers: %s", len(removed), ", ".join(p.name for p in removed))
+    return removed
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes in a process group, from /proc."""
     out = []
@@ -217,6 +253,8 @@ class TritonServer:
     backend_dir: Optional[Path] = None  # default: prepared for the pytriton binary; with binary=: its own
     log_verbose: int = 0
     extra_args: Sequence[str] = ()
+    world_size: int = 1  # GPU ranks: > 1 starts one tritonserver per rank under mpirun (launch.py, leader mode)
+    tensorrt_llm_model: str = ""  # the engine model the ranks > 0 load
     ready_timeout_s: float = READY_TIMEOUT_S
 
     process: Optional[subprocess.Popen] = field(default=None, init=False, repr=False)
@@ -271,7 +309,14 @@ class TritonServer:
         if self.load_models is not None:
             cmd.append("--model-control-mode=explicit")
             cmd += [f"--load-model={m}" for m in self.load_models]
-        return cmd + list(self.extra_args)
+        cmd += list(self.extra_args)
+        if self.world_size > 1:
+            mpirun = shutil.which(launch.MPIRUN)
+            if mpirun is None:
+                raise EnvironmentProblem(f"the repository needs {self.world_size} GPU ranks, started by mpirun, "
+                                         f"which is not on PATH: run it inside the Triton TensorRT-LLM image")
+            return launch.server_argv(cmd[0], cmd[1:], self.world_size, self.tensorrt_llm_model, mpirun=mpirun)
+        return cmd
 
     def start(self) -> "TritonServer":
         if self.process is not None:
@@ -280,8 +325,9 @@ class TritonServer:
         if not repo.is_dir():
             raise InputError(f"model repository {repo} does not exist; run `invoke publish` first")
         self.model_repository = repo.resolve()
-        self._tmp = Path(tempfile.mkdtemp(prefix="tritonserver-"))
-        self.shm_prefix = f"tps{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        remove_stale_leftovers()
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
+        self.shm_prefix = f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         env = dict(os.environ)
         self._backends = self.backend_dir
         if self.binary is None:
@@ -432,7 +478,9 @@ def server_for_target(target: str, repository: Path, **kwargs) -> TritonServer:
             f"serving the {target} target needs the Triton TensorRT-LLM image's tritonserver and a GPU: run this "
             f"inside that image on a GPU machine (there is no tritonserver on PATH here)"
         )
-    return TritonServer(repository, binary=Path(binary), **{"ready_timeout_s": 1800.0, **kwargs})
+    build = artifacts.read_provenance(repository).build
+    return TritonServer(repository, binary=Path(binary), world_size=launch.server_ranks(target, build.world_size),
+                        tensorrt_llm_model=build.tensorrt_llm_model, **{"ready_timeout_s": 1800.0, **kwargs})
 
 
 # ---------------------------------------------------------------- invoke serve

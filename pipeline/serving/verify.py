@@ -358,6 +358,7 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         v._guard(f"concurrent_{concurrent}", lambda: v.concurrent(concurrent))
         v._guard("malformed_requests", v.malformed)
         startup_s = server.startup_s
+        died = None if server.is_alive() else server.process.poll() if server.process else -1
     failed = [c.name for c in v.checks if not c.ok]
     latency = {k: {"median_ms": round(float(np.median(x)), 1), "max_ms": round(max(x), 1), "n": len(x)}
                for k, x in v.latency_ms.items()}
@@ -374,6 +375,13 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         "checks": [c.as_dict() for c in v.checks],
     }
     (out_dir / artifacts.VERIFY_RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if died is not None:
+        from pipeline.serving.server import log_tail
+
+        raise StageFailed(f"verify: tritonserver died during the checks (exit code {died}); {len(failed)} check(s) "
+                          f"failed after it: {', '.join(failed) or 'none'}. A server failure, not a wrong answer. "
+                          f"Last lines of its log ({artifacts.SERVER_LOG_FILE}):\n"
+                          f"{log_tail(out_dir / artifacts.SERVER_LOG_FILE)}")
     if failed:
         from pipeline.serving.server import log_tail
 

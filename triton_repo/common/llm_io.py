@@ -6,6 +6,9 @@ environment serves the models, and must not import the pipeline package.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from typing import Optional
 
 import numpy as np
@@ -14,6 +17,25 @@ import numpy as np
 # (padded with 0), row 1 the end offset of each word (padded with -1).
 WORDS_PAD_ID, WORDS_PAD_OFFSET = 0, -1
 REPLACEMENT_CHAR = "\ufffd"  # what a tokenizer's decode gives for an incomplete UTF-8 sequence
+
+
+PARENT_CHECK_S = 1.0
+
+
+def exit_with_server() -> None:
+    """End this Python-backend stub as soon as its tritonserver is gone.
+
+    A server killed hard (or killed with the pipeline that started it) leaves its stubs behind: the stub of a
+    model holding a loaded runtime stayed alive as an orphan (1.26 GB each time), so every model calls this
+    in ``initialize``. The stub's parent is the server; when the parent changes, the server has died."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)  # no clean-up to run: the server that would read our answers is gone
+
+    threading.Thread(target=watch, name="exit-with-server", daemon=True).start()
 
 
 def load_tokenizer(args: dict):

@@ -5,7 +5,7 @@ Both variants speak exactly the I/O of the ``tensorrtllm`` backend's model, so e
 
 inputs (with the batch dimension; one sequence per request): ``input_ids`` INT32 [-1], ``input_lengths``
 INT32 [1], ``request_output_len`` INT32 [1]; optional ``end_id``, ``pad_id`` INT32 [1], ``temperature`` FP32
-[1], ``runtime_top_k`` INT32 [1], ``runtime_top_p`` FP32 [1], ``random_seed`` UINT64 [1], ``streaming`` BOOL
+[1], ``runtime_top_k`` INT32 [1], ``runtime_top_p`` FP32 [1], ``seed`` UINT64 [1], ``streaming`` BOOL
 [1], ``stop_words_list`` INT32 [2, -1];
 outputs: ``output_ids`` INT32 [-1, -1] (beam x generated tokens, the prompt excluded), ``sequence_length``
 INT32 [-1] (tokens per beam in this response).
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -30,6 +31,15 @@ import triton_python_backend_utils as pb_utils
 import llm_io
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+METRICS_S = 0.5  # how often the gauges are refreshed from the engine
+# The tensorrtllm backend's metric families and label values (custom_metrics_reporter.cc; the label values as
+# its metrics tests list them), so dashboards and alerts read the same series on every target.
+KV_FAMILY, KV_LABEL = "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type"
+KV_VALUES = {"max": "kv_max_blocks", "free": "kv_free_blocks", "used": "kv_used_blocks",
+             "tokens_per": "kv_tokens_per_block"}
+REQUEST_FAMILY, REQUEST_LABEL = "nv_trt_llm_request_metrics", "request_type"
+REQUEST_VALUES = {"active": "requests_active", "scheduled": "requests_scheduled", "waiting": "requests_waiting",
+                  "max": "requests_max"}
 
 
 class BadRequest(ValueError):
@@ -65,15 +75,50 @@ class GenerationModel:
     def initialize(self, args):
         from pathlib import Path
 
+        llm_io.exit_with_server()
         self.model_config = json.loads(args["model_config"])
         self.params = llm_io.parameters(self.model_config)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
         self.load(Path(args["model_repository"]) / args["model_version"], self.params)
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
+        if self.stats() is not None:
+            self._start_metrics(args["model_name"], args["model_version"])
 
     def load(self, version_dir, params: dict) -> None:
         raise NotImplementedError
+
+    def stats(self) -> Optional[dict]:
+        """The engine's KV-pool and queue figures (see KV_VALUES, REQUEST_VALUES); None: it has none to give."""
+        return None
+
+    def _start_metrics(self, model: str, version: str) -> None:
+        """Gauges in the tensorrtllm backend's families, on Triton's metrics endpoint, refreshed every METRICS_S."""
+        labels = {"model": model, "version": str(version)}
+        gauges = {}
+        fraction = None
+        self._metric_families = []  # a family must outlive its metrics: the model holds them
+        for family, label, values, text in ((KV_FAMILY, KV_LABEL, KV_VALUES, "KV cache block metrics"),
+                                            (REQUEST_FAMILY, REQUEST_LABEL, REQUEST_VALUES, "request metrics")):
+            fam = pb_utils.MetricFamily(name=family, description=f"{text} (the tensorrtllm backend's names)",
+                                        kind=pb_utils.MetricFamily.GAUGE)
+            self._metric_families.append(fam)
+            for value, key in values.items():
+                gauges[key] = fam.Metric(labels={label: value, **labels})
+            if family == KV_FAMILY:
+                fraction = fam.Metric(labels={KV_LABEL: "fraction", **labels})
+
+        def refresh() -> None:
+            while True:
+                figures = self.stats() or {}
+                for key, gauge in gauges.items():
+                    gauge.set(float(figures.get(key, 0)))
+                used, most = figures.get("kv_used_blocks", 0), figures.get("kv_max_blocks", 0)
+                if fraction is not None:
+                    fraction.set(used / most if most else 0.0)
+                time.sleep(METRICS_S)
+
+        threading.Thread(target=refresh, name="metrics", daemon=True).start()
 
     def submit(self, job: Job) -> Handle:
         raise NotImplementedError
@@ -117,7 +162,7 @@ class GenerationModel:
         if streaming and not self.decoupled:
             raise BadRequest("streaming needs the decoupled model (triton.decoupled: true)")
         end_id = llm_io.scalar(get("end_id"))
-        seed = llm_io.scalar(get("random_seed"))
+        seed = llm_io.scalar(get("seed"))
         words = get("stop_words_list")
         return Job(
             prompt=[int(t) for t in ids.reshape(-1)[:n]],

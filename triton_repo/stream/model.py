@@ -7,7 +7,7 @@ character is held back until the character is complete, so the pieces a client c
 the full decode.
 
 Inputs: those of the ensemble (``text_input``, ``max_tokens``; optional ``stop_words``,
-``apply_chat_template``, ``temperature``, ``top_k``, ``top_p``, ``random_seed``, ``end_id``). Outputs per
+``apply_chat_template``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``end_id``). Outputs per
 response: ``text_output`` STRING [1] (the new text) and ``output_ids`` INT32 [-1] (the tokens behind it).
 Parameters: ``preprocessing_model``, ``tensorrt_llm_model``, ``postprocessing_model``.
 """
@@ -27,12 +27,13 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PRE_INPUTS = ("text_input", "max_tokens", "stop_words", "apply_chat_template", "end_id")
 PRE_OUTPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list")
 SAMPLING = {"temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
-            "random_seed": "random_seed"}
+            "seed": "seed"}
 CONTEXT_TOKENS = 8  # tokens of already-shown text passed to postprocessing as decoding context
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        llm_io.exit_with_server()
         self.model_config = json.loads(args["model_config"])
         p = llm_io.parameters(self.model_config)
         self.pre, self.llm, self.post = p["preprocessing_model"], p["tensorrt_llm_model"], p["postprocessing_model"]

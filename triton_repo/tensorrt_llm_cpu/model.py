@@ -38,5 +38,8 @@ class TritonPythonModel(GenerationModel):
                                 stop_token_ids=tuple(w[0] for w in job.stop_words if len(w) == 1))
         return _RuntimeHandle(self.runtime.submit(job.prompt, params))
 
+    def stats(self):
+        return self.runtime.stats()
+
     def close(self):
         self.runtime.close()

@@ -20,11 +20,12 @@ import llm_io  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "temperature",
-          "runtime_top_k", "runtime_top_p", "random_seed")
+          "runtime_top_k", "runtime_top_p", "seed")
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        llm_io.exit_with_server()
         self.llm = llm_io.parameters(json.loads(args["model_config"]))["tensorrt_llm_model"]
 
     def execute(self, requests):

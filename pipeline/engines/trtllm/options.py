@@ -87,6 +87,8 @@ TRTLLM_BUILD_OPTIONS: dict[str, Opt] = {
     "--use_fp8_context_fmha": _switch(),
     "--multiple_profiles": _switch(),
     "--use_fused_mlp": _switch(),
+    "--reduce_fusion": _switch(),  # AllReduce + norm fusion; the builder keeps it only for TP > 1 on Llama-like
+    "--gemm_swiglu_plugin": Opt("choice", ("fp8", "disable"), SRC_PLUGIN),  # FP8 gated-MLP fusion, Hopper only
 }
 
 # TensorRT-LLM's LLM API (pytorch backend): the TorchLlmArgs fields this pipeline writes. Values: "int",
@@ -181,6 +183,9 @@ def check_trtllm_build_argv(args: list[str]) -> list[str]:
     mil = v.get("max_input_len")
     if mil and msl and mil > msl:
         problems.append(f"[max_input_len_bounds] --max_input_len {mil} > --max_seq_len {msl}")
+    if v.get("gemm_swiglu_plugin") == "fp8" and v.get("use_fused_mlp") != "enable":
+        problems.append("[fp8_swiglu_fusion] --gemm_swiglu_plugin fp8 needs --use_fused_mlp enable (the fusion is "
+                        "of the fused gated MLP)")
     return problems
 
 

@@ -132,8 +132,10 @@ def facts_from_checkpoint(ckpt_dir: Path) -> QuantFacts:
             raise InputError(f"{ckpt_dir}: MIXED_PRECISION without a readable quant_cfg.json ({e})") from None
         layer_algos = {v.get("quant_algo") for v in layers.values() if v.get("quant_algo")}
     m = cfg.get("mapping") or {}
+    hidden = cfg.get("hidden_size")
     return QuantFacts(algo, q.get("kv_cache_quant_algo"), frozenset(layer_algos), int(m.get("tp_size", 1)),
-                      int(m.get("pp_size", 1)), str(path))
+                      int(m.get("pp_size", 1)), str(path), architecture=cfg.get("architecture"),
+                      hidden_size=int(hidden) if hidden else None)
 
 
 def facts_from_hf_checkpoint(hf_dir: Path) -> QuantFacts:

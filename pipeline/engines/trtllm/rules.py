@@ -8,7 +8,8 @@ upstream file it was read from (``options.SRC_*``).
 - ``QuantFacts`` / ``facts_from_config``: what the rules judge: the checkpoint's quantization and mapping
   (read from the checkpoint by ``preflight.facts_from_checkpoint``, or, before quantize, from the config).
 - ``validity_problems`` / ``enforce_rules``: every rule a config breaks for a GPU of a compute capability.
-- ``paged_context_fmha`` / ``fp8_context_fmha`` / ``default_gemm_plugin``: what trtllm-build is asked for.
+- ``paged_context_fmha`` / ``fp8_context_fmha`` / ``default_gemm_plugin`` / ``reduce_fusion`` /
+  ``fp8_swiglu_fusion``: what trtllm-build is asked for; ``chunked_context``: what the Triton backend runs.
 - ``cuda_graph_batch_sizes`` / ``cuda_graph_settings``: the CUDA-graph decision both GPU targets share (the
   ``cuda_graph_mode`` / ``cuda_graph_cache_size`` runtime parameters of the Triton ``tensorrtllm`` model).
 """
@@ -42,11 +43,31 @@ NEEDS_SM80_ALGOS = frozenset({"W8A16", "W4A16", "W4A16_AWQ", "W8A16_GPTQ", "W4A1
 # builder.py on SM 100-119: is_int8_weight_only / is_int4_weight_only / has_int8_kv_cache -> "INT8/INT4
 # quantization is not supported on SM>=100."; has_act_and_weight_quant -> "SmoothQuant is not supported";
 # has_per_channel_scaling / has_per_token_dynamic_scaling -> "Per-channel or per-token scaling is not
-# supported". Mapped onto QuantAlgo through mode.py (W4A8_AWQ also quantizes activations: not weight-only).
-BLACKWELL_REJECTED_ALGOS = frozenset({"W8A16", "W8A16_GPTQ", "W4A16", "W4A16_AWQ", "W4A16_GPTQ",
+# supported". Mapped onto QuantAlgo through mode.py QuantMode.from_quant_algo: W4A8_AWQ is
+# use_weight_only(use_int4_weights=True, per_group=True), so is_int4_weight_only() holds and it is rejected
+# too (tests/data/upstream/serving_guidance.json, blackwell_quant_rejection).
+BLACKWELL_REJECTED_ALGOS = frozenset({"W8A16", "W8A16_GPTQ", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ",
                                       "W8A8_SQ_PER_CHANNEL", "W8A8_SQ_PER_TENSOR_PLUGIN",
                                       "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN",
                                       "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN", "FP8_PER_CHANNEL_PER_TOKEN"})
+# GEMM plugin off for these weights: TensorRT's own kernels run their quantized GEMMs (ModelOpt's reference
+# TensorRT-LLM build: use_qdq = quant_algo in [FP8, W8A8_SQ_PER_CHANNEL] -> gemm_plugin None, strongly typed),
+# and for FP8 the performance guide says "On FP8, it's recommended to be disabled"
+# (docs/source/legacy/performance/performance-tuning-guide/useful-build-time-flags.md @ 2a9abd95).
+GEMM_PLUGIN_OFF_ALGOS = frozenset({"FP8", "W8A8_SQ_PER_CHANNEL"})
+# builder.py build(): reduce_fusion is kept only when tp_size > 1 and the architecture is one of these
+# ("Overriding reduce_fusion to False" otherwise).
+REDUCE_FUSION_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Gemma2ForCausalLM", "MedusaForCausalLM"})
+# plugin.py: gemm_swiglu_plugin "is only supported for FP8 precision on Hopper"; the FP8 quantization guide
+# recommends it "for large models running on Hopper" (docs/source/legacy/performance/performance-tuning-guide/
+# fp8-quantization.md @ cb4c622c). Large, here: a hidden size of 4096 or more (Llama-3.1-8B and up).
+SWIGLU_FUSION_SM = 90
+JETSON_ORIN_SM = 87  # Jetson AGX Orin: TensorRT-LLM's v0.12.0-jetson branch only (tests/data/upstream/trtllm_jetson.json)
+SWIGLU_FUSION_MIN_HIDDEN = 4096
+SRC_LONG_SEQUENCE_DOC = "docs/source/features/long-sequence.md ('if chunked context is enabled, please set the " \
+                        "max_num_tokens to be an integer multiple of ... tokens_per_block')"
+SRC_BACKEND_CHUNKED = "triton_backend/inflight_batcher_llm/src/model_instance_state.cc @ c8c6df08 " \
+                      "(enable_chunked_context 'requires building the model with use_paged_context_fmha')"
 
 
 @dataclass(frozen=True)
@@ -60,7 +81,8 @@ class Rule:
 # be changed that way is refused, so the recorded settings are the engine's settings.
 RULES: dict[str, Rule] = {
     "trtllm_release_line": Rule("build.trtllm_version must be a 1.2.x release: 1.2 is the last TensorRT-LLM "
-                                "line with trtllm-build, and the option table here is 1.2's", SRC_BUILD_CMD),
+                                "line with trtllm-build, and the option table here is 1.2's; Jetson Orin (SM 87) "
+                                "has only the v0.12.0-jetson branch", SRC_BUILD_CMD),
     "trtllm_version_installed": Rule("the installed TensorRT-LLM must be the version the profile pins "
                                      "(an engine only loads under the version that built it)", SRC_BUILDER),
     "target_gpu": Rule("the GPU found must have the compute capability the profile targets (build.target_sm)",
@@ -78,8 +100,15 @@ RULES: dict[str, Rule] = {
     "int8_int4_need_sm80": Rule("INT8 SmoothQuant, INT8 and INT4 weight-only need SM >= 80 (Ampere and later)",
                                 SRC_MODELOPT_MATRIX),
     "bf16_needs_sm80": Rule("bfloat16 needs SM >= 80 ('Pre SM 80 GPUs do not support bfloat16')", SRC_LLM_ARGS),
-    "blackwell_int8": Rule("on Blackwell (SM 100-119) INT8 weight-only, INT4 weight-only, SmoothQuant, "
-                           "per-channel/per-token scaling and the INT8 KV cache are rejected", SRC_BUILDER),
+    "blackwell_int8": Rule("on Blackwell (SM 100-119) INT8 weight-only, INT4 weight-only (W4A8_AWQ included), "
+                           "SmoothQuant, per-channel/per-token scaling and the INT8 KV cache are rejected",
+                           SRC_BUILDER),
+    "chunked_context_needs_paged_context_fmha": Rule("chunked context needs an engine built with paged context "
+                                                     "FMHA", SRC_BACKEND_CHUNKED),
+    "chunked_context_max_num_tokens": Rule("with chunked context, max_num_tokens must be a multiple of "
+                                           "tokens_per_block", SRC_LONG_SEQUENCE_DOC),
+    "fp8_swiglu_fusion": Rule("the FP8 GEMM + SwiGLU fusion needs FP8 weights on Hopper (SM 90); SM 100 rejects "
+                              "it", SRC_PLUGIN),
     "opt_num_tokens_multiple_profiles": Rule("--opt_num_tokens cannot be combined with --multiple_profiles "
                                              "enable", SRC_BUILD_CMD),
     "max_num_tokens_bounds": Rule("max_num_tokens must be <= max_batch_size * max_seq_len and >= tokens_per_block "
@@ -109,6 +138,8 @@ class QuantFacts:
     tp_size: int = 1
     pp_size: int = 1
     origin: str = "config"
+    architecture: Optional[str] = None  # the checkpoint's config.json (unknown before quantize)
+    hidden_size: Optional[int] = None
 
     @property
     def world_size(self) -> int:
@@ -126,7 +157,9 @@ def facts_from_config(cfg) -> QuantFacts:
 # ====================================================================================== CUDA graphs
 def cuda_graph_batch_sizes(build) -> list[int]:
     """The batch sizes to capture CUDA graphs for: the config's list, or the powers of two below
-    max_batch_size plus max_batch_size itself (batches are padded up to the next captured size)."""
+    max_batch_size plus max_batch_size itself. The pytorch target pads a batch up to the next captured size
+    (CudaGraphConfig.enable_padding); the tensorrt engine's runtime pads nothing: it captures a graph for each
+    batch it meets and keeps at most cuda_graph_cache_size of them (ExtendedRuntimePerfKnobConfig)."""
     cg = build.cuda_graphs
     if not cg.enabled:
         return []
@@ -169,12 +202,36 @@ def fp8_context_fmha(build, facts: QuantFacts, sm: Optional[int]) -> bool:
 
 
 def default_gemm_plugin(cfg, facts: QuantFacts) -> str:
-    """The GEMM plugin by weight format: FP8 weights use the FP8 cuBLASLt GEMM (its scales come from the
-    checkpoint's calibration); every other format gets the plugin in the model dtype ("auto"), which serves
-    the GEMMs left unquantized (lm_head, layers kept in high precision); quantized GEMMs use their own plugins."""
+    """The GEMM plugin by weight format: off for FP8 and INT8 SmoothQuant weights (GEMM_PLUGIN_OFF_ALGOS cites
+    why), else the plugin in the model dtype ("auto"): "On FP16 and BF16, it's recommended to be enabled", and
+    it serves the GEMMs left unquantized (lm_head, layers kept in high precision) while quantized GEMMs use
+    their own plugins."""
     if cfg.build.gemm_plugin is not None:
         return cfg.build.gemm_plugin
-    return "fp8" if facts.quant_algo == "FP8" else "auto"
+    return "disable" if facts.quant_algo in GEMM_PLUGIN_OFF_ALGOS else "auto"
+
+
+def chunked_context(build, facts: QuantFacts, sm: Optional[int]) -> bool:
+    """The Triton backend's ``enable_chunked_context``: the config's choice, else on wherever the engine has
+    paged context FMHA (long prompts then run in max_num_tokens chunks instead of being refused)."""
+    if build.chunked_context is not None:
+        return build.chunked_context
+    return paged_context_fmha(build, facts, sm)
+
+
+def reduce_fusion(facts: QuantFacts) -> bool:
+    """``--reduce_fusion``: on where the builder keeps it (tensor parallel, REDUCE_FUSION_ARCHITECTURES); it
+    fuses the AllReduce with the following norm ("only beneficial for cases with tensor-parallelism")."""
+    return facts.tp_size > 1 and facts.architecture in REDUCE_FUSION_ARCHITECTURES
+
+
+def fp8_swiglu_fusion(build, facts: QuantFacts, sm: Optional[int]) -> bool:
+    """``--gemm_swiglu_plugin fp8`` (with ``--use_fused_mlp enable``): the config's choice, else on for FP8
+    weights on Hopper when the model is large (SWIGLU_FUSION_MIN_HIDDEN)."""
+    if build.fp8_swiglu_fusion is not None:
+        return build.fp8_swiglu_fusion
+    return (facts.quant_algo == "FP8" and sm == SWIGLU_FUSION_SM
+            and (facts.hidden_size or 0) >= SWIGLU_FUSION_MIN_HIDDEN)
 
 
 def validity_problems(cfg, sm: Optional[int], facts: Optional[QuantFacts] = None) -> list[tuple[str, str]]:
@@ -183,15 +240,14 @@ def validity_problems(cfg, sm: Optional[int], facts: Optional[QuantFacts] = None
     b = cfg.build
     facts = facts or facts_from_config(cfg)
     out: list[tuple[str, str]] = []
-    if not b.trtllm_version.startswith(SUPPORTED_RELEASE):
-        out.append(("trtllm_release_line",
-                    f"build.trtllm_version is {b.trtllm_version!r}; use a 1.2.x release (e.g. 1.2.1)"))
+    if not b.trtllm_version.startswith(SUPPORTED_RELEASE) or JETSON_ORIN_SM in (b.target_sm, sm):
+        out.append(("trtllm_release_line", _release_line_problem(b)))
     tpb = b.kv_cache.tokens_per_block
     if tpb < 1 or tpb & (tpb - 1):
         out.append(("tokens_per_block_pow2", f"build.kv_cache.tokens_per_block = {tpb} is not a power of two"))
     if b.target == "tensorrt":
         out += _paged_context_fmha_problems(b, facts, sm)
-        out += _tensorrt_build_problems(b, facts)
+        out += _tensorrt_build_problems(b, facts, sm)
     if b.target == "pytorch" and facts.kv_cache_quant_algo == "INT8":
         out.append(("pytorch_int8_kv", "build.target: pytorch with an INT8 KV cache: TensorRT-LLM's LLM API supports "
                                        "kv_cache_config.dtype fp8 only. Use quantization.kv_cache: fp8 or none, or "
@@ -199,6 +255,17 @@ def validity_problems(cfg, sm: Optional[int], facts: Optional[QuantFacts] = None
     if sm is not None:
         out += _gpu_problems(b, facts, sm)
     return out
+
+
+def _release_line_problem(b) -> str:
+    if "jetson" in b.trtllm_version.lower() or b.target_sm == JETSON_ORIN_SM:
+        return (f"build.trtllm_version {b.trtllm_version!r} for a Jetson (SM {JETSON_ORIN_SM}). TensorRT-LLM's "
+                f"Jetson support is the v0.12.0-jetson branch, not the 1.2 line this tool generates trtllm-build "
+                f"flags and Triton configs for: its trtllm-build differs (no --kv_cache_type), its documented "
+                f"quantization is INT4 weight-only / INT4-GPTQ through convert_checkpoint.py, and the Triton "
+                f"tensorrtllm backend has no Jetson build (the branch runs engines with examples/run.py). Build on "
+                f"the device following README4Jetson.md of that branch; this tool cannot target it yet")
+    return f"build.trtllm_version is {b.trtllm_version!r}; use a 1.2.x release (e.g. 1.2.1)"
 
 
 def _paged_context_fmha_problems(b, facts: QuantFacts, sm: Optional[int]) -> Iterator[tuple[str, str]]:
@@ -228,9 +295,20 @@ def _paged_context_fmha_problems(b, facts: QuantFacts, sm: Optional[int]) -> Ite
                f"build.kv_cache.enable_block_reuse: false, or change the KV cache / weight format")
 
 
-def _tensorrt_build_problems(b, facts: QuantFacts) -> Iterator[tuple[str, str]]:
+def _tensorrt_build_problems(b, facts: QuantFacts, sm: Optional[int]) -> Iterator[tuple[str, str]]:
     """tensorrt target: the GEMM plugin against the weights, and the sizes trtllm-build would clamp or clip."""
     algo, tpb = facts.quant_algo, b.kv_cache.tokens_per_block
+    if b.chunked_context and b.use_paged_context_fmha is False:
+        yield ("chunked_context_needs_paged_context_fmha",
+               "build.chunked_context: true with build.use_paged_context_fmha: false. Turn one of them around")
+    if chunked_context(b, facts, sm) and b.max_num_tokens % tpb:
+        yield ("chunked_context_max_num_tokens",
+               f"build.max_num_tokens {b.max_num_tokens} is not a multiple of kv_cache.tokens_per_block {tpb}, "
+               f"which chunked context needs (it is on with paged context FMHA). Use max_num_tokens "
+               f"{max(tpb, b.max_num_tokens // tpb * tpb)} or {(b.max_num_tokens // tpb + 1) * tpb}, or set "
+               f"build.chunked_context: false")
+    if b.fp8_swiglu_fusion and algo != "FP8":
+        yield ("fp8_swiglu_fusion", f"build.fp8_swiglu_fusion: true with {algo} weights; it needs weight_format fp8")
     if b.gemm_plugin == "fp8" and algo != "FP8":
         yield ("gemm_plugin_fp8", f"build.gemm_plugin: fp8 with {algo} weights; it needs FP8 weights "
                                   f"(weight_format: fp8). Use auto, or leave gemm_plugin unset")
@@ -251,8 +329,10 @@ def _gpu_problems(b, facts: QuantFacts, sm: int) -> Iterator[tuple[str, str]]:
         bad += ["INT8 KV cache"] if kv == "INT8" else []
         if bad:
             yield ("blackwell_int8", f"SM {sm} (Blackwell) rejects {', '.join(bad)} (INT8/INT4 weight-only, "
-                                     f"SmoothQuant and INT8 KV are not supported on SM >= 100). Use fp8 or "
-                                     f"w4a8_awq weights and an fp8 KV cache")
+                                     f"W4A8 AWQ included, SmoothQuant and INT8 KV are not supported on SM >= 100). "
+                                     f"Use fp8 weights and an fp8 KV cache")
+    if b.target == "tensorrt" and b.fp8_swiglu_fusion and sm != SWIGLU_FUSION_SM:
+        yield ("fp8_swiglu_fusion", f"build.fp8_swiglu_fusion: true needs Hopper (SM 90); this GPU is SM {sm}")
     if sm < 89:
         bad = sorted(a for a in algos if a in NEEDS_SM89_ALGOS)
         if bad:

@@ -38,11 +38,14 @@ from pipeline.engines.trtllm.preflight import (
 from pipeline.engines.trtllm.rules import (
     RULES,
     QuantFacts,
+    chunked_context,
     cuda_graph_settings,
     default_gemm_plugin,
     enforce_rules,
     fp8_context_fmha,
+    fp8_swiglu_fusion,
     paged_context_fmha,
+    reduce_fusion,
 )
 from pipeline.errors import ConfigError, StageFailed
 from pipeline.fsutil import atomic_write_json, atomic_write_text
@@ -79,7 +82,10 @@ def trtllm_build_argv(ckpt_dir: Path, engine_dir: Path, cfg, gpu: Optional[GPU],
             "--use_paged_context_fmha", switch[paged_context_fmha(b, facts, sm)],
             "--use_fp8_context_fmha", switch[fp8_context_fmha(b, facts, sm)],
             "--multiple_profiles", switch[b.multiple_profiles],
+            "--reduce_fusion", switch[reduce_fusion(facts)],
             "--workers", str(max(1, min(facts.world_size, gpu_count))), "--log_level", "info"]
+    if fp8_swiglu_fusion(b, facts, sm):
+        args += ["--use_fused_mlp", "enable", "--gemm_swiglu_plugin", "fp8"]
     if input_timing_cache is not None:
         args += ["--input_timing_cache", str(input_timing_cache)]
     if output_timing_cache is not None:
@@ -204,7 +210,8 @@ def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
                                              "timing_cache": {"file": cache.name, "reused": reused}})
     atomic_write_json(engine_dir / artifacts.BUILD_PROVENANCE_FILE, provenance)
     settings = build_settings(cfg, "tensorrt", artifacts.ENGINE_DIR, facts.kv_cache_quant_algo,
-                              cuda_graph_settings(cfg.build), env.trtllm_version, provenance, ckpt_hash)
+                              cuda_graph_settings(cfg.build), env.trtllm_version, provenance, ckpt_hash,
+                              enable_chunked_context=chunked_context(cfg.build, facts, gpu.sm))
     atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
     return {"target": "tensorrt", "checkpoint_sha256": ckpt_hash, "quant_algo": facts.quant_algo,
             "kv_cache_quant_algo": facts.kv_cache_quant_algo, "gpu": gpu.name, "gpu_sm": gpu.sm,

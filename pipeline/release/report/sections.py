@@ -118,7 +118,8 @@ def _section_sensitivity(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[di
           f"threshold {s.get('threshold')}.")
     doc.kv([("layers", s.get("layers")), ("over the threshold", s.get("over_threshold")),
             ("embedding INT8 error (reported, not quantized)", s.get("embedding_int8_error")),
-            ("analysis time", f"{s.get('analysis_s')} s"), ("peak memory", mib(s.get("peak_rss_bytes")))])
+            ("analysis time", f"{s.get('analysis_s')} s"), ("ran on", ran_on(s)),
+            ("peak memory", mib(s.get("peak_rss_bytes")))])
     table = maybe_sensitivity_table(work_dir)
     if table and table.get("layers"):
         fmts = list(table["layers"][0]["errors"])
@@ -134,6 +135,15 @@ def _section_sensitivity(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[di
     img = _copy_image(sens_dir / artifacts.SENSITIVITY_HEATMAP_PNG, out_dir, artifacts.SENSITIVITY_HEATMAP_PNG)
     if img:
         doc.image(img, "Relative output error per layer (decoder block x module), per format")
+
+
+def ran_on(summary: dict) -> Optional[str]:
+    """A model stage's device and dtype, its memory bound and its peak GPU memory (manifests without them: None)."""
+    c = summary.get("compute")
+    if not c:
+        return None
+    gpu = f", peak GPU {mib(c['peak_gpu_bytes'])}" if c.get("peak_gpu_bytes") else ""
+    return f"{c.get('device')} in {c.get('dtype')}; bound {mib(c.get('host_memory_bound_bytes'))}{gpu}"
 
 
 def _section_plan(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -> None:
@@ -173,7 +183,7 @@ def _section_quantize(doc: Doc, work_dir: Path, m: Optional[dict]) -> None:
             ("modules excluded from quantization", len(ck.get("exclude_modules") or [])),
             ("read back by the pipeline's reader", dig(ck, "read_back")),
             ("calibration tokens", s.get("calibration_tokens")), ("evaluation tokens", s.get("evaluation_tokens")),
-            ("time", s.get("timing_s")), ("peak memory", mib(s.get("peak_rss_bytes")))])
+            ("time", s.get("timing_s")), ("ran on", ran_on(s)), ("peak memory", mib(s.get("peak_rss_bytes")))])
     a, gate = s.get("accuracy") or {}, q.get("accuracy") or {}
     fc = a.get("from_checkpoint") or {}
     doc.h(3, "Accuracy on the held-out evaluation text")

@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 
 from pipeline import artifacts
 from pipeline.config import BenchSection, PipelineConfig
-from pipeline.errors import InputError
+from pipeline.errors import InputError, StageFailed
 from pipeline.serving.bench.load import Prompt, make_prompts
 from pipeline.serving.bench.metrics import METRICS_ARGS
 from pipeline.serving.bench.plots import LATENCY_PNG, THROUGHPUT_PNG, plot_latency, plot_throughput
@@ -44,7 +44,7 @@ from pipeline.serving.bench.target import (
     run_level,
     warm_up,
 )
-from pipeline.serving.server import server_for_target
+from pipeline.serving.server import log_tail, server_for_target
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,17 @@ def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterato
             server.start()
             started.append(server)
             t.server, t.grpc_url, t.metrics_url = server, server.grpc_url, server.metrics_url
-        yield
+        try:
+            yield
+        except Exception as e:
+            dead = [s for s in started if not s.is_alive()]
+            if dead:  # the requests failed because the server went away: say so, with its log
+                s = dead[0]
+                code = s.process.poll() if s.process else None
+                tail = log_tail(s.log_path) if s.log_path else "(no log)"
+                raise StageFailed(f"bench: tritonserver died during the sweep (exit code {code}): a server failure. "
+                                  f"Last lines of its log ({s.log_path}):\n{tail}") from e
+            raise
     finally:
         for server in started:
             server.stop()

@@ -1,0 +1,106 @@
+"""The compute section: the memory bound a real memory cgroup sets, the checks a stage makes against it before
+any work, and `device: cuda` refused on a machine without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from pipeline import compute
+from pipeline.child import run_in_child
+from pipeline.config import ComputeSection
+from pipeline.errors import ConfigError, EnvironmentProblem, InputError
+
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def _limit_in(cgroup: str) -> tuple[int, str]:  # runs in a child that joins the cgroup first
+    Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
+    return compute.host_memory_limit()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (CGROUP_V1 / "cgroup.procs").is_file(),
+                    reason="needs root and cgroup v1 memory controller (as on the CI machines)")
+def test_the_default_bound_is_the_memory_cgroups_limit(tmp_path):
+    own = Path("/proc/self/cgroup").read_text()
+    parent = CGROUP_V1 / next(line.split(":", 2)[2] for line in own.splitlines()
+                              if "memory" in line.split(":")[1].split(",")).lstrip("/")
+    cg = parent / f"pipeline-test-{uuid.uuid4().hex[:8]}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(300 * 2**20))
+        (limit, source), _ = run_in_child(_limit_in, str(cg), log_path=tmp_path / "child.log")
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+    assert limit == 300 * 2**20 and str(cg) in source
+    bound = compute.host_memory_bound(ComputeSection(memory_margin=0.25))
+    assert bound.bytes < compute.host_memory_limit()[0]  # this process, outside the test cgroup
+
+
+def test_configured_bounds_win_and_sizes_come_from_the_headers(tiny_model_dir):
+    assert compute.host_memory_bound(ComputeSection(max_host_memory="2.5GiB")).bytes == int(2.5 * 2**30)
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or h // heads
+    layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * i + 2 * h  # + 2 norms
+    assert compute.decoder_layer_bytes(tiny_model_dir, "float32") == 4 * layer
+    assert compute.model_bytes(tiny_model_dir, "bfloat16") * 2 == compute.model_bytes(tiny_model_dir, "float32")
+
+
+def test_a_bound_below_one_decoder_layer_is_refused_naming_both(tiny_model_dir):
+    layer = compute.decoder_layer_bytes(tiny_model_dir, "float32")
+    small = compute.Bound(layer - 1, "compute.max_host_memory")
+    with pytest.raises(ConfigError, match=r"sensitivity: one decoder layer of this model is .* GiB in float32, "
+                                          r"more than the memory bound .* \(compute.max_host_memory\)"):
+        compute.check_layer_fits(tiny_model_dir, "float32", small, "sensitivity")
+    assert compute.check_layer_fits(tiny_model_dir, "float32", compute.Bound(layer, "x"), "sensitivity") == layer
+
+
+def test_quantize_refuses_a_model_that_cannot_fit_in_memory_before_starting(tiny_model_dir):
+    from pipeline.config import QuantizationSection
+    from pipeline.quant.quantize import IN_MEMORY_COPIES, check_host_memory
+
+    fp32 = compute.model_bytes(tiny_model_dir, "float32")
+    need = check_host_memory(tiny_model_dir, QuantizationSection(), compute.Bound(10 * fp32, "x"))
+    assert need == IN_MEMORY_COPIES * fp32
+    with pytest.raises(InputError, match="holds the model 4 times in fp32"):
+        check_host_memory(tiny_model_dir, QuantizationSection(export_hf_checkpoint=True, kv_cache="fp8"),
+                          compute.Bound(4 * fp32 - 1, "x"))
+
+
+@pytest.mark.skipif(compute.nvidia_gpu_count() > 0, reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_stops_before_any_work(tmp_path):
+    with pytest.raises(EnvironmentProblem, match="compute.device is cuda, but this machine has no NVIDIA GPU"):
+        compute.check_device(ComputeSection(device="cuda"))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "invoke", "sensitivity", "--work-root", str(tmp_path),
+                           "--set", "compute.device=cuda"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "compute.device is cuda" in proc.stdout + proc.stderr
+    assert not (tmp_path / "smollm2-135m-cpu" / "model").exists()  # nothing downloaded
+    assert time.monotonic() - t0 < 60  # the interpreter and invoke start; the check itself is a directory read
+
+
+@pytest.mark.heavy
+def test_the_gpu_check_flow_passes_on_a_cpu_with_a_tiny_model(tmp_path):
+    """scripts/gpu_check.py as it runs on a GPU, on the CPU with a 2-layer model (about 6 minutes on 2 cores)."""
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--tiny", "--work",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASS: sensitivity and quantize (fp8, int8_sq) of a tiny Llama on cpu" in proc.stdout
+    manifest = json.loads((tmp_path / "fp8" / "smollm2-135m-cpu" / "quantize" / "manifest.json").read_text())
+    assert manifest["summary"]["compute"]["device"] == "cpu"

@@ -1,0 +1,209 @@
+"""Fault injection: what the README promises when a run is killed or the disk fills up, on the tiny model.
+
+- kill -9 of the whole run (the invoke process and its stage child) at points inside the long stages, then a
+  rerun: outputs identical to an uninterrupted run, nothing partial at a final path, no leftover staging or
+  lock that blocks the next run, and no process of the run left;
+- a full file system during a stage's write: a clear error naming the file system, the previous output
+  intact, nothing left in staging, and the next run (with space again) succeeds;
+- the Triton server killed under verify's checks and under bench's load: each stage fails saying the server
+  died, with the end of its log, and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_invoke, tiny_config
+
+from pipeline import artifacts
+
+pytestmark = pytest.mark.faults
+
+STAGES = ("model", "text", "sensitivity", "plan", "quantize")
+
+
+def _outputs(work: Path) -> dict[str, str]:
+    """Each stage's output digest (its manifest's record of the files it wrote)."""
+    return {s: json.loads((work / s / artifacts.MANIFEST_FILE).read_text())["outputs"]["digest"] for s in STAGES}
+
+
+def _ours(marker: str) -> list[int]:
+    """Live processes whose command line names ``marker`` (the run's work root)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def _run_and_kill_at(cfg: Path, work_root: Path, stage: str, marker: str, timeout: float = 600) -> bool:
+    """`invoke quantize` killed (SIGKILL to its process group: the run and its stage child) as soon as the
+    stage log of ``stage`` says ``marker``. Returns whether the kill landed inside that stage."""
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "quantize", "--config", str(cfg), "--work-root",
+                             str(work_root)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    staging = work_root / "tiny" / artifacts.STAGING_DIR
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            logs = list(staging.glob(f"{stage}-*/{artifacts.STAGE_LOG_FILE}"))
+            if logs and marker in logs[0].read_text(errors="replace"):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                return not (work_root / "tiny" / stage / artifacts.MANIFEST_FILE).exists()
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    return False
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir):
+    """The tiny config through quantize, uninterrupted: (config, its outputs, the work root)."""
+    root = tmp_path_factory.mktemp("faults")
+    cfg = tiny_config(root, tiny_model_dir)
+    proc = run_invoke("quantize", "--config", str(cfg), "--work-root", str(root / "reference"), timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return cfg, _outputs(root / "reference" / "tiny"), root / "reference"
+
+
+@pytest.fixture(scope="module")
+def published(reference):
+    """The reference work root through publish: (config, work root)."""
+    cfg, _, work_root = reference
+    proc = run_invoke("publish", "--config", str(cfg), "--work-root", str(work_root), timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return cfg, work_root
+
+
+@pytest.mark.parametrize("stage, marker", [
+    ("sensitivity", "layer 1/2 done"),  # between decoder layers
+    ("quantize", "quantize on cpu"),  # before calibration
+    ("quantize", "accuracy: "),  # calibrated, gated, not yet exported
+])
+def test_a_run_killed_inside_a_stage_reruns_to_the_same_outputs(reference, tmp_path, stage, marker):
+    cfg, want, _ = reference
+    work_root = tmp_path / "work"
+    assert _run_and_kill_at(cfg, work_root, stage, marker), f"the run ended before the kill at {marker!r}"
+    deadline = time.monotonic() + 10
+    while _ours(str(work_root)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ours(str(work_root)) == [], "a process of the killed run is still alive"
+    work = work_root / "tiny"
+    assert not (work / stage).exists()  # nothing partial at the final path
+    assert list((work / artifacts.STAGING_DIR).iterdir())  # the kill left its staging folder ...
+    proc = run_invoke("quantize", "--config", str(cfg), "--work-root", str(work_root), timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # ... which does not block the next run
+    assert f"{stage}: running" in proc.stdout
+    assert _outputs(work) == want
+    assert list((work / artifacts.STAGING_DIR).iterdir()) == []
+
+
+def _kill_server_when_ready(stage: str, cfg: Path, work_root: Path, settle_s: float) -> subprocess.CompletedProcess:
+    """`invoke <stage>` with its Triton server killed (SIGKILL to tritonserver only) ``settle_s`` after the stage
+    found it ready; returns the finished run."""
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", stage, "--config", str(cfg), "--work-root",
+                             str(work_root)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    staging = work_root / "tiny" / artifacts.STAGING_DIR
+    repo = str(work_root / "tiny" / "publish" / artifacts.MODEL_REPOSITORY_DIR)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            logs = list(staging.glob(f"{stage}-*/{artifacts.STAGE_LOG_FILE}"))
+            if logs and "tritonserver ready in" in logs[0].read_text(errors="replace"):
+                time.sleep(settle_s)
+                servers = [pid for pid in _ours(repo) if "tritonserver" in Path(f"/proc/{pid}/cmdline").read_text(
+                    errors="replace").split("\0")[0]]
+                assert servers, "the stage's tritonserver was not found"
+                os.kill(servers[0], signal.SIGKILL)
+                break
+            time.sleep(0.05)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+@pytest.mark.parametrize("stage, settle_s, said", [
+    ("verify", 0.0, "verify: tritonserver died during the checks (exit code -9)"),
+    ("bench", 1.0, "bench: tritonserver died during the sweep (exit code -9)"),
+])
+def test_a_server_killed_under_load_is_reported_as_a_server_failure(published, stage, settle_s, said):
+    cfg, work_root = published
+    done = _kill_server_when_ready(stage, cfg, work_root, settle_s)
+    assert done.returncode == 1, done.stdout
+    assert said in done.stdout and "Last lines of its log" in done.stdout, done.stdout
+    assert "Traceback" not in done.stdout
+    deadline = time.monotonic() + 10
+    while _ours(str(work_root)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ours(str(work_root)) == []  # the stubs of the killed server too
+    assert not (work_root / "tiny" / stage).exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs (its size is enforced by the kernel), unmounted after the test."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a size-limited tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(path: Path) -> None:
+    """Write until the file system is full."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_full_disk_during_a_stage_is_a_clear_error_and_keeps_the_previous_output(small_disk, tiny_model_dir,
+                                                                                   tmp_path):
+    cfg = tiny_config(tmp_path, tiny_model_dir)
+    args = ("sensitivity", "--config", str(cfg), "--work-root", str(small_disk))
+    proc = run_invoke(*args, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    work = small_disk / "tiny"
+    before = {p.relative_to(work / "sensitivity"): p.read_bytes() for p in (work / "sensitivity").rglob("*")
+              if p.is_file()}
+    ballast = small_disk / "ballast"
+    _fill(ballast)
+    proc = run_invoke(*args, "--force", timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out  # an environment problem, not a crash
+    assert f"the file system holding {work} is full" in out and "Traceback" not in out
+    after = {p.relative_to(work / "sensitivity"): p.read_bytes() for p in (work / "sensitivity").rglob("*")
+             if p.is_file()}
+    assert after == before  # the previous output, byte for byte
+    assert list((work / artifacts.STAGING_DIR).iterdir()) == []
+    ballast.unlink()
+    proc = run_invoke(*args, "--force", timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,307 @@
+"""The GPU serving contract checked against upstream's own facts, not against this project's reading of them.
+
+tests/data/upstream/*.json hold what TensorRT-LLM's and the tensorrtllm backend's source says (each file
+names its repository, commit and paths, and says where a release tag commit could not be pinned): every
+parameter key the backend reads and whether a missing one fails the load, its input/output tensors, the
+trtllm-build flag table, the LLM-API fields, the HF unified checkpoint fields, and the serving guidance
+(Blackwell rejections, the launcher's shape, GEMM-plugin advice). The tests below generate what the
+pipeline would hand a GPU (trtllm-build argv for every shipped profile, the Triton configs of a tensorrt
+publish, the LLM-API options and SamplingParams call of the pytorch target, the multi-GPU launch command)
+and hold it to those facts.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import fnmatch
+import json
+from pathlib import Path
+
+import pytest
+from upstream_facts import parse_trtllm_build_argv, upstream
+
+from pipeline import formats
+from pipeline.config import load_config
+from pipeline.constants import REPO_ROOT
+from pipeline.engines.build import build_settings
+from pipeline.engines.trtllm import options, rules, targets
+from pipeline.engines.trtllm.preflight import GPU
+from pipeline.serving import launch
+
+pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+from pipeline.serving import publish as pub  # noqa: E402  (needs tritonclient)
+
+GPU_PROFILES = [p for p in sorted((REPO_ROOT / "engine_configs").glob("*.yaml"))
+                if load_config(p).config.build.target != "cpu"
+                and not rules.validity_problems(load_config(p).config, load_config(p).config.build.target_sm)]
+# What each profile's checkpoint config.json will say (ModelOpt's export): architecture and hidden size of the
+# model it names. The rules read these from the checkpoint; before quantize they are not known.
+CHECKPOINT_FACTS = {"Llama-3.1-70B": ("LlamaForCausalLM", 8192), "Llama-3.1-8B": ("LlamaForCausalLM", 4096),
+                    "Llama-3.2-1B": ("LlamaForCausalLM", 2048), "Mistral-7B": ("MistralForCausalLM", 4096)}
+
+
+def profile_facts(cfg) -> rules.QuantFacts:
+    repo = cfg.model.source.repo_id
+    arch, hidden = next(v for k, v in CHECKPOINT_FACTS.items() if k in repo)
+    return dataclasses.replace(rules.facts_from_config(cfg), architecture=arch, hidden_size=hidden)
+
+
+# ====================================================================================== trtllm-build
+def profile_argv(path: Path) -> tuple[list[str], object, rules.QuantFacts]:
+    cfg = load_config(path).config
+    b = cfg.build
+    facts = profile_facts(cfg)
+    gpu = GPU(b.target_gpu, b.target_sm, "570.00")
+    args = targets.trtllm_build_argv(Path("ckpt"), Path("engine"), cfg, gpu, facts, Path("in.cache"),
+                                     Path("out.cache"), gpu_count=facts.world_size)
+    return args, cfg, facts
+
+
+@pytest.mark.parametrize("path", GPU_PROFILES, ids=lambda p: p.stem)
+def test_every_trtllm_build_argument_is_in_upstreams_flag_table(path):
+    args, cfg, facts = profile_argv(path)
+    v, problems = parse_trtllm_build_argv(args)
+    assert problems == [], f"trtllm-build would refuse: {problems}"
+    assert v["kv_cache_type"] == "paged"  # not the deprecated --paged_kv_cache
+    # gemm plugin per format: off for FP8 and INT8 SmoothQuant (ModelOpt's reference build, the FP8 guide)
+    advice = upstream("serving_guidance.json")
+    legacy = " ".join(advice["modelopt_reference_build_flags"]["legacy_tensorrt_llm_build"]["facts"])
+    assert "use_qdq = quant_algo in ['FP8', 'W8A8_SQ_PER_CHANNEL']" in legacy
+    if facts.quant_algo in ("FP8", "W8A8_SQ_PER_CHANNEL"):
+        assert v["gemm_plugin"] == "disable"
+    # reduce_fusion only where the builder keeps it
+    kept = advice["reduce_fusion_builder_condition"]["kept_when"]
+    assert kept.startswith("tp_size > 1 AND architecture in")
+    arches = {a.strip() for a in kept.split("{")[1].rstrip("}").split(",")}
+    assert (v["reduce_fusion"] == "enable") == (facts.tp_size > 1 and facts.architecture in arches)
+    # the FP8 SwiGLU fusion: FP8 weights, Hopper, fused MLP on
+    if v.get("gemm_swiglu_plugin") == "fp8":
+        assert facts.quant_algo == "FP8" and cfg.build.target_sm == 90 and v["use_fused_mlp"] == "enable"
+
+
+def test_large_fp8_hopper_profiles_get_the_swiglu_fusion_and_tp_llama_the_reduce_fusion():
+    args, _, _ = profile_argv(REPO_ROOT / "engine_configs" / "llama-3.1-70b-h100x4-fp8-tp4.yaml")
+    opts = dict(zip(args[::2], args[1::2]))
+    assert opts["--reduce_fusion"] == "enable" and opts["--gemm_swiglu_plugin"] == "fp8"
+    assert opts["--gemm_plugin"] == "disable" and opts["--workers"] == "4"
+    args, _, _ = profile_argv(REPO_ROOT / "engine_configs" / "llama-3.1-8b-a100-int8sq.yaml")
+    opts = dict(zip(args[::2], args[1::2]))
+    assert opts["--reduce_fusion"] == "disable" and "--gemm_swiglu_plugin" not in opts
+
+
+def test_the_jetson_profile_is_refused_before_any_work_with_what_exists_for_orin():
+    facts = upstream("trtllm_jetson.json")
+    assert "kv_cache_type" in json.dumps(facts["q1_trtllm_build_options_v012"])
+    assert "No Jetson support found" in facts["q2_awq_and_triton"]["triton_on_jetson"]
+    cfg = load_config(REPO_ROOT / "engine_configs" / "llama-3.2-1b-jetson-orin-edge.yaml").config
+    b = cfg.build
+    assert (b.max_batch_size, b.max_seq_len, b.cuda_graphs.enabled) == (2, 512, False)  # the seeds' edge settings
+    problems = dict(rules.validity_problems(cfg, b.target_sm))
+    assert "v0.12.0-jetson" in problems["trtllm_release_line"] and "no Jetson build" in problems["trtllm_release_line"]
+    # a 1.2 version on an Orin is refused just the same: 1.2 has no Jetson build
+    one_two = load_config(REPO_ROOT / "engine_configs" / "llama-3.2-1b-jetson-orin-edge.yaml",
+                          ["build.trtllm_version=1.2.1"]).config
+    assert "v0.12.0-jetson" in dict(rules.validity_problems(one_two, 87))["trtllm_release_line"]
+
+
+def test_the_projects_option_table_is_a_subset_of_upstreams():
+    facts = upstream("trtllm_build_flags.json")
+    theirs = {f["name"]: f for f in facts["flags"] + facts["plugin_flags"]}
+    for name, opt in options.TRTLLM_BUILD_OPTIONS.items():
+        assert name in theirs, name
+        if opt.kind == "choice" and theirs[name].get("choices"):
+            assert set(opt.choices) <= set(theirs[name]["choices"]), name
+
+
+def test_blackwell_rejections_follow_upstreams_quant_mode_mapping():
+    facts = upstream("serving_guidance.json")["blackwell_quant_rejection"]["quant_mode_mapping"]["facts"]
+    every_algo = upstream("hf_unified_checkpoint.json")["quant_algo_enum"]["QuantAlgo"]
+    rejected, accepted = set(), set()
+    for line in facts:  # "A, B -> what mode.py makes of them => REJECTED" (or "not rejected"); "W8A8_SQ_*" globs
+        head = line.split("->")[0].split("=>")[0].replace("/", ",")
+        algos = {a for p in head.split(",") if p.strip() and " " not in p.strip()
+                 for a in fnmatch.filter(every_algo, p.strip())}
+        (accepted if "not rejected" in line.lower() else rejected if "REJECTED" in line else set()).update(algos)
+    assert "W4A8_AWQ" in rejected
+    assert rejected <= rules.BLACKWELL_REJECTED_ALGOS
+    assert not (accepted & rules.BLACKWELL_REJECTED_ALGOS)
+    cfg = load_config(REPO_ROOT / "engine_configs" / "llama-3.1-8b-h100-fp8.yaml",
+                      ["quantization.weight_format=w4a8_awq"]).config
+    problems = dict(rules.validity_problems(cfg, 100))
+    assert "W4A8_AWQ" in problems["blackwell_int8"] and "w4a8_awq" not in problems["blackwell_int8"]
+
+
+# ====================================================================================== the tensorrt_llm model
+def tensorrt_configs(path: Path, *overrides: str) -> tuple[dict, pub.ModelNames, dict]:
+    """The Triton configs publish writes for a profile's tensorrt build (settings as the build writes them)."""
+    cfg = load_config(path, ["triton.serving_repository_path=/models", *overrides]).config
+    facts = profile_facts(cfg)
+    settings = build_settings(cfg, "tensorrt", "engine", facts.kv_cache_quant_algo,
+                              rules.cuda_graph_settings(cfg.build), cfg.build.trtllm_version, {}, "ab" * 32,
+                              enable_chunked_context=rules.chunked_context(cfg.build, facts, cfg.build.target_sm))
+    names = pub.model_names(cfg.triton.model_name)
+    return pub.build_model_configs(cfg.triton, settings, names, 1, "/models"), names, settings
+
+
+def _backend_parses(kind: str, value: str) -> bool:
+    """Whether the backend's typed GetParameter accepts a string (tensorrtllm_backend_parameters.json semantics)."""
+    try:
+        if kind.startswith(("int", "uint", "size_t")):
+            int(value)
+        elif kind.startswith("float"):
+            float(value)
+        elif kind.startswith("bool"):
+            return value in ("True", "true", "TRUE", "1", "False", "false", "FALSE", "0")
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("path", GPU_PROFILES, ids=lambda p: p.stem)
+def test_the_tensorrt_llm_model_has_every_parameter_the_backend_needs_and_only_known_ones(path):
+    configs, names, _ = tensorrt_configs(path)
+    facts = upstream("tensorrtllm_backend_parameters.json")
+    written = {k: v.string_value for k, v in configs[names.tensorrt_llm].parameters.items()}
+    missing = [k for k in facts["unguarded_keys"] if k not in written]
+    assert missing == [], f"the backend fails to load without {missing}"
+    known = {p["key"]: p for p in facts["parameters"]}
+    unknown = set(written) - set(known) - set(facts["template_parameters_not_read_by_cpp"]["keys"])
+    assert unknown == set(), f"keys the backend does not read: {unknown}"
+    assert not set(written) & set(facts["orchestrator_only_keys"])  # leader mode: see serving/launch.py
+    for key, value in written.items():
+        if key in known:
+            assert _backend_parses(known[key]["type"], value), f"{key}={value!r} is not a {known[key]['type']}"
+    assert written["gpt_model_type"] in ("V1", "v1", "inflight_batching", "inflight_fused_batching")
+    assert written["batch_scheduler_policy"] in ("max_utilization", "guaranteed_no_evict")
+    assert written["guided_decoding_backend"] == "" and written["xgrammar_tokenizer_info_path"] == ""  # off
+    assert written["tokenizer_dir"] == f"/models/{names.preprocessing}/1/tokenizer"
+
+
+def test_chunked_context_is_on_with_paged_context_fmha_and_needs_a_block_multiple():
+    fp8 = REPO_ROOT / "engine_configs" / "llama-3.1-8b-h100-fp8.yaml"
+    configs, names, settings = tensorrt_configs(fp8)
+    assert configs[names.tensorrt_llm].parameters["enable_chunked_context"].string_value == "true"
+    int8 = REPO_ROOT / "engine_configs" / "llama-3.1-8b-a100-int8sq.yaml"  # INT8 KV: no paged context FMHA
+    configs, names, _ = tensorrt_configs(int8)
+    assert configs[names.tensorrt_llm].parameters["enable_chunked_context"].string_value == "false"
+    cfg = load_config(fp8, ["build.max_num_tokens=8200"]).config
+    problems = dict(rules.validity_problems(cfg, 90))
+    assert "Use max_num_tokens 8192 or 8224" in problems["chunked_context_max_num_tokens"]
+    cfg = load_config(fp8, ["build.max_num_tokens=8200", "build.chunked_context=false"]).config
+    assert rules.validity_problems(cfg, 90) == []
+
+
+def _io(msg) -> tuple[dict, dict]:
+    dtype = pb2.DataType.Name
+    return ({i.name: (dtype(i.data_type), list(i.dims), list(i.reshape.shape) if i.HasField("reshape") else None,
+                      i.optional) for i in msg.input},
+            {o.name: (dtype(o.data_type), list(o.dims)) for o in msg.output})
+
+
+def test_the_tensorrt_llm_models_tensors_are_the_backends():
+    configs, names, _ = tensorrt_configs(GPU_PROFILES[0])
+    ours_in, ours_out = _io(configs[names.tensorrt_llm])
+    theirs = upstream("tensorrtllm_backend_tensors.json")["tensorrt_llm"]
+    their_in = {t["name"]: t for t in theirs["inputs"]}
+    their_out = {t["name"]: t for t in theirs["outputs"]}
+    assert set(ours_in) <= set(their_in), f"inputs the backend does not read: {set(ours_in) - set(their_in)}"
+    required = {n for n, t in their_in.items() if not t["optional"]}
+    assert required <= set(ours_in)
+    for name, (dtype, dims, reshape, _) in ours_in.items():
+        t = their_in[name]
+        assert (dtype, dims) == (t["data_type"], t["dims"]), name
+        assert reshape == t.get("reshape"), name
+    assert "seed" in ours_in and "random_seed" not in ours_in
+    for name, (dtype, dims) in ours_out.items():
+        assert (dtype, dims) == (their_out[name]["data_type"], their_out[name]["dims"]), name
+
+
+def test_the_ensembles_client_inputs_are_named_and_typed_as_upstreams():
+    configs, names, _ = tensorrt_configs(GPU_PROFILES[0])
+    ours, outs = _io(configs[names.ensemble])
+    theirs = {t["name"]: t for t in upstream("tensorrtllm_backend_tensors.json")["ensemble"]["inputs"]}
+    shared = set(ours) & set(theirs)
+    assert {"text_input", "max_tokens", "stop_words", "end_id", "temperature", "top_k", "top_p", "seed"} <= shared
+    for name in shared:
+        assert (ours[name][0], ours[name][1]) == (theirs[name]["data_type"], theirs[name]["dims"]), name
+    assert {n for n, t in theirs.items() if not t["optional"]} <= set(ours)
+    assert outs["text_output"] == ("TYPE_STRING", [-1])
+    # every ensemble step feeds each model a tensor of the type that model declares
+    tensors = {n: v[0] for n, v in ours.items()}
+    for step in configs[names.ensemble].ensemble_scheduling.step:
+        model_in, model_out = _io(configs[step.model_name])
+        for theirs_name, ours_name in step.input_map.items():
+            assert tensors[ours_name] == model_in[theirs_name][0], (step.model_name, theirs_name)
+        for theirs_name, ours_name in step.output_map.items():
+            tensors[ours_name] = model_out[theirs_name][0]
+
+
+# ====================================================================================== multi-GPU launch
+def test_a_tensor_parallel_repository_starts_one_rank_per_gpu_as_upstreams_launcher_does():
+    shape = upstream("serving_guidance.json")["mpi_world_size"]["launch_script"]["command_shape"]
+    assert shape.startswith("mpirun --allow-run-as-root") and "--load-model=" in shape
+    configs, names, settings = tensorrt_configs(REPO_ROOT / "engine_configs" / "llama-3.1-70b-h100x4-fp8-tp4.yaml")
+    world = settings["tensor_parallel_size"] * settings["pipeline_parallel_size"]
+    assert world == 4  # the executor checks MPI size == TP * PP (worldConfig.cpp)
+    flags = ["--model-repository=/models", "--http-port=8000", "--disable-auto-complete-config"]
+    argv = launch.server_argv("tritonserver", flags, world, names.tensorrt_llm)
+    assert argv[:2] == ["mpirun", "--allow-run-as-root"]
+    ranks = " ".join(argv[2:]).split(" : ")
+    assert len(ranks) == world
+    prefixes = set()
+    for rank, text in enumerate(ranks):
+        words = text.split()
+        assert words[:3] == ["-n", "1", "tritonserver"] and set(flags) <= set(words)
+        prefixes |= {w for w in words if w.startswith(launch.SHM_PREFIX_FLAG)}
+        loads = [w for w in words if w.startswith("--load-model=")]
+        if rank == 0:
+            assert loads == [] and "--model-control-mode=explicit" not in words  # rank 0 serves every model
+        else:
+            assert loads == [f"--load-model={names.tensorrt_llm}"] and "--model-control-mode=explicit" in words
+    assert len(prefixes) == world  # each rank its own Python-backend shared memory
+    assert launch.server_argv("tritonserver", flags, 1, names.tensorrt_llm) == ["tritonserver", *flags]
+
+
+def test_the_gpu_image_starts_through_the_launcher_and_reads_provenance(tmp_path):
+    from pipeline import artifacts
+
+    assert launch.PROVENANCE_FILE == artifacts.PROVENANCE_FILE
+    entry = next(line for line in (REPO_ROOT / "Dockerfile").read_text().split("FROM ")[1].splitlines()
+                 if line.startswith("ENTRYPOINT"))
+    assert '"python3", "-m", "pipeline.serving.launch", "tritonserver"' in entry
+    build = {"target": "tensorrt", "world_size": 4, "tensorrt_llm_model": "m_x"}
+    (tmp_path / "provenance.json").write_text(json.dumps({"build": build}))
+    assert launch.read_serving_needs(tmp_path) == (4, "m_x")
+    (tmp_path / "provenance.json").write_text(json.dumps({"build": {**build, "target": "pytorch"}}))
+    assert launch.read_serving_needs(tmp_path) == (1, "m_x")  # the LLM API starts its own ranks
+
+
+# ====================================================================================== the pytorch target
+def test_the_pytorch_targets_llm_api_options_and_sampling_params_are_upstream_fields():
+    facts = upstream("llm_api_fields.json")
+    names = lambda section: {f["name"] for f in facts[section]["fields"]}  # noqa: E731
+    top = names("BaseLlmArgs") | names("TorchLlmArgs")
+    nested = {"kv_cache_config": names("KvCacheConfig"), "cuda_graph_config": names("CudaGraphConfig")}
+    for key, kind in options.LLM_API_OPTIONS.items():
+        assert key in top, key
+        if isinstance(kind, dict):
+            assert {k for k in kind if k != "nullable"} <= nested[key], key
+    tree = ast.parse((REPO_ROOT / "triton_repo" / "tensorrt_llm_pytorch" / "model.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "_sampling"]
+    assert calls, "the SamplingParams call was not found"
+    passed = {k.arg for k in calls[0].keywords}
+    assert passed <= names("SamplingParams"), passed - names("SamplingParams")
+    assert "seed" in passed
+
+
+def test_the_hf_unified_checkpoint_names_algos_the_loader_knows():
+    facts = upstream("hf_unified_checkpoint.json")
+    algos = set(facts["quant_algo_enum"]["QuantAlgo"])
+    for fmt, algo in formats.TRTLLM_QUANT_ALGO.items():
+        assert algo is None or algo in algos, fmt
+    for kv in formats.KV_CACHE_ALGOS.values():
+        assert kv is None or kv in facts["quant_algo_enum"]["KV_CACHE_QUANT_ALGO_LIST"]
+    read = {f["json_path"] for f in facts["fields_read"]}
+    assert {"quantization.quant_algo", "quantization.kv_cache_quant_algo", "quantization.quantized_layers"} <= read
