@@ -26,12 +26,13 @@ from pipeline import artifacts
 
 pytestmark = pytest.mark.faults
 
-STAGES = ("model", "text", "sensitivity", "plan", "quantize")
+STAGES = ("model", "text", "sensitivity", "plan", "quantize", "build")
 
 
-def _outputs(work: Path) -> dict[str, str]:
-    """Each stage's output digest (its manifest's record of the files it wrote)."""
-    return {s: json.loads((work / s / artifacts.MANIFEST_FILE).read_text())["outputs"]["digest"] for s in STAGES}
+def _outputs(work: Path, upto: str) -> dict[str, str]:
+    """The output digest of each stage up to ``upto`` (its manifest's record of the files it wrote)."""
+    stages = STAGES[: STAGES.index(upto) + 1]
+    return {s: json.loads((work / s / artifacts.MANIFEST_FILE).read_text())["outputs"]["digest"] for s in stages}
 
 
 def _ours(marker: str) -> list[int]:
@@ -51,9 +52,9 @@ def _ours(marker: str) -> list[int]:
 
 
 def _run_and_kill_at(cfg: Path, work_root: Path, stage: str, marker: str, timeout: float = 600) -> bool:
-    """`invoke quantize` killed (SIGKILL to its process group: the run and its stage child) as soon as the
+    """`invoke <stage>` killed (SIGKILL to its process group: the run and its stage child) as soon as the
     stage log of ``stage`` says ``marker``. Returns whether the kill landed inside that stage."""
-    proc = subprocess.Popen([sys.executable, "-m", "invoke", "quantize", "--config", str(cfg), "--work-root",
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", stage, "--config", str(cfg), "--work-root",
                              str(work_root)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     staging = work_root / "tiny" / artifacts.STAGING_DIR
@@ -75,12 +76,12 @@ def _run_and_kill_at(cfg: Path, work_root: Path, stage: str, marker: str, timeou
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model_dir):
-    """The tiny config through quantize, uninterrupted: (config, its outputs, the work root)."""
+    """The tiny config through build, uninterrupted: (config, its outputs, the work root)."""
     root = tmp_path_factory.mktemp("faults")
     cfg = tiny_config(root, tiny_model_dir)
-    proc = run_invoke("quantize", "--config", str(cfg), "--work-root", str(root / "reference"), timeout=900)
+    proc = run_invoke("build", "--config", str(cfg), "--work-root", str(root / "reference"), timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return cfg, _outputs(root / "reference" / "tiny"), root / "reference"
+    return cfg, _outputs(root / "reference" / "tiny", "build"), root / "reference"
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +97,11 @@ def published(reference):
     ("sensitivity", "layer 1/2 done"),  # between decoder layers
     ("quantize", "quantize on cpu"),  # before calibration
     ("quantize", "accuracy: "),  # calibrated, gated, not yet exported
+    ("build", "cpu runtime: "),  # the bundle written, its smoke test loading it
 ])
 def test_a_run_killed_inside_a_stage_reruns_to_the_same_outputs(reference, tmp_path, stage, marker):
-    cfg, want, _ = reference
+    cfg, outputs, _ = reference
+    want = {s: d for s, d in outputs.items() if STAGES.index(s) <= STAGES.index(stage)}
     work_root = tmp_path / "work"
     assert _run_and_kill_at(cfg, work_root, stage, marker), f"the run ended before the kill at {marker!r}"
     deadline = time.monotonic() + 10
@@ -108,10 +111,10 @@ def test_a_run_killed_inside_a_stage_reruns_to_the_same_outputs(reference, tmp_p
     work = work_root / "tiny"
     assert not (work / stage).exists()  # nothing partial at the final path
     assert list((work / artifacts.STAGING_DIR).iterdir())  # the kill left its staging folder ...
-    proc = run_invoke("quantize", "--config", str(cfg), "--work-root", str(work_root), timeout=900)
+    proc = run_invoke(stage, "--config", str(cfg), "--work-root", str(work_root), timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr  # ... which does not block the next run
     assert f"{stage}: running" in proc.stdout
-    assert _outputs(work) == want
+    assert _outputs(work, stage) == want
     assert list((work / artifacts.STAGING_DIR).iterdir()) == []
 
 
