@@ -132,8 +132,8 @@ def _kill_server_when_ready(stage: str, cfg: Path, work_root: Path, settle_s: fl
             logs = list(staging.glob(f"{stage}-*/{artifacts.STAGE_LOG_FILE}"))
             if logs and "tritonserver ready in" in logs[0].read_text(errors="replace"):
                 time.sleep(settle_s)
-                servers = [pid for pid in _ours(repo) if "tritonserver" in Path(f"/proc/{pid}/cmdline").read_text(
-                    errors="replace").split("\0")[0]]
+                servers = [pid for pid in _ours(repo) if Path(Path(f"/proc/{pid}/cmdline").read_text(
+                    errors="replace").split("\0")[0]).name == "tritonserver"]  # not its stubs
                 assert servers, "the stage's tritonserver was not found"
                 os.kill(servers[0], signal.SIGKILL)
                 break

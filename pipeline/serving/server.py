@@ -397,6 +397,16 @@ class TritonServer:
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def exit_code_within(self, timeout_s: float) -> Optional[int]:
+        """The server's exit code if it has ended or ends within ``timeout_s``, else None. After a failed
+        request, a server killed a moment ago may not be reaped yet: its sockets close before it exits."""
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def _terminate(self) -> None:
         """SIGTERM to the server and its process group (Python-backend stubs), SIGKILL after a grace period."""
         proc = self.process

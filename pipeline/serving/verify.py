@@ -358,7 +358,7 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         v._guard(f"concurrent_{concurrent}", lambda: v.concurrent(concurrent))
         v._guard("malformed_requests", v.malformed)
         startup_s = server.startup_s
-        died = None if server.is_alive() else server.process.poll() if server.process else -1
+        died = None if not any(not c.ok for c in v.checks) else server.exit_code_within(2.0)
     failed = [c.name for c in v.checks if not c.ok]
     latency = {k: {"median_ms": round(float(np.median(x)), 1), "max_ms": round(max(x), 1), "n": len(x)}
                for k, x in v.latency_ms.items()}

@@ -121,6 +121,8 @@ def _prompts(cfg: BenchSection, target: Target, samples_file: Path) -> tuple[lis
 
 # ---------------------------------------------------------------- the sweep
 
+DEATH_CHECK_S = 2.0  # after a failed level, how long a server may take to be seen dead
+
 
 @contextlib.contextmanager
 def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterator[None]:
@@ -142,13 +144,12 @@ def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterato
         try:
             yield
         except Exception as e:
-            dead = [s for s in started if not s.is_alive()]
-            if dead:  # the requests failed because the server went away: say so, with its log
-                s = dead[0]
-                code = s.process.poll() if s.process else None
-                tail = log_tail(s.log_path) if s.log_path else "(no log)"
-                raise StageFailed(f"bench: tritonserver died during the sweep (exit code {code}): a server failure. "
-                                  f"Last lines of its log ({s.log_path}):\n{tail}") from e
+            for s in started:  # the requests failed because the server went away: say so, with its log
+                code = s.exit_code_within(DEATH_CHECK_S)
+                if code is not None:
+                    tail = log_tail(s.log_path) if s.log_path else "(no log)"
+                    raise StageFailed(f"bench: tritonserver died during the sweep (exit code {code}): a server "
+                                      f"failure. Last lines of its log ({s.log_path}):\n{tail}") from e
             raise
     finally:
         for server in started:
