@@ -7,8 +7,6 @@ environment serves the models, and must not import the pipeline package.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from typing import Optional
 
 import numpy as np
@@ -19,23 +17,25 @@ WORDS_PAD_ID, WORDS_PAD_OFFSET = 0, -1
 REPLACEMENT_CHAR = "\ufffd"  # what a tokenizer's decode gives for an incomplete UTF-8 sequence
 
 
-PARENT_CHECK_S = 1.0
+PARENT_CHECK_S = 1
 
 
 def exit_with_server() -> None:
     """End this Python-backend stub as soon as its tritonserver is gone.
 
-    A server killed hard (or killed with the pipeline that started it) leaves its stubs behind: the stub of a
-    model holding a loaded runtime stayed alive as an orphan (1.26 GB each time), so every model calls this
-    in ``initialize``. The stub's parent is the server; when the parent changes, the server has died."""
-    parent = os.getppid()
+    A server killed hard (or killed with the pipeline that started it) can leave its stubs behind: the stub of
+    a model holding a loaded runtime stayed alive as an orphan (1.26 GB each time), its threads stuck where
+    no Python code runs again (a watchdog thread of our own never got the interpreter back). So every model
+    starts, in ``initialize``, a tiny shell watcher outside the interpreter: while the stub's parent is still
+    the server it sleeps; once the stub has been reparented (the server died) it SIGKILLs the stub, then ends.
+    It ends with the stub too (an unloaded model), and a server stopping normally takes it down with its group."""
+    import subprocess
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_CHECK_S)
-        os._exit(0)  # no clean-up to run: the server that would read our answers is gone
-
-    threading.Thread(target=watch, name="exit-with-server", daemon=True).start()
+    server, stub = os.getppid(), os.getpid()
+    watch = (f'while read -r _ _ _ ppid _ < /proc/{stub}/stat && [ "$ppid" = "{server}" ]; '
+             f"do sleep {PARENT_CHECK_S}; done; [ -r /proc/{stub}/stat ] && kill -9 {stub}")
+    subprocess.Popen(["/bin/sh", "-c", watch], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, close_fds=True)
 
 
 def load_tokenizer(args: dict):
