@@ -32,8 +32,8 @@ class StageLogHandler(logging.FileHandler):
         pass
 
 
-def _peak_of(pid: Optional[int]) -> Optional[int]:
-    """VmHWM of another process (the child, watched from the parent), None once it is gone."""
+def _peak_of(pid: Optional[int] | str) -> Optional[int]:
+    """VmHWM of a process ("self", or the child watched from the parent) in bytes; None once it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -45,13 +45,8 @@ def _peak_of(pid: Optional[int]) -> Optional[int]:
 
 def own_peak_rss() -> int:
     """Peak resident set of this process's current address space, in bytes (VmHWM; ru_maxrss without /proc)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_of("self")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _child_main(fn: Callable, args: tuple, kwargs: dict, log_path: str, conn) -> None:

@@ -62,9 +62,7 @@ log = logging.getLogger(__name__)
 
 TRITON_SOURCE = constants.REPO_ROOT / "triton_repo"
 # tokenizer files the Python models load (config.json lets AutoTokenizer find the tokenizer class)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "config.json")
+TOKENIZER_FILES = (*artifacts.TOKENIZER_FILES, "config.json")
 _MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100

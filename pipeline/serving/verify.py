@@ -358,7 +358,8 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         v._guard(f"concurrent_{concurrent}", lambda: v.concurrent(concurrent))
         v._guard("malformed_requests", v.malformed)
         startup_s = server.startup_s
-        died = None if not any(not c.ok for c in v.checks) else server.exit_code_within(2.0)
+        # a failed check may be a dead server (killed a moment ago: give it 2 s to be reaped)
+        died = server.exit_code_within(2.0) if any(not c.ok for c in v.checks) else None
     failed = [c.name for c in v.checks if not c.ok]
     latency = {k: {"median_ms": round(float(np.median(x)), 1), "max_ms": round(max(x), 1), "n": len(x)}
                for k, x in v.latency_ms.items()}
