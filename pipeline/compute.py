@@ -87,18 +87,40 @@ def _cgroup_limit_files() -> list[Path]:
     return files
 
 
-def host_memory_limit() -> tuple[int, str]:
-    """(bytes this process may use, where the figure comes from): the smallest of the memory-cgroup limits
-    over this process's cgroup and its ancestors, and the available RAM (MemAvailable)."""
-    found = [(v, f"the memory cgroup's limit ({f})") for f in _cgroup_limit_files()
-             if (v := _read_int(f)) is not None and v < UNLIMITED]
+def _host_limit() -> tuple[int, str, Optional[Path]]:
+    """(bytes, where the figure comes from, the cgroup limit file or None): the smallest of the memory-cgroup
+    limits over this process's cgroup and its ancestors, and the available RAM (MemAvailable)."""
+    found: list[tuple[int, str, Optional[Path]]] = [
+        (v, f"the memory cgroup's limit ({f})", f) for f in _cgroup_limit_files()
+        if (v := _read_int(f)) is not None and v < UNLIMITED]
     available = _meminfo("MemAvailable")
     if available is not None:
-        found.append((available, "the available RAM (MemAvailable)"))
+        found.append((available, "the available RAM (MemAvailable)", None))
     if not found:
         raise EnvironmentProblem("cannot tell how much memory this machine has (no /proc/meminfo): set "
                                  "compute.max_host_memory")
-    return min(found)
+    return min(found, key=lambda x: x[0])
+
+
+def host_memory_limit() -> tuple[int, str]:
+    """(bytes this process may use, where the figure comes from): the smallest of the memory-cgroup limits
+    over this process's cgroup and its ancestors, and the available RAM (MemAvailable)."""
+    limit, source, _ = _host_limit()
+    return limit, source
+
+
+def cgroup_anon_bytes(limit_file: Path) -> int:
+    """Anonymous memory the processes of the cgroup of ``limit_file`` hold now (its memory.stat: ``total_rss``
+    under cgroup v1, ``anon`` under v2); page cache is left out (the kernel reclaims it before the limit)."""
+    key = "anon" if limit_file.name == "memory.max" else "total_rss"
+    try:
+        for line in (limit_file.parent / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 @dataclass(frozen=True)
@@ -115,11 +137,18 @@ def gib(n: Optional[int]) -> str:
 
 
 def host_memory_bound(section) -> Bound:
-    """The host memory a model stage may hold: compute.max_host_memory, else this process's limit less the
-    margin."""
+    """The host memory a model stage's child may hold, computed in the parent before it starts:
+    compute.max_host_memory, else this process's limit less the margin. Under a memory cgroup the limit is
+    shared by every process in it, this one included (it waits for the stage's child): what they hold already
+    is taken off first."""
     if section.max_host_memory is not None:
         return Bound(int(section.max_host_memory), "compute.max_host_memory")
-    limit, source = host_memory_limit()
+    limit, source, limit_file = _host_limit()
+    if limit_file is not None:
+        held = cgroup_anon_bytes(limit_file)
+        if held:
+            limit -= held
+            source += f" less the {gib(held)} its processes hold"
     return Bound(int(limit * (1 - section.memory_margin)),
                  f"{source} less compute.memory_margin {section.memory_margin:g}")
 

@@ -244,6 +244,9 @@ class ComputeSection(Strict):
     # GPU memory per GPU. None: the GPU's free memory less memory_margin.
     max_gpu_memory: Optional[ByteSize] = None
     memory_margin: float = Field(0.1, ge=0.0, lt=0.9)  # the share of the default bounds left free
+    # quantize one decoder layer at a time (pipeline/quant/streaming.py): auto = when the model held whole in
+    # memory would not fit max_host_memory (on the CPU); always; never = refuse such a model
+    layer_streaming: Literal["auto", "always", "never"] = "auto"
 
 
 # ---------------------------------------------------------------- sensitivity and plan

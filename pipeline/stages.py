@@ -37,7 +37,7 @@ def _run_sensitivity(ctx: StageContext) -> dict:
     summary, peak_rss = run_in_child(
         run_analysis, model_dir,
         ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE, cfg.sensitivity, cfg.quantization, ctx.out_dir,
-        cfg.plan.decision_format or decision_format(cfg.quantization), cfg.build.target, cfg.compute,
+        cfg.plan.decision_format or decision_format(cfg.quantization), cfg.build.target, cfg.compute, bound,
         log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE, what="sensitivity", bound=bound,
     )
     return {**summary, "peak_rss_bytes": peak_rss}
@@ -62,21 +62,17 @@ def _run_plan(ctx: StageContext) -> dict:
 
 def _run_quantize(ctx: StageContext) -> dict:
     from pipeline import artifacts, compute
-    from pipeline.child import run_in_child
-    from pipeline.quant.quantize import check_host_memory, run_quantize
+    from pipeline.quant.quantize import quantize_streams, run_stage
 
     cfg = ctx.config
     model_dir = ctx.upstream("model") / artifacts.MODEL_DIR
     bound = compute.host_memory_bound(cfg.compute)
-    if cfg.compute.device == "cpu" or compute.nvidia_gpu_count() == 0:
-        check_host_memory(model_dir, cfg.quantization, bound)
-    summary, peak_rss = run_in_child(
-        run_quantize, model_dir,
+    stream = quantize_streams(model_dir, cfg, bound)
+    summary, peak_rss = run_stage(
+        model_dir,
         ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE, ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
         ctx.upstream("plan") / artifacts.PLAN_FILE, ctx.upstream("sensitivity") / artifacts.SENSITIVITY_TABLE_JSON,
-        cfg.quantization, cfg.build, ctx.out_dir, cfg.compute,
-        log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE, what="quantize", bound=bound,
-    )
+        cfg.quantization, cfg.build, ctx.out_dir, cfg.compute, stream, bound, ctx.out_dir / artifacts.STAGE_LOG_FILE)
     return {**summary, "peak_rss_bytes": peak_rss}
 
 

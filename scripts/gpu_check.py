@@ -49,14 +49,15 @@ def invoke(*args: str) -> float:
     return time.perf_counter() - t0
 
 
-def write_model(tokenizer_dir: Path, out: Path, layers: int, shape: dict, device: str) -> float:
-    """A random bf16 Llama of the given shape, made on ``device`` and saved as safetensors shards."""
+def write_model(tokenizer_dir: Path, out: Path, layers: int, shape: dict, device: str, tie: bool = False) -> float:
+    """A random bf16 Llama of the given shape, made on ``device`` and saved as safetensors shards; ``tie``: one
+    tensor for the embedding and lm_head (as Llama-3.2-1B/3B)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     t0 = time.perf_counter()
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    config = LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=False,
+    config = LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=tie,
                          torch_dtype="bfloat16", **shape)
     torch.manual_seed(0)
     with torch.device(device):

@@ -27,25 +27,47 @@ def _limit_in(cgroup: str) -> tuple[int, str]:  # runs in a child that joins the
     return compute.host_memory_limit()
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not (CGROUP_V1 / "cgroup.procs").is_file(),
-                    reason="needs root and cgroup v1 memory controller (as on the CI machines)")
-def test_the_default_bound_is_the_memory_cgroups_limit(tmp_path):
+def _bound_in(cgroup: str, ballast_mib: int) -> tuple[int, str, int]:  # a child that joins, then holds ballast
+    Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
+    ballast = bytearray(ballast_mib * 2**20)  # noqa: F841 - held (and touched: bytearray zero-fills) meanwhile
+    limit, source = compute.host_memory_limit()
+    bound = compute.host_memory_bound(ComputeSection(memory_margin=0.0))
+    return limit, source, bound.bytes
+
+
+def _v1_cgroup() -> Path:
     own = Path("/proc/self/cgroup").read_text()
     parent = CGROUP_V1 / next(line.split(":", 2)[2] for line in own.splitlines()
                               if "memory" in line.split(":")[1].split(",")).lstrip("/")
     cg = parent / f"pipeline-test-{uuid.uuid4().hex[:8]}"
     cg.mkdir()
+    (cg / "memory.limit_in_bytes").write_text(str(300 * 2**20))
+    return cg
+
+
+def _remove(cg: Path) -> None:
+    for _ in range(50):
+        try:
+            cg.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (CGROUP_V1 / "cgroup.procs").is_file(),
+                    reason="needs root and cgroup v1 memory controller (as on the CI machines)")
+def test_the_default_bound_is_the_memory_cgroups_limit_less_what_its_processes_hold(tmp_path):
+    """A stage's parent computes its child's bound while it stays in the same cgroup: what the cgroup's
+    processes hold already (here: 100 MiB of ballast and the interpreter) is not the child's to use."""
+    cg = _v1_cgroup()
     try:
-        (cg / "memory.limit_in_bytes").write_text(str(300 * 2**20))
         (limit, source), _ = run_in_child(_limit_in, str(cg), log_path=tmp_path / "child.log")
+        (_, _, bound), _ = run_in_child(_bound_in, str(cg), 100, log_path=tmp_path / "child2.log")
     finally:
-        for _ in range(50):
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        _remove(cg)
     assert limit == 300 * 2**20 and str(cg) in source
+    assert bound <= 200 * 2**20  # 300 MiB less at least the 100 MiB ballast
+    assert bound > 100 * 2**20  # an interpreter with the pipeline's light imports holds far less than 100 MiB
     bound = compute.host_memory_bound(ComputeSection(memory_margin=0.25))
     assert bound.bytes < compute.host_memory_limit()[0]  # this process, outside the test cgroup
 

@@ -1,4 +1,10 @@
-"""Read a TensorRT-LLM checkpoint back into a float HF model that computes what the engine will compute.
+"""Read a TensorRT-LLM checkpoint back as float HF weights that compute what the engine will compute.
+
+``CheckpointReader`` reads it a piece at a time (the embedding, one decoder layer, the final norm, lm_head),
+each tensor only when a piece needs it, so a model bigger than memory can be run
+a layer at a time; ``rebuild`` puts all the pieces into one fp32 HF model. Quantized linears come back as
+dequantized fp32 weights plus a forward pre-hook that applies their input transform (pre-quant scale, fake
+activation quantization).
 
 Own code, written from what ModelOpt 0.47's exporter writes (modelopt/torch/export: quant_utils.py
 ``to_quantized_weight`` / ``pack_int4_in_uint8``, postprocess.py ``_split_model_config_for_tp``,
@@ -28,7 +34,7 @@ model_config_utils.py ``merge_qkv``) and checked on exports of SmolLM2 and tiny 
 It checks what it reads: layers the plan keeps in high precision must be unquantized, quantized ones must
 carry the scales their format needs with consistent shapes and dtypes, the stored dtype must agree with the
 format the config names, and shapes must match the model; a violation is an IntegrityError naming the layer.
-The KV-cache scales are read and reported; the rebuilt model does not quantize its KV cache (the CPU runtime
+A tensor no piece read (one this reader does not know) is an IntegrityError too. The KV-cache scales are read and reported; the rebuilt model does not quantize its KV cache (the CPU runtime
 of the build stage does), so its perplexity leaves that part out.
 """
 
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import weakref
 from pathlib import Path
 
 from pipeline import artifacts
@@ -58,7 +65,7 @@ def _fake_act(quant_algo: str, act_scale, prequant):
 
     def f(x):
         if prequant is not None:
-            x = x * prequant
+            x = x * prequant.to(x.device)  # the layer may have been moved after the hook was made
         if act_scale is None:
             return x
         if quant_algo.startswith("W8A8"):
@@ -156,69 +163,102 @@ def _layer_formats(ckpt_dir: Path, qcfg: dict):
     return fmt
 
 
-def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None):  # noqa: C901 - to split (see README)
-    """An HF model (fp32) whose linears compute what the checkpoint's quantized GEMMs compute, plus facts.
+class CheckpointReader:
+    """Reads a TensorRT-LLM checkpoint piece by piece, a tensor only when a piece that needs it is asked for.
 
+    A rank file is opened for each tensor read and closed after: safetensors maps the whole file, and pages
+    read through a mapping kept open would count in this process's resident memory, layer after layer.
+    Everything that does not need the tensors is checked on opening (the formats, the mapping, the rank files,
+    tp against the heads). The pieces come as fp32: ``embedding()``, ``final_norm()``, ``load_layer(i, layer)``
+    for each decoder layer, ``lm_head()``; ``finish()`` then refuses tensors nothing asked for and returns the
+    facts. ``facts`` counts what has been read so far (a piece read twice is counted once).
     ``kept``: the HF names of the layers the plan keeps in high precision (checked when given)."""
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    ckpt_dir = Path(ckpt_dir)
-    cfg = json.loads((ckpt_dir / "config.json").read_text())
-    qcfg = cfg.get("quantization") or {}
-    algo = qcfg.get("quant_algo")
-    layer_format = _layer_formats(ckpt_dir, qcfg)
-    mapping = cfg.get("mapping") or {}
-    tp, pp = mapping.get("tp_size", 1), mapping.get("pp_size", 1)
-    world = mapping.get("world_size", tp * pp)
-    if pp != 1 or world != tp:
-        raise IntegrityError(f"{ckpt_dir}: pipeline-parallel checkpoints (pp_size {pp}) cannot be read back; "
-                             f"export with pipeline parallel size 1")
-    rank_files = [ckpt_dir / f"rank{r}.safetensors" for r in range(world)]
-    absent = [p.name for p in rank_files if not p.is_file()]
-    if absent:
-        raise IntegrityError(f"{ckpt_dir}: world_size {world} but {', '.join(absent)} missing")
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa").eval()
-    heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    if heads % tp or kv % tp:
-        raise IntegrityError(f"{ckpt_dir}: tp_size {tp} does not divide the model's {heads} heads / {kv} KV heads")
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    vocab = hf_config.vocab_size
+    def __init__(self, ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None):
+        from safetensors import safe_open
+        from transformers import AutoConfig
 
-    ranks = []
-    for path in rank_files:
-        with safe_open(str(path), framework="pt") as f:
-            ranks.append({k: f.get_tensor(k) for k in f.keys()})
-    modules = dict(model.named_modules())
+        self.ckpt_dir = ckpt_dir = Path(ckpt_dir)
+        cfg = json.loads((ckpt_dir / "config.json").read_text())
+        qcfg = cfg.get("quantization") or {}
+        self._layer_format = _layer_formats(ckpt_dir, qcfg)
+        mapping = cfg.get("mapping") or {}
+        tp, pp = mapping.get("tp_size", 1), mapping.get("pp_size", 1)
+        world = mapping.get("world_size", tp * pp)
+        if pp != 1 or world != tp:
+            raise IntegrityError(f"{ckpt_dir}: pipeline-parallel checkpoints (pp_size {pp}) cannot be read back; "
+                                 f"export with pipeline parallel size 1")
+        rank_files = [ckpt_dir / f"rank{r}.safetensors" for r in range(world)]
+        absent = [p.name for p in rank_files if not p.is_file()]
+        if absent:
+            raise IntegrityError(f"{ckpt_dir}: world_size {world} but {', '.join(absent)} missing")
+        self.hf_config = hf = AutoConfig.from_pretrained(model_dir)
+        heads, kv = hf.num_attention_heads, hf.num_key_value_heads
+        if heads % tp or kv % tp:
+            raise IntegrityError(f"{ckpt_dir}: tp_size {tp} does not divide the model's {heads} heads / {kv} KV heads")
+        self.tp, self.kept = tp, kept
+        self._heads = heads, kv, getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        self._embedding_split = cfg.get("embedding_sharding_dim", 0) if tp > 1 and cfg.get("use_parallel_embedding") \
+            else None  # split on the (padded) vocabulary, or on the hidden dim; else each rank holds all of it
+        self._files = rank_files
+        self._keys = []
+        for path in rank_files:
+            with safe_open(str(path), framework="pt") as f:
+                self._keys.append(set(f.keys()))
+        self._consumed: set[str] = set()
+        self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # linear -> its input transform hook
+        self.facts = {"quant_algo": qcfg.get("quant_algo"), "kv_cache_quant_algo": qcfg.get("kv_cache_quant_algo"),
+                      "kv_scales": 0, "quantized_linears": 0, "high_precision_linears": 0, "tp_size": tp,
+                      "formats": {}}
 
-    def pop_all(key: str, required: bool = True):
-        found = [t.pop(key, None) for t in ranks]
-        if required and any(x is None for x in found):
-            rank = [i for i, x in enumerate(found) if x is None][0]
-            raise IntegrityError(f"{ckpt_dir}: {key} missing from rank {rank}")
-        return None if all(x is None for x in found) else found
+    def _present(self, key: str, required: bool = True) -> bool:
+        """Whether any rank holds ``key`` (all must when ``required``); marks it consumed."""
+        held = [key in keys for keys in self._keys]
+        if required and not all(held):
+            raise IntegrityError(f"{self.ckpt_dir}: {key} missing from rank {held.index(False)}")
+        self._consumed.add(key)
+        return any(held)
 
-    state = {}
-    embed = pop_all("transformer.vocab_embedding.weight")
-    if tp > 1 and cfg.get("use_parallel_embedding"):  # split on the (padded) vocabulary, or on the hidden dim
-        embed = [torch.cat([e.float() for e in embed], dim=cfg.get("embedding_sharding_dim", 0))]
-    state["model.embed_tokens.weight"] = embed[0].float()[:vocab]
-    state["model.norm.weight"] = pop_all("transformer.ln_f.weight")[0].float()
-    quantized: dict[str, object] = {}  # hf linear name -> input transform
-    facts = {"quant_algo": algo, "kv_cache_quant_algo": qcfg.get("kv_cache_quant_algo"), "kv_scales": 0,
-             "quantized_linears": 0, "high_precision_linears": 0, "tp_size": tp, "formats": {}}
+    def _read(self, key: str, required: bool = True):
+        """Each rank's ``key`` (None for a rank without it), or None when no rank has it."""
+        if not self._present(key, required):
+            return None
+        return [_get(f, key) if key in keys else None for f, keys in zip(self._files, self._keys)]
 
-    def read_linear(name: str, hf_names: list[str], kind: str) -> None:
-        """kind: qkv | column | row. Dequantizes each rank, joins them, checks against the plan and the model."""
-        weights = pop_all(f"{name}.weight")
-        scales = [{k: t.pop(f"{name}.{k}", None) for k in SCALE_NAMES} for t in ranks]
-        fmt, group = layer_format(name)
+    def _read_replicated(self, key: str):
+        """A tensor every rank holds a copy of, read from rank 0."""
+        self._present(key)
+        return _get(self._files[0], key)
+
+    def embedding(self):
+        """The vocabulary embedding, fp32 [vocab, hidden] (the ranks' pieces joined, the padding cut off)."""
+        import torch
+
+        key = "transformer.vocab_embedding.weight"
+        if self._embedding_split is None:
+            embed = self._read_replicated(key).float()
+        else:
+            embed = torch.cat([e.float() for e in self._read(key)], dim=self._embedding_split)
+        return embed[:self.hf_config.vocab_size]
+
+    def final_norm(self):
+        return self._read_replicated("transformer.ln_f.weight").float()
+
+    def _read_linear(self, name: str, hf_names: list[str], kind: str, shapes: list[tuple]):
+        """kind: qkv | column | row | vocab (column-parallel, padded). Dequantizes each rank, joins them, checks
+        against the plan and the model's ``shapes``. Returns (fp32 weight per HF name, input transform or None)."""
+        import torch
+
+        first_read = f"{name}.weight" not in self._consumed
+        weights = self._read(f"{name}.weight")
+        found = {k: self._read(f"{name}.{k}", required=False) or [None] * self.tp for k in SCALE_NAMES}
+        scales = [{k: v[r] for k, v in found.items()} for r in range(self.tp)]
+        fmt, group = self._layer_format(name)
         is_quant = weights[0].dtype in (torch.int8, torch.float8_e4m3fn)
         if (fmt is not None) != is_quant:
             raise IntegrityError(f"{name}: the checkpoint's config says {fmt or 'unquantized'} but the weight is "
                                  f"stored as {weights[0].dtype}")
+        kept = self.kept
         if kept is not None and (hf_names[0] in kept) == is_quant:
             raise IntegrityError(f"{name}: the plan {'keeps' if hf_names[0] in kept else 'quantizes'} "
                                  f"{hf_names[0]} but the checkpoint stores it as {weights[0].dtype}")
@@ -226,6 +266,7 @@ def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None):  # n
             raise IntegrityError(f"{name}: unquantized weight with quantization scales beside it")
         parts = [_dequantize(name, fmt, w, s, group) for w, s in zip(weights, scales)]
         if kind == "qkv":
+            heads, kv, head_dim, tp = *self._heads, self.tp
             q, k_, v = heads // tp * head_dim, kv // tp * head_dim, kv // tp * head_dim
             if any(p.shape[0] != q + 2 * k_ for p in parts):
                 raise IntegrityError(f"{name}: per-rank fused q/k/v of {parts[0].shape[0]} rows, expected {q + 2 * k_} "
@@ -236,18 +277,18 @@ def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None):  # n
             full = [torch.cat(parts, dim=1)]
         else:
             full = [torch.cat(parts, dim=0)]
-            if hf_names == ["lm_head"]:
-                full = [full[0][:vocab]]
-        for hf, part in zip(hf_names, full):
-            if tuple(part.shape) != tuple(modules[hf].weight.shape):
-                raise IntegrityError(f"{name}: shape {tuple(part.shape)} does not fit {hf} "
-                                     f"{tuple(modules[hf].weight.shape)}")
-            state[f"{hf}.weight"] = part
+            if kind == "vocab":
+                full = [full[0][:self.hf_config.vocab_size]]
+        for hf_name, part, shape in zip(hf_names, full, shapes):
+            if tuple(part.shape) != tuple(shape):
+                raise IntegrityError(f"{name}: shape {tuple(part.shape)} does not fit {hf_name} {tuple(shape)}")
+        facts = self.facts
         if fmt is None:
-            facts["high_precision_linears"] += len(hf_names)
-            return
-        facts["quantized_linears"] += len(hf_names)
-        facts["formats"][fmt] = facts["formats"].get(fmt, 0) + len(hf_names)
+            facts["high_precision_linears"] += len(hf_names) if first_read else 0
+            return full, None
+        if first_read:
+            facts["quantized_linears"] += len(hf_names)
+            facts["formats"][fmt] = facts["formats"].get(fmt, 0) + len(hf_names)
         pqs = [s["prequant_scaling_factor"] for s in scales]
         if pqs[0] is None:
             prequant = None
@@ -258,31 +299,99 @@ def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None):  # n
                 raise IntegrityError(f"{name}: column-parallel prequant_scaling_factor differs between ranks")
             prequant = pqs[0].float()
         asf = scales[0]["activation_scaling_factor"]
-        transform = _fake_act(fmt, None if asf is None else asf.float().reshape(()), prequant)
-        for hf in hf_names:
-            quantized[hf] = transform
+        return full, _fake_act(fmt, None if asf is None else asf.float().reshape(()), prequant)
 
-    for i in range(hf_config.num_hidden_layers):
-        p = f"transformer.layers.{i}"
-        for trt, hf in NORMS.items():
-            state[f"model.layers.{i}.{hf}.weight"] = pop_all(f"{p}.{trt}.weight")[0].float()
-        read_linear(f"{p}.attention.qkv", [f"model.layers.{i}.self_attn.{m}_proj" for m in "qkv"], "qkv")
-        for trt_mod, hf in HF_OF.items():
-            read_linear(f"{p}.{trt_mod}", [f"model.layers.{i}.{hf}"], "row" if trt_mod in ROW_PARALLEL else "column")
+    def load_layer(self, i: int, layer):
+        """Decoder layer ``i`` into ``layer`` (an HF decoder layer, e.g. on the meta device): its parameters are
+        replaced by fp32 CPU tensors from the checkpoint, and each quantized linear gets a forward pre-hook
+        applying its input transform (pre-quant scale, fake activation quantization). The hooks stay on the
+        layer: discard it when done, or pass it to ``load_layer`` again (which first removes the hooks it put
+        there). Returns ``layer``."""
+        p, hf_p = f"transformer.layers.{i}", f"model.layers.{i}"
+        state = {f"{hf}.weight": self._read_replicated(f"{p}.{trt}.weight").float() for trt, hf in NORMS.items()}
+        transforms = {}
+        linears = [("attention.qkv", [f"self_attn.{m}_proj" for m in "qkv"], "qkv")]
+        linears += [(trt, [hf], "row" if trt in ROW_PARALLEL else "column") for trt, hf in HF_OF.items()]
+        for trt, hf_names, kind in linears:
+            shapes = [layer.get_submodule(hf).weight.shape for hf in hf_names]
+            full, transform = self._read_linear(f"{p}.{trt}", [f"{hf_p}.{hf}" for hf in hf_names], kind, shapes)
+            state.update({f"{hf}.weight": w for hf, w in zip(hf_names, full)})
+            transforms.update({hf: transform for hf in hf_names if transform is not None})
         for k in ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor"):
-            if pop_all(f"{p}.attention.{k}", required=False) is not None:
-                facts["kv_scales"] += 1
-    if "lm_head.weight" in ranks[0]:
-        read_linear("lm_head", ["lm_head"], "column")
-    leftover = sorted({k for t in ranks for k in t})
-    if leftover:
-        raise IntegrityError(f"{ckpt_dir}: tensors this reader does not know: {leftover[:4]}")
-    if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
+            key = f"{p}.attention.{k}"
+            first_read = key not in self._consumed
+            if self._present(key, required=False) and first_read:
+                self.facts["kv_scales"] += 1
+        missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise IntegrityError(f"{self.ckpt_dir}: rebuilt model is missing {[f'{hf_p}.{m}' for m in missing[:3]]} "
+                                 f"/ has extra {[f'{hf_p}.{u}' for u in unexpected[:3]]}")
+        for name, module in layer.named_modules():
+            old = self._hooks.pop(module, None)
+            if old is not None:
+                old.remove()
+            if name in transforms:
+                self._hooks[module] = _hook_input(module, transforms[name])
+        return layer
+
+    def lm_head(self, tied_embedding=None):
+        """(fp32 lm_head weight [vocab, hidden], its input transform or None): the checkpoint's lm_head, or the
+        embedding (``tied_embedding`` when given, else read again) when the model ties its word embeddings."""
+        hf = self.hf_config
+        if "lm_head.weight" in self._keys[0]:
+            full, transform = self._read_linear("lm_head", ["lm_head"], "vocab", [(hf.vocab_size, hf.hidden_size)])
+            return full[0], transform
+        if not getattr(hf, "tie_word_embeddings", False):
+            raise IntegrityError(f"{self.ckpt_dir}: rebuilt model is missing ['lm_head.weight'] (no lm_head in the "
+                                 f"checkpoint, and the model does not tie its word embeddings)")
+        return (self.embedding() if tied_embedding is None else tied_embedding), None
+
+    def finish(self) -> dict:
+        """The facts, once every tensor of the checkpoint has been read; an IntegrityError names tensors nothing
+        asked for (tensors this reader does not know, or pieces the caller never read)."""
+        leftover = sorted(set().union(*self._keys) - self._consumed)
+        if leftover:
+            raise IntegrityError(f"{self.ckpt_dir}: tensors this reader does not know: {leftover[:4]}")
+        return self.facts
+
+
+def _get(path: Path, key: str):
+    """One tensor of a safetensors file, the file closed (unmapped) after."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _hook_input(module, transform):
+    """Registers ``transform`` on the module's input; returns the handle that removes it."""
+    return module.register_forward_pre_hook(lambda mod, args: (transform(args[0]),))
+
+
+def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None):
+    """An HF model (fp32) whose linears compute what the checkpoint's quantized GEMMs compute, plus facts: all
+    the pieces of a ``CheckpointReader`` put into one model (built on the meta device, so only the checkpoint's
+    weights are ever allocated).
+
+    ``kept``: the HF names of the layers the plan keeps in high precision (checked when given)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    reader = CheckpointReader(ckpt_dir, model_dir, kept)
+    with init_empty_weights():  # parameters on the meta device; buffers (rotary frequencies) computed for real
+        model = AutoModelForCausalLM.from_config(reader.hf_config, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    embed = reader.embedding()
+    state = {"model.embed_tokens.weight": embed, "model.norm.weight": reader.final_norm()}
+    for i, layer in enumerate(model.model.layers):
+        reader.load_layer(i, layer)
+    state["lm_head.weight"], head_transform = reader.lm_head(tied_embedding=embed)
+    facts = reader.finish()
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [n for n, t in model.state_dict().items() if t.is_meta]
     if missing or unexpected:
-        raise IntegrityError(f"{ckpt_dir}: rebuilt model is missing {missing[:3]} / has extra {unexpected[:3]}")
-    for hf, transform in quantized.items():
-        modules[hf].register_forward_pre_hook(lambda mod, args, _t=transform: (_t(args[0]),))
+        raise IntegrityError(f"{reader.ckpt_dir}: rebuilt model is missing {missing[:3]} / has extra {unexpected[:3]}")
+    if head_transform is not None:
+        _hook_input(model.lm_head, head_transform)
     return model, facts

@@ -236,34 +236,53 @@ def _set_block_size(cfg, group: int) -> None:
             c["block_sizes"][-1] = group
 
 
-def _accuracy(original, quantized, eval_ids) -> dict:
-    """Perplexity of both, teacher-forced top-1 agreement and mean KL(original || quantized) per token."""
-    import torch
-    import torch.nn.functional as F
+class Score:
+    """The accuracy gate's figures, accumulated batch by batch from the two models' logits: perplexity of
+    both, teacher-forced top-1 agreement and mean KL(original || quantized) per token."""
 
-    nll_o = nll_q = kl = 0.0
-    agree = count = 0
+    def __init__(self) -> None:
+        self.nll_o = self.nll_q = self.kl = 0.0
+        self.agree = self.count = 0
+
+    def add(self, ids, lo, lq) -> None:
+        """ids [B, T]; lo / lq: the logits of the original and the quantized model for them, [B, T, vocab].
+        One sequence at a time: the log-softmax temporaries of a whole batch over a large vocabulary would
+        outweigh a decoder layer."""
+        import torch.nn.functional as F
+
+        for r in range(ids.shape[0]):
+            o, q = lo[r, :-1].float(), lq[r, :-1].float().to(lo.device)
+            target = ids[r, 1:].to(lo.device)
+            logp_o = F.log_softmax(o, dim=-1)
+            logp_q = F.log_softmax(q, dim=-1)
+            self.nll_o += float(-logp_o.gather(-1, target[..., None]).sum())
+            self.nll_q += float(-logp_q.gather(-1, target[..., None]).sum())
+            self.kl += float((logp_o.exp() * (logp_o - logp_q)).sum())
+            self.agree += int((o.argmax(-1) == q.argmax(-1)).sum())
+            self.count += target.numel()
+
+    def result(self) -> dict:
+        ppl_o, ppl_q = math.exp(self.nll_o / self.count), math.exp(self.nll_q / self.count)
+
+        def sig(x: float) -> float:  # 6 significant digits: readable, and never rounded to 0 before the gate
+            return float(f"{x:.6g}")
+
+        return {"tokens": self.count, "perplexity_original": sig(ppl_o), "perplexity_quantized": sig(ppl_q),
+                "perplexity_increase_pct": sig((ppl_q / ppl_o - 1) * 100),
+                "top1_agreement": sig(self.agree / self.count), "kl_divergence": sig(self.kl / self.count)}
+
+
+def _accuracy(original, quantized, eval_ids) -> dict:
+    """The gate's figures for two whole models, over the evaluation tokens in batches of EVAL_BATCH."""
+    import torch
+
+    score = Score()
     with torch.no_grad():
         for b in range(0, eval_ids.shape[0], EVAL_BATCH):
             ids = eval_ids[b:b + EVAL_BATCH]
-            lo = original(ids.to(_input_device(original))).logits[:, :-1].float()
-            lq = quantized(ids.to(_input_device(quantized))).logits[:, :-1].float().to(lo.device)
-            target = ids[:, 1:].to(lo.device)
-            logp_o = F.log_softmax(lo, dim=-1)
-            logp_q = F.log_softmax(lq, dim=-1)
-            nll_o += float(-logp_o.gather(-1, target[..., None]).sum())
-            nll_q += float(-logp_q.gather(-1, target[..., None]).sum())
-            kl += float((logp_o.exp() * (logp_o - logp_q)).sum())
-            agree += int((lo.argmax(-1) == lq.argmax(-1)).sum())
-            count += target.numel()
-    ppl_o, ppl_q = math.exp(nll_o / count), math.exp(nll_q / count)
-
-    def sig(x: float) -> float:  # 6 significant digits: readable, and never rounded to 0 before the gate
-        return float(f"{x:.6g}")
-
-    return {"tokens": count, "perplexity_original": sig(ppl_o), "perplexity_quantized": sig(ppl_q),
-            "perplexity_increase_pct": sig((ppl_q / ppl_o - 1) * 100),
-            "top1_agreement": sig(agree / count), "kl_divergence": sig(kl / count)}
+            score.add(ids, original(ids.to(_input_device(original))).logits,
+                      quantized(ids.to(_input_device(quantized))).logits)
+    return score.result()
 
 
 def _input_device(model):
@@ -425,8 +444,9 @@ def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, m
 
 # On the CPU this stage holds the model whole, in fp32, several times at once: the original (the accuracy
 # gate's reference), the copy ModelOpt quantizes, the model rebuilt from the checkpoint for the read-back
-# check, and a copy for the HF export when one is asked for. Layer-wise calibration and a streamed export
-# (issue #13) are not built yet, so a model that does not fit so is refused before the stage starts.
+# check, and a copy for the HF export when one is asked for. A model that does not fit so is quantized one
+# decoder layer at a time (quantize_streams, pipeline.quant.streaming). The measured peak is higher than this
+# floor (README, "Memory").
 IN_MEMORY_COPIES = 3
 
 
@@ -440,10 +460,38 @@ def check_host_memory(model_dir: Path, quant: QuantizationSection, bound) -> int
     if need > bound.bytes:
         raise InputError(
             f"quantize on the CPU holds the model {need // fp32} times in fp32 ({comp.gib(fp32)} each, "
-            f"{comp.gib(need)} in all), more than the memory bound {bound.text()}. Run it on a GPU "
-            f"(compute.device: cuda), or on a machine with more memory (compute.max_host_memory); streaming "
-            f"the model through a smaller bound is not built yet.")
+            f"{comp.gib(need)} in all), more than the memory bound {bound.text()}, and compute.layer_streaming "
+            f"is never. Set it to auto to quantize one decoder layer at a time, run it on a GPU "
+            f"(compute.device: cuda), or on a machine with more memory (compute.max_host_memory).")
     return need
+
+
+def quantize_streams(model_dir: Path, cfg, bound) -> bool:
+    """Whether quantize streams the model layer by layer (compute.layer_streaming; auto: on the CPU, when the
+    in-memory path would not fit ``bound``). Refuses, before any work, what neither way can do."""
+    from pipeline import compute as comp
+
+    mode = cfg.compute.layer_streaming
+    on_cpu = cfg.compute.device == "cpu" or comp.nvidia_gpu_count() == 0
+    stream = mode == "always"
+    if not stream and on_cpu:
+        try:
+            check_host_memory(model_dir, cfg.quantization, bound)
+        except InputError:
+            if mode == "never":
+                raise
+            stream = True
+    if not stream:
+        return False
+    if cfg.quantization.export_hf_checkpoint:
+        raise InputError(
+            "quantize: this model is quantized one decoder layer at a time (it does not fit the memory bound "
+            f"{bound.text()} whole, or compute.layer_streaming is always), and the HF unified checkpoint "
+            "(quantization.export_hf_checkpoint, for the pytorch target) is not exported that way yet. Run it on "
+            "a GPU or a machine with more memory (compute.max_host_memory), or use the tensorrt or cpu target.")
+    if on_cpu:
+        comp.check_layer_fits(model_dir, "float32", bound, "quantize")
+    return True
 
 
 def _load_model(model_dir: Path, device: str, dtype_name: str, gpu_bound):
@@ -462,8 +510,11 @@ def _load_model(model_dir: Path, device: str, dtype_name: str, gpu_bound):
 
 def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path, plan_file: Path, table_file: Path,
                  quant: QuantizationSection, build: BuildSection, out_dir: Path,
-                 compute: Optional[ComputeSection] = None) -> dict:
-    """The stage's work, in a child process; returns the summary for the manifest."""
+                 compute: Optional[ComputeSection] = None, stream: bool = False, memory_bound=None) -> dict:
+    """The stage's work, in a child process; returns the summary for the manifest.
+
+    ``stream``: calibrate, gate, export and read back one decoder layer at a time (pipeline.quant.streaming).
+    ``memory_bound``: the compute.Bound the parent set (recorded; default: computed here)."""
     import torch
     from safetensors.numpy import load_file
     from transformers import AutoTokenizer
@@ -472,6 +523,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     from pipeline.quant.plan import read_plan
 
     compute = compute or ComputeSection()
+    bound = memory_bound or comp.host_memory_bound(compute)
     device = comp.resolve_device(compute)
     ref_dtype = comp.reference_dtype(device, "float32")
     gpu_bound = None
@@ -490,6 +542,22 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
 
     calib = torch.as_tensor(load_file(str(calibration_file))[artifacts.TOKENS_KEY])
     evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
+    ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
+    kept = {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
+    if stream:
+        from pipeline.quant import streaming
+
+        log.info("layer streaming: one decoder layer at a time")
+        res = streaming.quantize_streamed(model_dir, calib, evals, plan_doc, quant, build, model_config, ckpt,
+                                          out_dir / "layer_exports", device, ref_dtype, table_layers, baseline)
+        exported = _check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size)
+        from safetensors.torch import save_file
+
+        save_file({"hidden": res["reference_final_hidden"].cpu().contiguous()}, str(out_dir / READ_BACK_REFERENCE))
+        return {"read_back_pending": True, "accuracy": res["accuracy"], "exported": exported,
+                "calibrate_s": res["calibrate_s"], "elapsed_s": time.perf_counter() - t0, "device": device,
+                "calibration_tokens": int(calib.numel()),
+                "compute": comp.compute_record(device, ref_dtype, bound)}
     original = _load_model(model_dir, device, ref_dtype, gpu_bound)
     # the model ModelOpt quantizes in place; on GPUs a second load (a deep copy of a dispatched model would
     # share accelerate's hooks)
@@ -520,7 +588,6 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     if not baseline:
         _gate(accuracy, quant, plan_doc, table_layers)
 
-    ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
     from modelopt.torch.export import (
         export_hf_checkpoint,
         export_tensorrt_llm_checkpoint,
@@ -549,22 +616,77 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     # the model as the checkpoint says, read back by our own reader: the figure closest to the engine's
     from pipeline.quant.checkpoint import rebuild
 
-    kept = {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
     rebuilt, read_facts = rebuild(ckpt, model_dir, kept)
     if device == "cuda":  # fp32, as read; on the GPU the evaluation pass takes seconds, not hours
         rebuilt = rebuilt.to(_input_device(original))
     from_ckpt = _accuracy(original, rebuilt, evals)
+    return _finish(out_dir, accuracy, from_ckpt, read_facts, exported, hf_exported, generations, plan_doc, calib,
+                   evals, comp.compute_record(device, ref_dtype, bound), t_quant, t0)
+
+
+READ_BACK_REFERENCE = "read_back_reference.safetensors"  # the streamed pass's original final hidden states
+
+
+def finish_streamed(model_dir: Path, evaluation_file: Path, plan_file: Path, table_file: Path, out_dir: Path,
+                    partial: dict) -> dict:
+    """The read-back of a streamed quantize, in a second child process (a fresh interpreter: the streamed
+    pass's heap and libraries do not add to its peak); returns the stage's summary."""
+    import torch
+    from safetensors.numpy import load_file
+    from safetensors.torch import load_file as load_torch
+
+    from pipeline.quant import streaming
+    from pipeline.quant.plan import read_plan
+
+    t0 = time.perf_counter() - partial["elapsed_s"]
+    streaming.return_freed_memory_to_the_os()
+    table_layers = {l["name"]: l for l in json.loads(table_file.read_text())["layers"]}
+    plan_doc = read_plan(plan_file, list(table_layers))
+    kept = {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
+    evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
+    reference = out_dir / READ_BACK_REFERENCE
+    hidden = load_torch(str(reference))["hidden"].to(partial["device"])
+    reference.unlink()
+    from_ckpt, read_facts = streaming.read_back_streamed(out_dir / artifacts.TRTLLM_CHECKPOINT_DIR, model_dir, kept,
+                                                          evals, hidden, partial["device"])
+    return _finish(out_dir, partial["accuracy"], from_ckpt, read_facts, partial["exported"], None, [], plan_doc,
+                   partial["calibration_tokens"], int(evals.numel()), partial["compute"], partial["calibrate_s"], t0, streamed=True)
+
+
+def run_stage(model_dir: Path, calibration_file: Path, evaluation_file: Path, plan_file: Path, table_file: Path,
+              quant: QuantizationSection, build: BuildSection, out_dir: Path, compute: ComputeSection, stream: bool,
+              bound, log_path: Path) -> tuple[dict, int]:
+    """The stage in child processes: (summary, peak RSS of the largest). A streamed quantize reads its
+    checkpoint back in a second child."""
+    from pipeline.child import run_in_child
+
+    summary, peak = run_in_child(run_quantize, model_dir, calibration_file, evaluation_file, plan_file, table_file,
+                                 quant, build, out_dir, compute, stream, bound, log_path=log_path, what="quantize",
+                                 bound=bound)
+    if summary.get("read_back_pending"):
+        summary, second = run_in_child(finish_streamed, model_dir, evaluation_file, plan_file, table_file, out_dir,
+                                       summary, log_path=log_path, what="quantize (read-back)", bound=bound)
+        peak = max(peak, second)
+    return summary, peak
+
+
+def _finish(out_dir: Path, accuracy: dict, from_ckpt: dict, read_facts: dict, exported: dict, hf_exported,
+            generations: list[dict], plan_doc: dict, calib, evals, compute_record: dict, t_quant: float, t0: float,
+            streamed: bool = False) -> dict:
+    """The accuracy files, and the stage's summary."""
+    ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
     accuracy["from_checkpoint"] = {k: from_ckpt[k] for k in ("perplexity_quantized", "perplexity_increase_pct",
                                                              "top1_agreement", "kl_divergence")}
     accuracy["from_checkpoint"]["kv_cache_quantized"] = False  # the CPU runtime (build stage) adds it
     (out_dir / artifacts.ACCURACY_FILE).write_text(json.dumps({"accuracy": accuracy, "generations": generations}, indent=2))
-    (out_dir / artifacts.GENERATIONS_FILE).write_text(_generations_markdown(generations, accuracy))
+    (out_dir / artifacts.GENERATIONS_FILE).write_text(_generations_markdown(generations, accuracy, streamed))
     return {"accuracy": accuracy, "checkpoint": {**exported, "read_back": read_facts},
             "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),
-            "hf_checkpoint": hf_exported,
+            "hf_checkpoint": hf_exported, "layer_streaming": streamed,
             "kept_high_precision": sum(e["format"] == HIGH_PRECISION for e in plan_doc["layers"].values()),
-            "calibration_tokens": int(calib.numel()), "evaluation_tokens": int(evals.numel()),
-            "compute": comp.compute_record(device, ref_dtype, comp.host_memory_bound(compute)),
+            "calibration_tokens": int(calib if isinstance(calib, int) else calib.numel()),
+            "evaluation_tokens": int(evals if isinstance(evals, int) else evals.numel()),
+            "compute": compute_record,
             "timing_s": {"calibrate": round(t_quant, 1), "total": round(time.perf_counter() - t0, 1)}}
 
 
@@ -591,11 +713,14 @@ def _gate(acc: dict, quant: QuantizationSection, plan_doc: dict, table_layers: d
     )
 
 
-def _generations_markdown(rows: list[dict], acc: dict) -> str:
+def _generations_markdown(rows: list[dict], acc: dict, streamed: bool = False) -> str:
     lines = ["# Greedy generations, original vs quantized (for reading; not gated)", "",
              f"Perplexity {acc['perplexity_original']} -> {acc['perplexity_quantized']} "
              f"(+{acc['perplexity_increase_pct']}%), top-1 agreement {acc['top1_agreement']}, "
              f"KL {acc['kl_divergence']}.", ""]
+    if streamed:
+        lines += ["Quantized with layer streaming: greedy generations are not run that way yet (the gate above "
+                  "does not use them).", ""]
     for r in rows:
         lines += [f"**{r['prompt']}**", "", f"- original: {r['original']!r}", f"- quantized: {r['quantized']!r}", ""]
     return "\n".join(lines)

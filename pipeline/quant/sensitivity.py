@@ -83,42 +83,6 @@ def _model_facts(model_dir: Path):
     return config
 
 
-class _WeightStore:
-    """Reads tensors by name from the model folder's safetensors files, one at a time."""
-
-    def __init__(self, model_dir: Path):
-        import json
-
-        from safetensors import safe_open
-
-        self._open = safe_open
-        index = model_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {k: model_dir / v for k, v in weight_map.items()}
-        else:
-            self.files = {}
-            for f in sorted(model_dir.glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as sf:
-                    for k in sf.keys():
-                        self.files[k] = f
-
-    def get(self, name: str, dtype, device="cpu"):
-        if name not in self.files:
-            raise InputError(f"tensor {name} is not in the model's safetensors files")
-        with self._open(str(self.files[name]), framework="pt") as sf:
-            return sf.get_tensor(name).to(device=device, dtype=dtype)
-
-    def load_module(self, module, prefix: str, dtype, device="cpu") -> None:
-        """Materialise a meta-device module from the files (its parameters only) on ``device``."""
-        import torch
-
-        module.to_empty(device=device)
-        with torch.no_grad():
-            for name, param in module.named_parameters(recurse=True):
-                param.copy_(self.get(f"{prefix}.{name}", dtype, device))
-
-
 @dataclass
 class _LayerRecord:
     name: str
@@ -318,16 +282,15 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
     device / dtype_name: where the reference runs and in what (default: the CPU, sensitivity.reference_dtype);
     one decoder layer's weights and the calibration set's activations live there, the rest on disk."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant.streaming import WeightStore, skeleton, trim_heap
 
     t0 = time.perf_counter()
     dtype = getattr(torch, dtype_name or section.reference_dtype)
     config = _model_facts(model_dir)
     config._attn_implementation = "sdpa"
-    store = _WeightStore(model_dir)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    skeleton.eval()
+    store = WeightStore(model_dir)
+    model = skeleton(config, dtype)
     ids = torch.as_tensor(calibration_ids, dtype=torch.long, device=device)
     n, t = ids.shape
     analyser = Analyser(section.formats, quant.smoothquant_alpha, quant.awq_group_size, n, fusion_groups)
@@ -342,12 +305,12 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
         result["embedding"] = _embedding_error(embed, ids)
         del embed
 
-        rotary = type(skeleton.model.rotary_emb)(config=config).to(device)
+        rotary = type(model.model.rotary_emb)(config=config).to(device)
         positions = torch.arange(t, device=device).unsqueeze(0)
         cos, sin = rotary(hidden, positions)
 
         stash = _Stash(n * t)
-        for i, layer in enumerate(skeleton.model.layers):
+        for i, layer in enumerate(model.model.layers):
             prefix = f"model.layers.{i}"
             store.load_module(layer, prefix, dtype, device)
             linears = _record_linears(layer, stash)
@@ -365,16 +328,15 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
                 analyser.measure(f"{prefix}.{stash.path[short]}", i, short, stash.input(short), t, lin.weight,
                                  lambda a, b, _o=out_buf: _o[a:b])
             layer.to("meta")
-            _trim_heap()
+            trim_heap()
             log.info("layer %d/%d done (%.1f s)", i + 1, config.num_hidden_layers, time.perf_counter() - t0)
         del stash
-        _trim_heap()
+        trim_heap()
 
-        norm = skeleton.model.norm
+        norm = model.model.norm
         store.load_module(norm, "model.norm", dtype, device)
         hidden = norm(hidden)
-        head_name = "lm_head.weight" if "lm_head.weight" in store.files else embed_name  # tied embeddings
-        head = store.get(head_name, dtype, device)
+        head = store.get(store.head_name(), dtype, device)  # the embedding when they are tied
         _measure_lm_head(analyser, hidden, head)
         del head
     result["layers"] = [r.__dict__ for r in analyser.records]
@@ -478,41 +440,11 @@ def _record_linears(layer, stash: _Stash) -> dict:
 
 
 
-def _libc():
-    """glibc's C library, for its allocator controls; None elsewhere."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
-def _trim_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc malloc_trim; a no-op elsewhere)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-def _return_freed_memory_to_the_os() -> None:
-    """glibc raises its mmap threshold as large blocks are freed, then keeps whole-calibration-set
-    activations in the heap after their last use, so the peak RSS grows with every layer's temporaries.
-    A fixed 32 MiB threshold keeps big tensors mmapped (returned on free) and mid-size ones reused.
-    Measured on SmolLM2 (2 cores): 1 MiB was 55 % slower (page faults) for 6 % less peak RSS; glibc's
-    default used ~20 % more memory. No-op off glibc."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
-
-
 def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySection,
                  quant: QuantizationSection, out_dir: Path, decision: str | None, target: str,
-                 compute: Optional[ComputeSection] = None) -> dict:
-    """The stage's work (runs in a child process): table JSON + Markdown + heatmap; returns the summary."""
+                 compute: Optional[ComputeSection] = None, memory_bound=None) -> dict:
+    """The stage's work (runs in a child process): table JSON + Markdown + heatmap; returns the summary.
+    ``memory_bound``: the compute.Bound the parent set (recorded; default: computed here)."""
     import json
 
     from safetensors.numpy import load_file
@@ -520,12 +452,13 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
     from pipeline import artifacts
     from pipeline import compute as comp
     from pipeline.quant.plots import heatmap_png, table_markdown
+    from pipeline.quant.streaming import return_freed_memory_to_the_os
 
     compute = compute or ComputeSection()
     device = comp.resolve_device(compute)
     dtype = comp.reference_dtype(device, section.reference_dtype)
     log.info("sensitivity on %s in %s", device, dtype)
-    _return_freed_memory_to_the_os()
+    return_freed_memory_to_the_os()
     if section.end_to_end:
         raise InputError("sensitivity.end_to_end (error at the logits, one layer quantized at a time) is not "
                          "built yet; set it to false.")
@@ -549,5 +482,5 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
         "analysis_s": timing["analysis_s"],
         "calibration_tokens": table["calibration"]["tokens"],
         "embedding_int8_error": table["embedding"]["int8_per_row_error"],
-        "compute": comp.compute_record(device, dtype, comp.host_memory_bound(compute)),
+        "compute": comp.compute_record(device, dtype, memory_bound or comp.host_memory_bound(compute)),
     }

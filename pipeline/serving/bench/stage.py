@@ -7,8 +7,8 @@ ones per server; with ``bench.ignore_eos`` every request generates exactly ``ben
 
 Per level (``target``): the client's figures (throughput, TTFT / ITL / end-to-end percentiles, jitter), the
 padding factor where the build says how batches are padded, and Triton's own counters from its metrics
-endpoint, read before and after the level. The knee (``stats.find_knee``): the lowest level past which
-throughput gains less than ``bench.knee_min_gain`` per doubling of concurrency.
+endpoint, read before and after the level. The knee (``stats.find_knee``): the lowest level from which
+no higher level gains ``bench.knee_min_gain`` or more per doubling of concurrency (one noisy level cannot move it).
 
 Comparison mode (``bench.compare_repository``): a second published repository gets its own server, and
 the two are swept level by level, alternating which goes first, so drifting machine load hits both alike;
@@ -200,7 +200,7 @@ def _results(cfg: BenchSection, targets: list[Target], knees: dict[str, dict], b
             "token_gap_ms": "time between consecutive responses, per token they carried, over all requests",
             "triton": "Triton's per-model counters, after the level minus before, per successful request; the "
                       "decoupled models return from execute at once, so their compute time is not generation time",
-            "knee": f"the first level past which throughput gains < {cfg.knee_min_gain:.0%} per doubling",
+            "knee": f"the lowest level from which no higher level gains {cfg.knee_min_gain:.0%} or more per doubling",
         },
         "bench_s": bench_s,
         "targets": [{**t.describe(), "levels": t.levels, "knee": knees[t.label],

@@ -6,7 +6,6 @@ concurrency, i.e. where added concurrency stops paying and only adds latency.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Optional, Sequence
 
@@ -37,22 +36,31 @@ def summarize(values: Sequence[float]) -> dict:
 
 
 def find_knee(concurrency: Sequence[int], throughput: Sequence[float], min_gain: float) -> dict:
-    """Where added concurrency stops paying: the first level whose next level gains < min_gain per doubling.
+    """Where added concurrency stops paying: the lowest level from which no higher level gains min_gain or more
+    per doubling.
 
     The gain from level c1 to c2 is normalised per doubling, (t2 / t1) ** (1 / log2(c2 / c1)) - 1, so sweeps
-    with uneven steps are judged alike. No such level: the knee is not inside the sweep (``found`` false;
-    ``concurrency`` is then the highest level, where throughput was still rising).
+    with uneven steps are judged alike. Every higher level is compared with the candidate, not only the next
+    one: one noisy low level (1 -> 2 gaining 9.9 %, then 2 -> 4 and 4 -> 8 gaining 50 % each, as a fresh clone
+    measured once) cannot stop the search early, since 1 -> 4 still gains 28 % per doubling. No such level: the
+    knee is not inside the sweep (``found`` false; ``concurrency`` is then the highest level, where throughput
+    was still rising). ``next_gain_per_doubling``: the best gain per doubling from the knee to any higher level.
     """
     if len(concurrency) != len(throughput) or not concurrency:
         raise ValueError("one throughput per concurrency level")
-    gains = []
-    for (c1, t1), (c2, t2) in itertools.pairwise(zip(concurrency, throughput, strict=True)):
-        gain = (t2 / t1) ** (1.0 / math.log2(c2 / c1)) - 1.0 if t1 > 0 else float("inf")
-        gains.append({"from": c1, "to": c2, "gain_per_doubling": gain})
-    for i, g in enumerate(gains):
-        if g["gain_per_doubling"] < min_gain:
+
+    def per_doubling(i: int, j: int) -> float:
+        t1, t2 = throughput[i], throughput[j]
+        return (t2 / t1) ** (1.0 / math.log2(concurrency[j] / concurrency[i])) - 1.0 if t1 > 0 else float("inf")
+
+    n = len(concurrency)
+    gains = [{"from": concurrency[i], "to": concurrency[i + 1], "gain_per_doubling": per_doubling(i, i + 1)}
+             for i in range(n - 1)]
+    for i in range(n - 1):
+        best = max(per_doubling(i, j) for j in range(i + 1, n))
+        if best < min_gain:
             return {"found": True, "concurrency": concurrency[i], "throughput": throughput[i],
-                    "next_gain_per_doubling": g["gain_per_doubling"], "min_gain": min_gain, "gains": gains}
+                    "next_gain_per_doubling": best, "min_gain": min_gain, "gains": gains}
     return {"found": False, "concurrency": concurrency[-1], "throughput": throughput[-1],
             "next_gain_per_doubling": None, "min_gain": min_gain, "gains": gains}
 
@@ -69,9 +77,9 @@ def knee_sentence(knee: dict, levels: list[dict]) -> str:
     c = knee["concurrency"]
     nxt = next(g for g in knee["gains"] if g["from"] == c)["to"]
     lat = by_c[nxt]["e2e_ms"]["p50"] / by_c[c]["e2e_ms"]["p50"]
-    return (f"{rise}; past concurrency {c} it gains {knee['next_gain_per_doubling'] * 100:.0f}% per doubling "
-            f"(below {knee['min_gain'] * 100:.0f}%) while median end-to-end latency grows {lat:.2f}x: the knee is "
-            f"at concurrency {c}.")
+    return (f"{rise}; past concurrency {c} no level gains more than {knee['next_gain_per_doubling'] * 100:.0f}% per "
+            f"doubling (below {knee['min_gain'] * 100:.0f}%) while median end-to-end latency grows {lat:.2f}x to the "
+            f"next level: the knee is at concurrency {c}.")
 
 
 def padding_factor(settings: Optional[dict], concurrency: int) -> dict:

@@ -1,0 +1,115 @@
+"""Layer-streamed quantize (pipeline.quant.streaming) against the in-memory path, on the same plan: the same
+checkpoint (config, quant_cfg.json and every tensor bit-equal) and the same accuracy figures, for one format,
+a mixed plan, and tensor parallelism; and what a bound too small for streaming gets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config as _tiny_config
+from safetensors import safe_open
+
+from pipeline.config import load_config
+from pipeline.errors import ConfigError, InputError
+from pipeline.runner import Runner
+from pipeline.stages import STAGES
+
+pytest.importorskip("modelopt.torch.quantization")
+
+LOOSE = ("quantization.accuracy.max_perplexity_increase_pct=1000", "quantization.accuracy.min_top1_agreement=0",
+         "quantization.accuracy.max_kl_divergence=100")
+MIXED = ("sensitivity.formats=[int4_awq, int8_sq]", "quantization.weight_format=int4_awq",
+         "quantization.awq_group_size=32", "quantization.kv_cache=int8", "sensitivity.threshold=5",
+         "plan.rules=[{pattern: lm_head, keep_high_precision: true}, "
+         "{pattern: 'model.layers.1.self_attn.[qkv]_proj', format: int8_sq}, "
+         "{pattern: 'model.layers.1.mlp.down_proj', format: int8_sq}, "
+         "{pattern: 'model.layers.0.mlp.up_proj', keep_high_precision: true}]")
+
+
+def _quantize(cfg: Path, work: Path, streaming: str, *overrides: str) -> Path:
+    Runner(load_config(cfg, [f"compute.layer_streaming={streaming}", *overrides]), STAGES, work).run(
+        ["quantize"], echo=lambda _: None)
+    return work / "tiny" / "quantize"
+
+
+def _tensors(ckpt: Path) -> dict:
+    out = {}
+    for f in sorted(ckpt.glob("rank*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            out.update({f"{f.name}:{k}": sf.get_tensor(k) for k in sf.keys()})
+    return out
+
+
+def _bytes(t):
+    import torch
+
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _config(ckpt: Path) -> dict:
+    config = json.loads((ckpt / "config.json").read_text())
+    q = config.get("quantization") or {}
+    if "exclude_modules" in q:  # ModelOpt writes list(set(...)): the order is the hash's
+        q["exclude_modules"] = sorted(q["exclude_modules"])
+    return config
+
+
+CASES = {
+    "int8_sq, int8 KV, kept layers": ("outlier", ("quantization.kv_cache=int8", "sensitivity.threshold=0.1")),
+    "fp8, fp8 KV, lm_head quantized": ("tiny", ("quantization.weight_format=fp8", "quantization.kv_cache=fp8",
+                                                 "sensitivity.formats=[fp8]", "plan.rules=[]",
+                                                 "sensitivity.threshold=5")),
+    "mixed int4 AWQ + int8 SQ": ("tiny", MIXED),
+    "int8_sq, tensor parallel 2": ("tiny", ("build.target=tensorrt", "build.tensor_parallel_size=2",
+                                            "sensitivity.threshold=5")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_streamed_checkpoint_is_bit_equal_to_the_in_memory_one(tmp_path, tiny_model_dir, outlier_model_dir, case):
+    which, overrides = CASES[case]
+    cfg = _tiny_config(tmp_path, outlier_model_dir if which == "outlier" else tiny_model_dir)
+    whole = _quantize(cfg, tmp_path / "whole", "never", *overrides, *LOOSE)
+    streamed = _quantize(cfg, tmp_path / "streamed", "always", *overrides, *LOOSE)
+    a, b = whole / "trtllm_checkpoint", streamed / "trtllm_checkpoint"
+    assert _config(a) == _config(b)
+    assert (a / "quant_cfg.json").is_file() == (b / "quant_cfg.json").is_file()
+    if (a / "quant_cfg.json").is_file():
+        assert json.loads((a / "quant_cfg.json").read_text()) == json.loads((b / "quant_cfg.json").read_text())
+    ta, tb = _tensors(a), _tensors(b)
+    assert sorted(ta) == sorted(tb)
+    unequal = [k for k in ta if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape
+               or not _bytes(ta[k]).equal(_bytes(tb[k]))]
+    assert not unequal, unequal[:5]
+    sa = json.loads((whole / "manifest.json").read_text())["summary"]
+    sb = json.loads((streamed / "manifest.json").read_text())["summary"]
+    assert sb["layer_streaming"] is True and sa["layer_streaming"] is False
+    for key in ("perplexity_original", "perplexity_quantized", "top1_agreement", "kl_divergence", "tokens"):
+        assert sb["accuracy"][key] == sa["accuracy"][key], key
+    for key, value in sa["accuracy"]["from_checkpoint"].items():
+        assert sb["accuracy"]["from_checkpoint"][key] == value, key
+    assert sb["checkpoint"]["read_back"] == sa["checkpoint"]["read_back"]
+    assert not (streamed / "layer_exports").exists()
+
+
+def test_a_bound_too_small_for_the_whole_model_streams_and_one_too_small_for_a_layer_is_refused(
+        tmp_path, tiny_model_dir):
+    """The tiny model is 0.6 MB in fp32 (a decoder layer 0.1 MB): a 1 MB bound cannot hold three copies, so
+    auto streams; 50 kB cannot hold one layer: refused before any work, naming the layer's size."""
+    from pipeline import compute
+    from pipeline.quant.quantize import quantize_streams
+
+    cfg = load_config(_tiny_config(tmp_path, tiny_model_dir)).config
+    need = compute.model_bytes(tiny_model_dir, "float32")
+    assert quantize_streams(tiny_model_dir, cfg, compute.Bound(need * 10, "test")) is False
+    assert quantize_streams(tiny_model_dir, cfg, compute.Bound(need * 2, "test")) is True
+    never = cfg.model_copy(update={"compute": cfg.compute.model_copy(update={"layer_streaming": "never"})})
+    with pytest.raises(InputError, match="layer_streaming"):
+        quantize_streams(tiny_model_dir, never, compute.Bound(need * 2, "test"))
+    with pytest.raises(ConfigError, match="one decoder layer of this model is"):
+        quantize_streams(tiny_model_dir, cfg, compute.Bound(50_000, "test"))
+    hf = cfg.model_copy(update={"quantization": cfg.quantization.model_copy(update={"export_hf_checkpoint": True})})
+    with pytest.raises(InputError, match="HF unified checkpoint"):
+        quantize_streams(tiny_model_dir, hf, compute.Bound(need * 2, "test"))
