@@ -24,6 +24,10 @@ Runs in a child process (pipeline.child) with its log beside the checkpoint. In 
    format, the KV-cache format and the plan's kept layers, and its config.json parses under transformers;
 8. the checkpoint read back by pipeline.checkpoint, and the same accuracy figures for that rebuilt model
    (without KV-cache quantization, which the CPU runtime adds).
+
+Steps 3-8 hold the model whole. A model that does not fit the memory bound so goes through the same steps
+one decoder layer at a time (``quantize_streams`` decides; pipeline.quant.streaming does it, and
+``run_stage`` reads its checkpoint back in a second child process), with a bit-equal checkpoint.
 """
 
 from __future__ import annotations

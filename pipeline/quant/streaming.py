@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from pipeline.errors import InputError, StageFailed
-from pipeline.formats import HIGH_PRECISION
+from pipeline.formats import AWQ_FORMATS, HIGH_PRECISION
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +399,9 @@ def assemble(exports: list[Path], ckpt: Path, tp: int) -> dict:
 def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, build, model_config: dict,
                       ckpt: Path, scratch: Path, device: str, dtype_name: str, table_layers: dict,
                       baseline: bool) -> dict:
-    """Calibrate, gate and export layer by layer; returns {"accuracy", "calibrate_s", "assembled"}.
+    """Calibrate, gate and export layer by layer; returns {"accuracy", "calibrate_s", "assembled",
+    "reference_final_hidden"} (the original model's final hidden states of the evaluation set, for the
+    read-back's figures).
 
     ``scratch``: a folder for the per-layer exports (removed after). Raises StageFailed when the gate fails,
     before anything is written to ``ckpt``."""
@@ -413,8 +415,7 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
     export_dtype = torch.bfloat16 if build.dtype == "bfloat16" else torch.float16
     config = AutoConfig.from_pretrained(model_dir)
     config._attn_implementation = "sdpa"
-    if any(plan_doc["layers"][n]["format"] in ("int4_awq", "w4a8_awq") for n in plan_doc["layers"]) \
-            and config.vocab_size % EXPORT_VOCAB:
+    if any(e["format"] in AWQ_FORMATS for e in plan_doc["layers"].values()) and config.vocab_size % EXPORT_VOCAB:
         raise InputError(f"layer streaming cannot export INT4 AWQ layers of a model whose vocabulary "
                          f"({config.vocab_size}) is not a multiple of 64 (ModelOpt pads it when it exports the "
                          f"whole model); use compute.layer_streaming: never on a machine with more memory")
