@@ -94,14 +94,15 @@ def test_a_bound_below_one_decoder_layer_is_refused_naming_both(tiny_model_dir):
 
 def test_quantize_refuses_a_model_that_cannot_fit_in_memory_before_starting(tiny_model_dir):
     from pipeline.config import QuantizationSection
-    from pipeline.quant.quantize import IN_MEMORY_COPIES, check_host_memory
+    from pipeline.quant.quantize import EVAL_BATCH, IN_MEMORY_COPIES, LIBRARIES_BYTES, LOGIT_COPIES, check_host_memory
 
     fp32 = compute.model_bytes(tiny_model_dir, "float32")
-    need = check_host_memory(tiny_model_dir, QuantizationSection(), compute.Bound(10 * fp32, "x"))
-    assert need == IN_MEMORY_COPIES * fp32
-    with pytest.raises(InputError, match="holds the model 4 times in fp32"):
+    logits = EVAL_BATCH * 64 * 512 * 4 * LOGIT_COPIES  # 64 evaluation tokens per sequence, a 512-token vocabulary
+    need = check_host_memory(tiny_model_dir, QuantizationSection(), compute.Bound(2**40, "x"), 64)
+    assert need == IN_MEMORY_COPIES * fp32 + LIBRARIES_BYTES + logits
+    with pytest.raises(InputError, match="the model 4 times in fp32"):
         check_host_memory(tiny_model_dir, QuantizationSection(export_hf_checkpoint=True, kv_cache="fp8"),
-                          compute.Bound(4 * fp32 - 1, "x"))
+                          compute.Bound(4 * fp32 + LIBRARIES_BYTES + logits - 1, "x"), 64)
 
 
 @pytest.mark.skipif(compute.nvidia_gpu_count() > 0, reason="this machine has a GPU")

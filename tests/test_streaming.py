@@ -96,20 +96,21 @@ def test_streamed_checkpoint_is_bit_equal_to_the_in_memory_one(tmp_path, tiny_mo
 
 def test_a_bound_too_small_for_the_whole_model_streams_and_one_too_small_for_a_layer_is_refused(
         tmp_path, tiny_model_dir):
-    """The tiny model is 0.6 MB in fp32 (a decoder layer 0.1 MB): a 1 MB bound cannot hold three copies, so
-    auto streams; 50 kB cannot hold one layer: refused before any work, naming the layer's size."""
+    """A bound below the in-memory estimate streams (auto), or is refused (never); one below a decoder layer
+    (the tiny model's is 0.1 MB) is refused before any work, naming the layer's size."""
     from pipeline import compute
-    from pipeline.quant.quantize import quantize_streams
+    from pipeline.quant.quantize import check_host_memory, quantize_streams
 
     cfg = load_config(_tiny_config(tmp_path, tiny_model_dir)).config
-    need = compute.model_bytes(tiny_model_dir, "float32")
-    assert quantize_streams(tiny_model_dir, cfg, compute.Bound(need * 10, "test")) is False
-    assert quantize_streams(tiny_model_dir, cfg, compute.Bound(need * 2, "test")) is True
+    need = check_host_memory(tiny_model_dir, cfg.quantization, compute.Bound(2**40, "x"),
+                             cfg.text.evaluation.seq_len)
+    assert quantize_streams(tiny_model_dir, cfg, compute.Bound(need, "test")) is False
+    assert quantize_streams(tiny_model_dir, cfg, compute.Bound(need - 1, "test")) is True
     never = cfg.model_copy(update={"compute": cfg.compute.model_copy(update={"layer_streaming": "never"})})
     with pytest.raises(InputError, match="layer_streaming"):
-        quantize_streams(tiny_model_dir, never, compute.Bound(need * 2, "test"))
+        quantize_streams(tiny_model_dir, never, compute.Bound(need - 1, "test"))
     with pytest.raises(ConfigError, match="one decoder layer of this model is"):
         quantize_streams(tiny_model_dir, cfg, compute.Bound(50_000, "test"))
     hf = cfg.model_copy(update={"quantization": cfg.quantization.model_copy(update={"export_hf_checkpoint": True})})
     with pytest.raises(InputError, match="HF unified checkpoint"):
-        quantize_streams(tiny_model_dir, hf, compute.Bound(need * 2, "test"))
+        quantize_streams(tiny_model_dir, hf, compute.Bound(need - 1, "test"))

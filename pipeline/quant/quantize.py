@@ -448,25 +448,33 @@ def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, m
 
 # On the CPU this stage holds the model whole, in fp32, several times at once: the original (the accuracy
 # gate's reference), the copy ModelOpt quantizes, the model rebuilt from the checkpoint for the read-back
-# check, and a copy for the HF export when one is asked for. A model that does not fit so is quantized one
-# decoder layer at a time (quantize_streams, pipeline.quant.streaming). The measured peak is higher than this
-# floor (README, "Memory").
+# check, and a copy for the HF export when one is asked for; besides, the libraries, and the gate's logits
+# over the vocabulary for a batch of evaluation sequences (both models', and copies). Fitted to SmolLM2's
+# default config: 3 x 0.50 GiB + 0.59 GiB + 4 x 256 x 49152 x 4 B x 6 = 3.2 GiB estimated, 3.29 GiB measured
+# (scripts/bench_streaming.py). A model that does not fit so is quantized one decoder layer at a time
+# (quantize_streams, pipeline.quant.streaming).
 IN_MEMORY_COPIES = 3
+LIBRARIES_BYTES = 600 * 2**20  # torch, transformers and ModelOpt imported: 555 MB of RSS (CPU wheels)
+LOGIT_COPIES = 6
 
 
-def check_host_memory(model_dir: Path, quant: QuantizationSection, bound) -> int:
+def check_host_memory(model_dir: Path, quant: QuantizationSection, bound, eval_seq_len: int = 0) -> int:
     """Refuse, before any work, a model whose in-memory quantization cannot fit ``bound`` (a compute.Bound);
-    returns the bytes it needs."""
+    returns the bytes it needs (an estimate: see IN_MEMORY_COPIES)."""
     from pipeline import compute as comp
 
     fp32 = comp.model_bytes(model_dir, "float32")
-    need = fp32 * (IN_MEMORY_COPIES + int(quant.export_hf_checkpoint))
+    copies = IN_MEMORY_COPIES + int(quant.export_hf_checkpoint)
+    vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size") or 0
+    logits = EVAL_BATCH * eval_seq_len * vocab * 4 * LOGIT_COPIES
+    need = fp32 * copies + LIBRARIES_BYTES + logits
     if need > bound.bytes:
         raise InputError(
-            f"quantize on the CPU holds the model {need // fp32} times in fp32 ({comp.gib(fp32)} each, "
-            f"{comp.gib(need)} in all), more than the memory bound {bound.text()}, and compute.layer_streaming "
-            f"is never. Set it to auto to quantize one decoder layer at a time, run it on a GPU "
-            f"(compute.device: cuda), or on a machine with more memory (compute.max_host_memory).")
+            f"quantize in memory on the CPU would hold about {comp.gib(need)}: the model {copies} times in fp32 "
+            f"({comp.gib(fp32)} each), the libraries ({comp.gib(LIBRARIES_BYTES)}) and the accuracy gate's "
+            f"logits ({comp.gib(logits)}); more than the memory bound {bound.text()}, and "
+            f"compute.layer_streaming is never. Set it to auto to quantize one decoder layer at a time, run it on "
+            f"a GPU (compute.device: cuda), or on a machine with more memory (compute.max_host_memory).")
     return need
 
 
@@ -480,7 +488,7 @@ def quantize_streams(model_dir: Path, cfg, bound) -> bool:
     stream = mode == "always"
     if not stream and on_cpu:
         try:
-            check_host_memory(model_dir, cfg.quantization, bound)
+            check_host_memory(model_dir, cfg.quantization, bound, cfg.text.evaluation.seq_len)
         except InputError:
             if mode == "never":
                 raise
