@@ -32,6 +32,7 @@ one decoder layer at a time (``quantize_streams`` decides; pipeline.quant.stream
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import json
@@ -75,6 +76,11 @@ def trtllm_name(hf_name: str) -> str:
         return "lm_head"
     parts = hf_name.split(".")
     return f"transformer.layers.{parts[2]}.{TRTLLM_MODULE[parts[-1]]}"
+
+
+def kept_layers(plan_doc: dict) -> set[str]:
+    """The layers the plan keeps in high precision (HF names)."""
+    return {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
 
 
 def quantized_formats(plan_doc: dict) -> set[str]:
@@ -208,30 +214,34 @@ def calibration_phases(plan_doc: dict, quant: QuantizationSection) -> list[tuple
     return sorted(phases.values(), key=lambda p: (method(p[0]), json.dumps(p[0], sort_keys=True)))
 
 
+@contextlib.contextmanager
+def paused_quantizers(model, keep: tuple[str, ...] = ()):
+    """Every enabled quantizer of ``model`` disabled meanwhile (its layer computes in full precision, its scales
+    stay), except those under the module prefixes ``keep``; yields the kept ones."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    enabled = [(n, m) for n, m in model.named_modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
+    paused = [m for n, m in enabled if not n.startswith(keep)] if keep else [m for _, m in enabled]
+    for m in paused:
+        m.disable()
+    try:
+        yield [m for n, m in enabled if keep and n.startswith(keep)]
+    finally:
+        for m in paused:
+            m.enable()
+
+
 def _calibrate_phase(model, algorithm, layers: list[str], forward_loop) -> None:
     """One calibration algorithm on some layers only: every other enabled quantizer is paused meanwhile, so
     its scales stay as they are and its layers compute in full precision (as in a single-format calibration)."""
     import modelopt.torch.quantization as mtq
-    from modelopt.torch.quantization.nn import TensorQuantizer
 
-    prefixes = tuple(f"{n}." for n in layers)
-    paused = []
-    for n, m in model.named_modules():
-        if not isinstance(m, TensorQuantizer) or not m.is_enabled:
-            continue
-        if n.startswith(prefixes):  # forget the first max pass: the algorithm collects its own statistics
+    with paused_quantizers(model, keep=tuple(f"{n}." for n in layers)) as mine:
+        for m in mine:  # forget the first max pass: the algorithm collects its own statistics
             m.reset_amax()
             if m._calibrator is not None:
                 m._calibrator.reset()
-        else:
-            paused.append(m)
-    for m in paused:
-        m.disable()
-    try:
         mtq.calibrate(model, algorithm, forward_loop)
-    finally:
-        for m in paused:
-            m.enable()
 
 
 def _set_block_size(cfg, group: int) -> None:
@@ -342,7 +352,7 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
     cfg = json.loads((ckpt / "config.json").read_text())
     q = cfg.get("quantization", {})
     problems = []
-    kept = {trtllm_name(n) for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
+    kept = {trtllm_name(n) for n in kept_layers(plan_doc)}
     formats = quantized_formats(plan_doc)
     if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
         problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_CACHE_ALGOS[quant.kv_cache]})")
@@ -409,7 +419,7 @@ def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, m
     q = json.loads(path.read_text()).get("quantization", {})
     formats = quantized_formats(plan_doc)
     layers = list(plan_doc["layers"])
-    kept = {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
+    kept = kept_layers(plan_doc)
     if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
         problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_CACHE_ALGOS[quant.kv_cache]})")
     if len(formats) <= 1:
@@ -555,7 +565,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     calib = torch.as_tensor(load_file(str(calibration_file))[artifacts.TOKENS_KEY])
     evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
     ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
-    kept = {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
+    kept = kept_layers(plan_doc)
     if stream:
         from pipeline.quant import streaming
 
@@ -632,8 +642,8 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     if device == "cuda":  # fp32, as read; on the GPU the evaluation pass takes seconds, not hours
         rebuilt = rebuilt.to(_input_device(original))
     from_ckpt = _accuracy(original, rebuilt, evals)
-    return _finish(out_dir, accuracy, from_ckpt, read_facts, exported, hf_exported, generations, plan_doc, calib,
-                   evals, comp.compute_record(device, ref_dtype, bound), t_quant, t0)
+    return _finish(out_dir, accuracy, from_ckpt, read_facts, exported, hf_exported, generations, plan_doc,
+                   int(calib.numel()), int(evals.numel()), comp.compute_record(device, ref_dtype, bound), t_quant, t0)
 
 
 READ_BACK_REFERENCE = "read_back_reference.safetensors"  # the streamed pass's original final hidden states
@@ -654,7 +664,7 @@ def finish_streamed(model_dir: Path, evaluation_file: Path, plan_file: Path, tab
     streaming.return_freed_memory_to_the_os()
     table_layers = {l["name"]: l for l in json.loads(table_file.read_text())["layers"]}
     plan_doc = read_plan(plan_file, list(table_layers))
-    kept = {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
+    kept = kept_layers(plan_doc)
     evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
     reference = out_dir / READ_BACK_REFERENCE
     hidden = load_torch(str(reference))["hidden"].to(partial["device"])
@@ -683,7 +693,8 @@ def run_stage(model_dir: Path, calibration_file: Path, evaluation_file: Path, pl
 
 
 def _finish(out_dir: Path, accuracy: dict, from_ckpt: dict, read_facts: dict, exported: dict, hf_exported,
-            generations: list[dict], plan_doc: dict, calib, evals, compute_record: dict, t_quant: float, t0: float,
+            generations: list[dict], plan_doc: dict, calibration_tokens: int, evaluation_tokens: int,
+            compute_record: dict, t_quant: float, t0: float,
             streamed: bool = False) -> dict:
     """The accuracy files, and the stage's summary."""
     ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
@@ -696,8 +707,7 @@ def _finish(out_dir: Path, accuracy: dict, from_ckpt: dict, read_facts: dict, ex
             "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),
             "hf_checkpoint": hf_exported, "layer_streaming": streamed,
             "kept_high_precision": sum(e["format"] == HIGH_PRECISION for e in plan_doc["layers"].values()),
-            "calibration_tokens": int(calib if isinstance(calib, int) else calib.numel()),
-            "evaluation_tokens": int(evals if isinstance(evals, int) else evals.numel()),
+            "calibration_tokens": calibration_tokens, "evaluation_tokens": evaluation_tokens,
             "compute": compute_record,
             "timing_s": {"calibrate": round(t_quant, 1), "total": round(time.perf_counter() - t0, 1)}}
 

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from pipeline.errors import InputError, StageFailed
-from pipeline.formats import AWQ_FORMATS, HIGH_PRECISION
+from pipeline.formats import AWQ_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -175,21 +175,6 @@ def _weights_may_all_stay(yes: bool):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = before
-
-
-@contextlib.contextmanager
-def _paused(model):
-    """Every enabled quantizer of ``model`` disabled meanwhile (as quantize._calibrate_phase pauses them)."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    paused = [m for m in model.modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
-    for m in paused:
-        m.disable()
-    try:
-        yield
-    finally:
-        for m in paused:
-            m.enable()
 
 
 def _libc():
@@ -427,7 +412,7 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
 
     register_custom_model_plugins_on_the_fly(model)
     cfg = None if baseline else q.modelopt_config(plan_doc, quant)
-    quantized = {n for n, e in plan_doc["layers"].items() if e["format"] != HIGH_PRECISION}
+    quantized = set(plan_doc["layers"]) - q.kept_layers(plan_doc)
     phases = [] if baseline else q.calibration_phases(plan_doc, quant)
     decoder = q.DECODER_TYPE[model_config["model_type"]]
     tp = build.tensor_parallel_size
@@ -456,7 +441,7 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
                 with _weights_may_all_stay(not any(n.startswith(prefix) for n in quantized)):
                     mtq.quantize(holder, cfg, lambda m, _i=i: cal[0].through(m.model.layers[str(_i)]))
                 for k, (algorithm, names) in enumerate(phases, start=1):
-                    with _paused(holder):
+                    with q.paused_quantizers(holder):
                         nxt.append(cal[k].through(holder.model.layers[str(i)]))
                     mine = [n for n in names if n.startswith(prefix)]
                     if mine:
@@ -539,8 +524,9 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
 
 def _peak() -> str:
     from pipeline.child import own_peak_rss
+    from pipeline.compute import gib
 
-    return f"{own_peak_rss() / 2**30:.2f} GiB"
+    return gib(own_peak_rss())
 
 
 def read_back_streamed(ckpt: Path, model_dir: Path, kept: set[str], evals, reference_final_hidden,
