@@ -473,6 +473,14 @@ class TritonSection(Strict):
         return v
 
 
+class VerifySection(Strict):
+    """`invoke verify` (pipeline/serving/verify.py): how much each check asks of the server."""
+
+    max_tokens: int = Field(16, ge=1, le=256)  # greedy tokens per prompt, in every check
+    # sent at once in the concurrency check (more than build.max_batch_size also tests the queue)
+    concurrent_requests: int = Field(16, ge=1, le=256)
+
+
 class BenchSection(Strict):
     """`invoke bench` (pipeline/serving/bench/): a closed-loop concurrency sweep over the streaming model."""
 
@@ -595,6 +603,7 @@ class PipelineConfig(Strict):
     quantization: QuantizationSection = QuantizationSection()
     build: BuildSection = BuildSection()
     triton: TritonSection = TritonSection()
+    verify: VerifySection = VerifySection()
     bench: BenchSection = BenchSection()
     image: ImageSection = ImageSection()
 

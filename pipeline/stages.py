@@ -116,7 +116,8 @@ def _run_publish(ctx: StageContext) -> dict:
 def _run_verify(ctx: StageContext) -> dict:
     from pipeline.serving.verify import verify
 
-    return verify(ctx.upstream("publish"), ctx.out_dir)
+    v = ctx.config.verify
+    return verify(ctx.upstream("publish"), ctx.out_dir, max_tokens=v.max_tokens, concurrent=v.concurrent_requests)
 
 
 def _run_bench(ctx: StageContext) -> dict:
@@ -188,7 +189,8 @@ STAGES: list[StageDef] = [
     StageDef("publish", "Triton model repository", needs=("model", "plan", "build"),
              sections=("triton", "build.target", "build.trtllm_version", "image.base_tag", "image.base_trtllm_version"),
              run=_run_publish),
-    StageDef("verify", "real Triton server checks", needs=("publish",), sections=("triton",), run=_run_verify),
+    StageDef("verify", "real Triton server checks", needs=("publish",), sections=("triton", "verify"),
+             run=_run_verify),
     StageDef("bench", "throughput and latency sweep", needs=("text", "build", "publish"), sections=("bench",),
              external_inputs=_bench_fingerprint, run=_run_bench),
     StageDef("report", "the build report", needs=("verify", "bench"), run=_run_report),

@@ -36,3 +36,14 @@ def allocate_in_cgroup(cgroup: str, mib: int) -> int:
         chunks.append(bytearray(16 << 20))  # bytearray zero-fills: the pages are really touched
         time.sleep(0.05)
     return len(chunks)
+
+
+def generate_in_cgroup(cgroup: str, bundle: str, layer_streaming: str, prompts: list[list[int]], tokens: int):
+    """Join a memory cgroup, load a cpu bundle's runtime there and decode ``prompts`` together (greedy);
+    returns (their tokens, whether the layers were streamed, what the runtime read of them)."""
+    Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
+    from pipeline.engines.cpu_runtime import CpuRuntime, SamplingParams
+
+    with CpuRuntime.load(bundle, layer_streaming=layer_streaming) as rt:
+        requests = [rt.submit(p, SamplingParams(max_new_tokens=tokens)) for p in prompts]
+        return [r.result(timeout=600) for r in requests], rt.layer_streaming

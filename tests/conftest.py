@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -45,6 +46,38 @@ def kill_the_starter(code: str, wait_s: float = 30) -> tuple[dict, list[int]]:
     if left:  # the test started them: they end here, and the test fails on what it got
         os.killpg(facts["pid"], signal.SIGKILL)
     return facts, left
+
+
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+needs_memory_cgroup = pytest.mark.skipif(
+    os.geteuid() != 0 or not (CGROUP_V1 / "cgroup.procs").is_file(),
+    reason="needs root and the cgroup v1 memory controller (as on the CI machines)")
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A new memory cgroup under this process's own, its limit enforced by the kernel; yields its folder (a
+    child joins it by writing its pid to ``cgroup.procs``) and removes it once its processes are gone."""
+    import time
+    import uuid
+
+    own = Path("/proc/self/cgroup").read_text()
+    parent = CGROUP_V1 / next(line.split(":", 2)[2] for line in own.splitlines()
+                              if "memory" in line.split(":")[1].split(",")).lstrip("/")
+    cg = parent / f"pipeline-test-{uuid.uuid4().hex[:8]}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        if (cg / "memory.memsw.limit_in_bytes").exists():  # no swapping past the cap either
+            (cg / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+        yield cg
+    finally:
+        for _ in range(50):  # a killed child leaves the cgroup as the kernel reaps it
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 def write_yaml(path: Path, text: str) -> Path:

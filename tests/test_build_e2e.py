@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import kill_the_starter, run_invoke
+from conftest import kill_the_starter, memory_cgroup, needs_memory_cgroup, run_invoke
 
 from pipeline.engines import reference
 from pipeline.engines.cpu_runtime import CpuRuntime, SamplingParams
@@ -19,6 +19,7 @@ PROMPTS = ["The capital of France is", "A function in Python is defined with", "
            "The three primary colors are", "To sort a list in Python you can", "Water boils at",
            "The largest planet in the solar system is", "def fibonacci(n):"]
 NEW_TOKENS = 16
+CAP = 850 * 2**20  # anonymous memory measured in the runtime: streamed 0.58 GB, resident 1.15 GB
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +112,65 @@ def test_a_killed_run_leaves_no_model_process_and_the_next_run_clears_its_leftov
     assert all(p.exists() for p in leftovers)  # nobody was left to remove them ...
     removed = remove_stale_leftovers()  # ... until the next server starts
     assert set(leftovers) <= set(removed) and not any(p.exists() for p in leftovers)
+
+
+def test_streamed_layers_give_the_resident_weights_tokens(built, prompt_ids):
+    """Layer streaming (for a model larger than memory: each decoder layer is read from the checkpoint when a
+    forward reaches it, then dropped) computes what the resident weights compute: the same greedy tokens,
+    8 sequences batched; no decoder layer holds a weight between forwards."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+
+    def batched(rt):
+        requests = [rt.submit(ids, params) for ids in prompt_ids]
+        return [r.result(timeout=600) for r in requests]
+
+    with CpuRuntime.load(built / "cpu_bundle", layer_streaming="never") as rt:
+        assert not rt.layer_streaming
+        want = batched(rt)
+    with CpuRuntime.load(built / "cpu_bundle", layer_streaming="always") as rt:
+        assert rt.layer_streaming
+        assert batched(rt) == want
+        held = [n for n, p in rt.model.model.layers.named_parameters() if not p.is_meta]
+        assert held == []
+        assert not any(p.is_meta for p in rt.model.model.embed_tokens.parameters())
+
+
+@needs_memory_cgroup
+def test_under_a_cap_the_resident_runtime_is_killed_and_the_streamed_one_serves(built, prompt_ids, tmp_path):
+    """A real memory cap between the two: the kernel kills the runtime that holds SmolLM2's 0.5 GiB of fp32
+    weights; the streamed one, in the same cap, gives the uncapped runtime's tokens."""
+    from child_targets import generate_in_cgroup
+
+    from pipeline.child import run_in_child
+    from pipeline.errors import StageFailed
+
+    bundle, prompts = str(built / "cpu_bundle"), prompt_ids[:4]
+    with CpuRuntime.load(bundle, layer_streaming="never") as rt:
+        requests = [rt.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+        want = [r.result(timeout=600) for r in requests]
+    with memory_cgroup(CAP) as cg:
+        (got, streamed), _ = run_in_child(generate_in_cgroup, str(cg), bundle, "always", prompts, 8,
+                                             log_path=tmp_path / "streamed.log")
+        assert streamed and got == want
+        with pytest.raises(StageFailed, match="memory"):
+            run_in_child(generate_in_cgroup, str(cg), bundle, "never", prompts, 8, log_path=tmp_path / "resident.log")
+
+
+@needs_memory_cgroup
+def test_auto_streams_in_a_small_cgroup_and_refuses_one_too_small_for_a_layer(built, prompt_ids, tmp_path):
+    """``layer_streaming: auto`` finds the serving process's bound itself (its cgroup's limit less what the
+    cgroup holds): in the cap above it streams; in 400 MiB, where not even the embedding, one layer, the
+    pool and the libraries fit, it refuses before loading anything, naming the sizes."""
+    from child_targets import generate_in_cgroup
+
+    from pipeline.child import run_in_child
+    from pipeline.errors import InputError
+
+    bundle, prompts = str(built / "cpu_bundle"), prompt_ids[:1]
+    with memory_cgroup(CAP) as cg:
+        (_, streamed), _ = run_in_child(generate_in_cgroup, str(cg), bundle, "auto", prompts, 2,
+                                        log_path=tmp_path / "auto.log")
+    assert streamed
+    with memory_cgroup(400 * 2**20) as cg:
+        with pytest.raises(InputError, match=r"needs at least [0-9.]+ GiB to serve even one decoder layer"):
+            run_in_child(generate_in_cgroup, str(cg), bundle, "auto", prompts, 2, log_path=tmp_path / "tiny.log")

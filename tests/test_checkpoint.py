@@ -147,6 +147,26 @@ def test_tensor_parallel_ranks_read_back_to_the_single_rank_model(case, exported
     assert torch.allclose(a, b, rtol=0, atol=1e-3 * float(a.abs().max()))
 
 
+@pytest.mark.parametrize("case", ["int4_awq+int8_sq", "fp8"])
+def test_streamed_layers_compute_what_the_rebuilt_model_computes(case, exported, tiny_model_dir, tokens):
+    """``rebuild(streamed=True)`` (the cpu runtime's way with a model larger than memory): the decoder layers
+    hold no weight until a forward reaches them and none after it, and the logits are bit-equal to the
+    model rebuilt whole, on two ranks too; a second forward reads every layer again."""
+    e = exported(case)
+    for ckpt in (e["ckpt"][1], e["ckpt"][2]):
+        whole, _ = rebuild(ckpt, tiny_model_dir, _kept(e["plan"]))
+        streamed, facts = rebuild(ckpt, tiny_model_dir, _kept(e["plan"]), streamed=True)
+        layers = streamed.model.layers
+        assert all(p.is_meta for p in layers.parameters())
+        with torch.no_grad():
+            want = whole(tokens[1]).logits
+            assert torch.equal(streamed(tokens[1]).logits, want)
+            assert all(p.is_meta for p in layers.parameters())
+            assert torch.equal(streamed(tokens[1]).logits, want)
+        assert streamed.streamed_layers.loads == 2 * len(layers)
+        assert facts["formats"] and facts["tp_size"] in (1, 2)
+
+
 def test_unpack_int4_inverts_modelopt_packing():
     from modelopt.torch.export.quant_utils import pack_int4_in_uint8
 

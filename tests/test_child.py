@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import uuid
-from pathlib import Path
-
 import child_targets as targets
 import pytest
+from conftest import memory_cgroup, needs_memory_cgroup
 
 from pipeline.child import run_in_child
 from pipeline.compute import Bound
 from pipeline.errors import ConfigError, StageFailed
-
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
 
 def test_result_and_peak_rss_is_the_childs_own(tmp_path):
@@ -42,25 +37,11 @@ def test_a_killed_child_is_a_stage_failure_not_a_hang(tmp_path):
         run_in_child(targets.killed, log_path=tmp_path / "stage.log")
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not (CGROUP_V1 / "cgroup.procs").is_file(),
-                    reason="needs root and cgroup v1 memory controller (as on the CI machines)")
+@needs_memory_cgroup
 def test_out_of_memory_kill_names_the_likely_cause(tmp_path):
-    cg = CGROUP_V1 / f"pipeline-test-{uuid.uuid4().hex[:8]}"
-    cg.mkdir()
-    try:
-        (cg / "memory.limit_in_bytes").write_text(str(200 * 2**20))
-        if (cg / "memory.memsw.limit_in_bytes").exists():
-            (cg / "memory.memsw.limit_in_bytes").write_text(str(200 * 2**20))
-        bound = Bound(200 * 2**20, "a test cgroup")
+    bound = Bound(200 * 2**20, "a test cgroup")
+    with memory_cgroup(200 * 2**20) as cg:
         with pytest.raises(StageFailed, match=r"^quantize: .*ran out of memory; its peak memory was at least "
                                               r"[0-9.]+ GiB, against a bound of 0.20 GiB \(a test cgroup\)"):
             run_in_child(targets.allocate_in_cgroup, str(cg), 600, log_path=tmp_path / "stage.log",
                          what="quantize", bound=bound)
-    finally:
-        for _ in range(50):  # the killed child leaves the cgroup as the kernel reaps it
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                import time
-                time.sleep(0.1)

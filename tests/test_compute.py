@@ -8,18 +8,15 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, memory_cgroup, needs_memory_cgroup
 
 from pipeline import compute
 from pipeline.child import run_in_child
 from pipeline.config import ComputeSection
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError
-
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
 
 def _limit_in(cgroup: str) -> tuple[int, str]:  # runs in a child that joins the cgroup first
@@ -35,36 +32,13 @@ def _bound_in(cgroup: str, ballast_mib: int) -> tuple[int, str, int]:  # a child
     return limit, source, bound.bytes
 
 
-def _v1_cgroup() -> Path:
-    own = Path("/proc/self/cgroup").read_text()
-    parent = CGROUP_V1 / next(line.split(":", 2)[2] for line in own.splitlines()
-                              if "memory" in line.split(":")[1].split(",")).lstrip("/")
-    cg = parent / f"pipeline-test-{uuid.uuid4().hex[:8]}"
-    cg.mkdir()
-    (cg / "memory.limit_in_bytes").write_text(str(300 * 2**20))
-    return cg
-
-
-def _remove(cg: Path) -> None:
-    for _ in range(50):
-        try:
-            cg.rmdir()
-            return
-        except OSError:
-            time.sleep(0.1)
-
-
-@pytest.mark.skipif(os.geteuid() != 0 or not (CGROUP_V1 / "cgroup.procs").is_file(),
-                    reason="needs root and cgroup v1 memory controller (as on the CI machines)")
+@needs_memory_cgroup
 def test_the_default_bound_is_the_memory_cgroups_limit_less_what_its_processes_hold(tmp_path):
     """A stage's parent computes its child's bound while it stays in the same cgroup: what the cgroup's
     processes hold already (here: 100 MiB of ballast and the interpreter) is not the child's to use."""
-    cg = _v1_cgroup()
-    try:
+    with memory_cgroup(300 * 2**20) as cg:
         (limit, source), _ = run_in_child(_limit_in, str(cg), log_path=tmp_path / "child.log")
         (_, _, bound), _ = run_in_child(_bound_in, str(cg), 100, log_path=tmp_path / "child2.log")
-    finally:
-        _remove(cg)
     assert limit == 300 * 2**20 and str(cg) in source
     assert bound <= 200 * 2**20  # 300 MiB less at least the 100 MiB ballast
     assert bound > 100 * 2**20  # an interpreter with the pipeline's light imports holds far less than 100 MiB

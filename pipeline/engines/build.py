@@ -76,7 +76,7 @@ def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> dict:
     bundle = out_dir / artifacts.CPU_BUNDLE_DIR
     shutil.copytree(ckpt_dir, bundle / artifacts.CPU_CHECKPOINT_SUBDIR)
     copy_model_files(model_dir, bundle / artifacts.CPU_MODEL_SUBDIR)
-    runtime = bundle_settings(b, kv_algo)
+    runtime = bundle_settings(b, kv_algo, cfg.compute)
     (bundle / artifacts.CPU_RUNTIME_FILE).write_text(json.dumps(runtime, indent=2) + "\n")
     smoke, peak_rss = run_in_child(smoke_test, bundle, log_path=out_dir / artifacts.STAGE_LOG_FILE)
     ckpt_hash = checkpoint_sha256(ckpt_dir)
@@ -103,9 +103,10 @@ def smoke_test(bundle: Path) -> dict:
         t_load = time.perf_counter() - t0
         ids = tok(SMOKE_PROMPT).input_ids
         out = rt.generate(ids, SamplingParams(max_new_tokens=SMOKE_TOKENS))
-        kv_bytes = rt.pool.bytes
+        kv_bytes, streamed = rt.pool.bytes, rt.layer_streaming
     return {"prompt": SMOKE_PROMPT, "output": tok.decode(out), "output_ids": out, "load_s": round(t_load, 1),
-            "kv_pool_bytes": kv_bytes}
+            "kv_pool_bytes": kv_bytes, "layer_streaming": streamed,
+            "generate_s": round(time.perf_counter() - t0 - t_load, 1)}
 
 
 def _version(dist: str) -> str | None:

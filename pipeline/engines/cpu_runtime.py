@@ -4,7 +4,8 @@ A reference for correctness and wiring, not a TensorRT engine. What it computes 
 from:
 - weights: the TensorRT-LLM checkpoint read back by ``pipeline.quant.checkpoint`` (INT8/FP8/INT4 codes times their
   scales), with the calibrated activation quantization (SmoothQuant pre-scales, per-tensor INT8/FP8) applied
-  in front of each quantized GEMM;
+  in front of each quantized GEMM; held whole in fp32, or, when that does not fit this process's memory
+  bound, streamed: each decoder layer read from the checkpoint when a forward reaches it (``weights_streamed``);
 - KV cache: a paged block pool (``tokens_per_block`` tokens per block, blocks handed out as sequences grow)
   that stores K and V as INT8 or FP8 codes with the checkpoint's per-layer ``kv_cache_scaling_factor``, as
   TensorRT-LLM's quantized KV cache does. Like the engine's context phase (paged context FMHA is off with an
@@ -273,33 +274,36 @@ class CpuRuntime:
         self._thread.start()
 
     @classmethod
-    def load(cls, bundle_dir: Path | str, quantize_kv_cache: bool = True, threads: Optional[int] = None) \
-            -> "CpuRuntime":
-        """``quantize_kv_cache=False`` keeps the KV cache in fp32 (for comparisons with the unquantized cache)."""
+    def load(cls, bundle_dir: Path | str, quantize_kv_cache: bool = True, threads: Optional[int] = None,
+             layer_streaming: Optional[str] = None) -> "CpuRuntime":
+        """``quantize_kv_cache=False`` keeps the KV cache in fp32 (for comparisons with the unquantized cache).
+        ``layer_streaming`` (auto | always | never) overrides the bundle's ``runtime.json``: see
+        ``weights_streamed``."""
         from pipeline.quant.checkpoint import rebuild
 
         bundle = Path(bundle_dir)
-        settings_file = bundle / artifacts.CPU_RUNTIME_FILE
-        if not settings_file.is_file():
-            raise InputError(f"{bundle} is not a cpu runtime bundle (no {artifacts.CPU_RUNTIME_FILE}); run `invoke build` first")
-        settings = json.loads(settings_file.read_text())
+        settings = read_settings(bundle)
         if threads:
             torch.set_num_threads(threads)
         ckpt, model_dir = bundle / artifacts.CPU_CHECKPOINT_SUBDIR, bundle / artifacts.CPU_MODEL_SUBDIR
-        model, facts = rebuild(ckpt, model_dir)
+        kv_algo = json.loads((ckpt / "config.json").read_text()).get("quantization", {}).get("kv_cache_quant_algo")
+        kv_algo = kv_algo if quantize_kv_cache else None
+        streamed, why = weights_streamed(bundle, settings, layer_streaming or settings.get("layer_streaming", "auto"))
+        model, facts = rebuild(ckpt, model_dir, streamed=streamed)
         model.eval()
         cfg = model.config
-        kv_algo = facts.get("kv_cache_quant_algo") if quantize_kv_cache else None
         scales = kv_cache_scales(ckpt, cfg.num_hidden_layers) if kv_algo else None
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, settings["tokens_per_block"],
+        pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, _head_dim(cfg), settings["tokens_per_block"],
                            settings["num_blocks"], kv_algo, scales)
         eos = getattr(model.generation_config, "eos_token_id", None) or cfg.eos_token_id
         if isinstance(eos, (list, tuple)):
             eos = eos[0]
-        log.info("cpu runtime: %s weights, KV cache %s in %d blocks of %d tokens (%.1f MB)",
-                 facts.get("quant_algo"), kv_algo or "fp32", pool.num_blocks, pool.tokens_per_block, pool.bytes / 1e6)
-        return cls(model, pool, settings, eos)
+        log.info("cpu runtime: %s weights (%s), KV cache %s in %d blocks of %d tokens (%.1f MB)",
+                 facts.get("quant_algo"), why, kv_algo or "fp32", pool.num_blocks, pool.tokens_per_block,
+                 pool.bytes / 1e6)
+        rt = cls(model, pool, settings, eos)
+        rt.layer_streaming = streamed
+        return rt
 
     # -- public API
 
@@ -456,6 +460,68 @@ class CpuRuntime:
         self._running = keep
 
 
+def read_settings(bundle: Path) -> dict:
+    settings_file = bundle / artifacts.CPU_RUNTIME_FILE
+    if not settings_file.is_file():
+        raise InputError(f"{bundle} is not a cpu runtime bundle (no {artifacts.CPU_RUNTIME_FILE}); run `invoke build` first")
+    return json.loads(settings_file.read_text())
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+# Room for a step's activations and temporaries and the request threads. The libraries (torch and
+# transformers: 0.27 GB of anonymous memory, CPU wheels, measured) are loaded by the time the bound is
+# taken, which already leaves them out (the cgroup's holdings, or the available RAM).
+RUNTIME_HEADROOM_BYTES = 128 * 2**20
+
+
+def weights_streamed(bundle: Path, settings: dict, mode: str) -> tuple[bool, str]:
+    """Whether the runtime streams its decoder layers from the checkpoint (``rebuild(streamed=True)``), and why.
+
+    ``auto``: when the model held whole in fp32, the KV block pool and a step's room do not fit what this
+    process may use here (``compute.host_memory_bound``: the memory cgroup's limit or the available RAM, less
+    what the cgroup's other processes hold, less ``memory_margin``). Streamed, each forward reads and
+    dequantizes every layer again: far slower, but any model whose largest piece fits is served. Refuses a
+    bound that cannot hold even that (the embedding and lm_head, one decoder layer, the pool)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline import compute
+
+    if mode not in ("auto", "always", "never"):
+        raise InputError(f"{bundle}: layer_streaming must be auto, always or never, got {mode!r}")
+    if mode != "auto":
+        return mode == "always", f"layer streaming {mode}"
+    hf = AutoConfig.from_pretrained(bundle / artifacts.CPU_MODEL_SUBDIR)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(hf)
+    whole = 4 * sum(p.numel() for p in model.parameters())
+    layer = 4 * max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    pool = 2 * hf.num_hidden_layers * settings["num_blocks"] * settings["tokens_per_block"] * \
+        hf.num_key_value_heads * _head_dim(hf) * (1 if settings.get("kv_cache_quant_algo") else 4)
+    section = _Margin(settings.get("memory_margin", 0.1))
+    bound = compute.host_memory_bound(section)
+    need = whole + pool + RUNTIME_HEADROOM_BYTES
+    if need <= bound.bytes:
+        return False, f"held whole: {compute.gib(need)} within {bound.text()}"
+    least = whole - layer * (hf.num_hidden_layers - 1) + pool + RUNTIME_HEADROOM_BYTES
+    if least > bound.bytes:
+        raise InputError(
+            f"{bundle}: this model needs at least {compute.gib(least)} to serve even one decoder layer at a time "
+            f"(the embedding and lm_head, one layer of {compute.gib(layer)} in fp32, a KV block pool of "
+            f"{compute.gib(pool)}, room for a step), more than {bound.text()}. Give the server more memory, or "
+            f"build with a smaller build.max_batch_size / build.max_seq_len (the pool).")
+    return True, f"streamed layer by layer: {compute.gib(need)} held whole would not fit {bound.text()}"
+
+
+@dataclass(frozen=True)
+class _Margin:  # the part of the compute config section host_memory_bound reads, for a serving process
+    memory_margin: float
+    max_host_memory: Optional[int] = None
+
+
 def kv_cache_scales(ckpt_dir: Path, num_layers: int) -> list[float]:
     """The checkpoint's per-layer ``kv_cache_scaling_factor`` (one scale for K and V, as TensorRT-LLM uses)."""
     from safetensors import safe_open
@@ -482,10 +548,12 @@ def _sample(logits: torch.Tensor, p: SamplingParams, gen: Optional[torch.Generat
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def bundle_settings(build, quant_kv: Optional[str]) -> dict:
-    """runtime.json for a cpu bundle: the limits and the block pool sized so every sequence can reach max_seq_len."""
+def bundle_settings(build, quant_kv: Optional[str], compute_section) -> dict:
+    """runtime.json for a cpu bundle: the limits, the block pool sized so every sequence can reach max_seq_len,
+    and how the weights are held (compute.layer_streaming; the bound is the serving machine's, found there)."""
     blocks_per_seq = -(-build.max_seq_len // build.kv_cache.tokens_per_block)
     return {"max_batch_size": build.max_batch_size, "max_input_len": build.max_input_len,
             "max_seq_len": build.max_seq_len, "max_num_tokens": build.max_num_tokens,
             "tokens_per_block": build.kv_cache.tokens_per_block, "num_blocks": build.max_batch_size * blocks_per_seq,
-            "kv_cache_quant_algo": quant_kv}
+            "kv_cache_quant_algo": quant_kv, "layer_streaming": compute_section.layer_streaming,
+            "memory_margin": compute_section.memory_margin}

@@ -107,7 +107,7 @@ def _dequantize(name: str, algo: str | None, w, s: dict, group_size: int | None)
         if not group_size or in_f % group_size or tuple(wsf.shape) != (out_f, in_f // group_size):
             raise IntegrityError(f"{name}: INT4 group scales of shape {tuple(wsf.shape)} do not fit a weight of "
                                  f"[{out_f}, {in_f}] with group size {group_size}")
-        wf = codes.float() * wsf.repeat_interleave(group_size, dim=1)
+        wf = codes.float().mul_(wsf.repeat_interleave(group_size, dim=1))
         if algo == "W4A8_AWQ":  # the kernel casts the INT4 values to FP8 with a per-tensor scale
             wf = qm.fp8_fake_quant(wf, s["weights_scaling_factor_2"].float().reshape(()) * 448.0)
     elif algo == "FP8":
@@ -115,14 +115,14 @@ def _dequantize(name: str, algo: str | None, w, s: dict, group_size: int | None)
             raise IntegrityError(f"{name}: FP8 weight stored as {w.dtype}")
         if wsf.numel() != 1:
             raise IntegrityError(f"{name}: FP8 weights_scaling_factor must be one value, found {tuple(wsf.shape)}")
-        wf = w.float() * wsf.reshape(())
+        wf = w.float().mul_(wsf.reshape(()))
     else:
         if w.dtype != torch.int8:
             raise IntegrityError(f"{name}: {algo} weight stored as {w.dtype}")
         if wsf.numel() != 1 and tuple(wsf.shape) != (w.shape[0],):
             raise IntegrityError(f"{name}: per-channel weights_scaling_factor of shape {tuple(wsf.shape)} does not "
                                  f"fit {w.shape[0]} output channels")
-        wf = w.float() * (wsf[:, None] if wsf.numel() > 1 else wsf.reshape(()))
+        wf = w.float().mul_(wsf[:, None] if wsf.numel() > 1 else wsf.reshape(()))
     pqs = s.get("prequant_scaling_factor")
     if pqs is not None and tuple(pqs.shape) != (wf.shape[1],):
         raise IntegrityError(f"{name}: prequant_scaling_factor of shape {tuple(pqs.shape)} does not fit an input "
@@ -167,7 +167,8 @@ class CheckpointReader:
     """Reads a TensorRT-LLM checkpoint piece by piece, a tensor only when a piece that needs it is asked for.
 
     A rank file is opened for each tensor read and closed after: safetensors maps the whole file, and pages
-    read through a mapping kept open would count in this process's resident memory, layer after layer.
+    read through a mapping kept open would count in this process's resident memory, layer after layer
+    (measured on a 2B checkpoint: held open for the length of each layer's read, +58 MB per layer, for good).
     Everything that does not need the tensors is checked on opening (the formats, the mapping, the rank files,
     tp against the heads). The pieces come as fp32: ``embedding()``, ``final_norm()``, ``load_layer(i, layer)``
     for each decoder layer, ``lm_head()``; ``finish()`` then refuses tensors nothing asked for and returns the
@@ -223,12 +224,15 @@ class CheckpointReader:
         """Each rank's ``key`` (None for a rank without it), or None when no rank has it."""
         if not self._present(key, required):
             return None
-        return [_get(f, key) if key in keys else None for f, keys in zip(self._files, self._keys)]
+        return [self._get(r, key) if key in keys else None for r, keys in enumerate(self._keys)]
 
     def _read_replicated(self, key: str):
         """A tensor every rank holds a copy of, read from rank 0."""
         self._present(key)
-        return _get(self._files[0], key)
+        return self._get(0, key)
+
+    def _get(self, rank: int, key: str):
+        return _get(self._files[rank], key)
 
     def embedding(self):
         """The vocabulary embedding, fp32 [vocab, hidden] (the ranks' pieces joined, the padding cut off)."""
@@ -272,11 +276,11 @@ class CheckpointReader:
                 raise IntegrityError(f"{name}: per-rank fused q/k/v of {parts[0].shape[0]} rows, expected {q + 2 * k_} "
                                      f"({heads} heads, {kv} KV heads, head size {head_dim}, tp {tp})")
             split = [p.split([q, k_, v]) for p in parts]
-            full = [torch.cat([s[i] for s in split]) for i in range(3)]
+            full = [_join([s[i] for s in split], 0) for i in range(3)]
         elif kind == "row":
-            full = [torch.cat(parts, dim=1)]
+            full = [_join(parts, 1)]
         else:
-            full = [torch.cat(parts, dim=0)]
+            full = [_join(parts, 0)]
             if kind == "vocab":
                 full = [full[0][:self.hf_config.vocab_size]]
         for hf_name, part, shape in zip(hf_names, full, shapes):
@@ -355,6 +359,13 @@ class CheckpointReader:
         return self.facts
 
 
+def _join(parts: list, dim: int):
+    """The ranks' pieces joined (one rank: its tensor as it is, no copy)."""
+    import torch
+
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def _get(path: Path, key: str):
     """One tensor of a safetensors file, the file closed (unmapped) after."""
     from safetensors import safe_open
@@ -368,11 +379,15 @@ def _hook_input(module, transform):
     return module.register_forward_pre_hook(lambda mod, args: (transform(args[0]),))
 
 
-def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None):
+def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None, streamed: bool = False):
     """An HF model (fp32) whose linears compute what the checkpoint's quantized GEMMs compute, plus facts: all
     the pieces of a ``CheckpointReader`` put into one model (built on the meta device, so only the checkpoint's
     weights are ever allocated).
 
+    ``streamed``: the decoder layers stay on the meta device and each is read from the checkpoint when a
+    forward reaches it, then dropped (``model.streamed_layers``, a ``StreamedLayers``): the model holds the embedding, the final norm,
+    lm_head and one decoder layer at a time. Every layer is read once here all the same, so a checkpoint
+    that cannot be read fails now, not in the middle of a request.
     ``kept``: the HF names of the layers the plan keeps in high precision (checked when given)."""
     import torch
     from accelerate import init_empty_weights
@@ -386,12 +401,52 @@ def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None):
     state = {"model.embed_tokens.weight": embed, "model.norm.weight": reader.final_norm()}
     for i, layer in enumerate(model.model.layers):
         reader.load_layer(i, layer)
+        if streamed:
+            StreamedLayers.drop(layer)
+    if streamed:
+        model.streamed_layers = StreamedLayers(reader, model.model.layers)
     state["lm_head.weight"], head_transform = reader.lm_head(tied_embedding=embed)
     facts = reader.finish()
     _, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [n for n, t in model.state_dict().items() if t.is_meta]
+    missing = [n for n, t in model.state_dict().items() if t.is_meta and not (streamed and ".layers." in n)]
     if missing or unexpected:
         raise IntegrityError(f"{reader.ckpt_dir}: rebuilt model is missing {missing[:3]} / has extra {unexpected[:3]}")
     if head_transform is not None:
         _hook_input(model.lm_head, head_transform)
     return model, facts
+
+
+class StreamedLayers:
+    """Decoder layers that hold their weights only while a forward runs through them: a pre-hook reads layer
+    ``i`` from the checkpoint (``CheckpointReader.load_layer``, fp32), a hook after it puts its parameters
+    back on the meta device. Host memory: one decoder layer in fp32 besides what the model keeps; time: every
+    forward reads the whole checkpoint (from the page cache when it fits there) and dequantizes it again."""
+
+    def __init__(self, reader: CheckpointReader, layers):
+        import functools
+
+        self.reader = reader
+        self.loads = 0  # layers read so far (a figure for the logs and the benchmark)
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(functools.partial(self._load, i))
+            layer.register_forward_hook(lambda module, args, output: self.drop(module))
+
+    def _load(self, i: int, layer, args) -> None:
+        self.reader.load_layer(i, layer)
+        self.loads += 1
+
+    @staticmethod
+    def drop(layer) -> None:
+        """Every parameter of ``layer`` back to the meta device, its fp32 tensors freed and the heap trimmed:
+        layer-sized blocks freed below glibc's mmap threshold otherwise stay in the heap, fragmented (measured
+        on SmolLM2: +7 MB of RSS per layer read, for good)."""
+        import torch
+
+        from pipeline.compute import trim_heap
+
+        for module in layer.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and not p.is_meta:
+                    module._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                                                  requires_grad=False)
+        trim_heap()

@@ -657,11 +657,12 @@ def finish_streamed(model_dir: Path, evaluation_file: Path, plan_file: Path, tab
     from safetensors.numpy import load_file
     from safetensors.torch import load_file as load_torch
 
+    from pipeline import compute as comp
     from pipeline.quant import streaming
     from pipeline.quant.plan import read_plan
 
     t0 = time.perf_counter() - partial["elapsed_s"]
-    streaming.return_freed_memory_to_the_os()
+    comp.return_freed_memory_to_the_os()
     table_layers = {l["name"]: l for l in json.loads(table_file.read_text())["layers"]}
     plan_doc = read_plan(plan_file, list(table_layers))
     kept = kept_layers(plan_doc)

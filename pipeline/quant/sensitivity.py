@@ -283,7 +283,8 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
     one decoder layer's weights and the calibration set's activations live there, the rest on disk."""
     import torch
 
-    from pipeline.quant.streaming import WeightStore, skeleton, trim_heap
+    from pipeline.compute import trim_heap
+    from pipeline.quant.streaming import WeightStore, skeleton
 
     t0 = time.perf_counter()
     dtype = getattr(torch, dtype_name or section.reference_dtype)
@@ -451,8 +452,8 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
 
     from pipeline import artifacts
     from pipeline import compute as comp
+    from pipeline.compute import return_freed_memory_to_the_os
     from pipeline.quant.plots import heatmap_png, table_markdown
-    from pipeline.quant.streaming import return_freed_memory_to_the_os
 
     compute = compute or ComputeSection()
     device = comp.resolve_device(compute)

@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from pipeline.compute import return_freed_memory_to_the_os, trim_heap
 from pipeline.errors import InputError, StageFailed
 from pipeline.formats import AWQ_FORMATS
 
@@ -175,37 +176,6 @@ def _weights_may_all_stay(yes: bool):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = before
-
-
-def _libc():
-    """glibc's C library, for its allocator controls; None elsewhere."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
-def trim_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc malloc_trim; a no-op elsewhere)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-def return_freed_memory_to_the_os() -> None:
-    """glibc raises its mmap threshold as large blocks are freed, then keeps whole-calibration-set
-    activations in the heap after their last use, so the peak RSS grows with every layer's temporaries.
-    A fixed 32 MiB threshold keeps big tensors mmapped (returned on free) and mid-size ones reused.
-    Measured on SmolLM2 (2 cores): 1 MiB was 55 % slower (page faults) for 6 % less peak RSS; glibc's
-    default used ~20 % more memory. No-op off glibc."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
 
 
 # ---------------------------------------------------------------- safetensors, streamed
