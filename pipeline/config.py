@@ -450,6 +450,9 @@ class TritonSection(Strict):
     overwrite: bool = False  # replace models in repository_dir that this pipeline did not write
     apply_chat_template: bool = False  # wrap prompts in the tokenizer's chat template unless a request says
     cpu_threads: int = Field(0, ge=0, le=1024)  # cpu target: torch threads in the server (0: torch's default)
+    # cpu target: the runtime adapts how many sequences run at once to keep its step time (the gap between two
+    # tokens of a sequence) at sla.p99_itl_ms (pipeline/engines/cpu_runtime.py AdaptiveBatchLimit)
+    adaptive_batch: bool = False
 
     @field_validator("repository_dir")
     @classmethod
@@ -479,6 +482,19 @@ class VerifySection(Strict):
     max_tokens: int = Field(16, ge=1, le=256)  # greedy tokens per prompt, in every check
     # sent at once in the concurrency check (more than build.max_batch_size also tests the queue)
     concurrent_requests: int = Field(16, ge=1, le=256)
+
+
+class SlaSection(Strict):
+    """The latency a deployment must keep, as P99 bounds in milliseconds (unset: no bound). It applies to the
+    bench's request mix (bench.prompt_tokens, bench.output_tokens): bench reports goodput against it."""
+
+    p99_e2e_ms: Optional[float] = Field(None, gt=0)  # request sent -> last token
+    p99_ttft_ms: Optional[float] = Field(None, gt=0)  # request sent -> first token
+    p99_itl_ms: Optional[float] = Field(None, gt=0)  # per request: (e2e - TTFT) / (output tokens - 1)
+
+    def bounds(self) -> dict[str, float]:
+        """{metric (e2e_ms, ttft_ms, itl_ms): bound} for the bounds that are set."""
+        return {k[len("p99_"):]: v for k, v in self.model_dump().items() if v is not None}
 
 
 class BenchSection(Strict):
@@ -604,6 +620,7 @@ class PipelineConfig(Strict):
     build: BuildSection = BuildSection()
     triton: TritonSection = TritonSection()
     verify: VerifySection = VerifySection()
+    sla: SlaSection = SlaSection()
     bench: BenchSection = BenchSection()
     image: ImageSection = ImageSection()
 
@@ -635,6 +652,11 @@ class PipelineConfig(Strict):
             raise ValueError(
                 f"the plan decides {q.weight_format} layers on the sensitivity column {decision}: "
                 f"add {decision} to sensitivity.formats (now {list(self.sensitivity.formats)})"
+            )
+        if self.triton.adaptive_batch and (b.target != "cpu" or self.sla.p99_itl_ms is None):
+            raise ValueError(
+                "triton.adaptive_batch keeps the cpu runtime's step time at sla.p99_itl_ms: it needs build.target: "
+                f"cpu (not {b.target}) and sla.p99_itl_ms set (now {self.sla.p99_itl_ms})"
             )
         if max(self.bench.concurrency) > b.max_batch_size * self.triton.instance_count * 4:
             raise ValueError(

@@ -16,7 +16,15 @@ from pipeline import artifacts
 from pipeline.serving.bench.load import RequestRecord, drive, level_figures, make_prompts
 from pipeline.serving.bench.metrics import metrics_delta, parse_metrics
 from pipeline.serving.bench.plots import LATENCY_PNG, THROUGHPUT_PNG
-from pipeline.serving.bench.stats import find_knee, knee_sentence, padding_factor, percentile, summarize
+from pipeline.serving.bench.stats import (
+    find_knee,
+    goodput,
+    knee_sentence,
+    padding_factor,
+    percentile,
+    sla_choice,
+    summarize,
+)
 
 # ---------------------------------------------------------------- statistics on known samples
 
@@ -67,6 +75,38 @@ def test_level_figures_throughput_and_errors():
     assert f["e2e_ms"]["p50"] == pytest.approx(600)
     assert f["itl_ms"]["mean"] == pytest.approx((100 + 200) / 2)
     assert f["prompt_tokens_mean"] == 11
+
+
+def test_goodput_counts_the_requests_within_every_bound_and_the_level_keeps_the_sla_on_p99():
+    # four requests over 2 s: ttft / itl / e2e; the third is late to its first token, the fourth has one token
+    recs = [RequestRecord(8, 0.0, [(0.100, 1), (0.200, 1), (0.300, 1)]),  # ttft 100, itl 100, e2e 300
+            RequestRecord(8, 0.0, [(0.050, 1), (0.450, 1), (0.850, 1)]),  # ttft 50, itl 400, e2e 850
+            RequestRecord(8, 0.0, [(0.400, 1), (0.500, 1), (0.600, 1)]),  # ttft 400, itl 100, e2e 600
+            RequestRecord(8, 0.0, [(0.120, 1)])]  # ttft 120, no itl, e2e 120
+    f = level_figures(recs, wall_s=2.0, concurrency=4, sla={"ttft_ms": 150, "itl_ms": 200})
+    g = f["sla"]
+    assert g["good_requests"] == 2 and g["goodput_rps"] == pytest.approx(1.0)  # the first and the fourth
+    assert g["p99_ms"]["ttft_ms"] == pytest.approx(percentile([100, 50, 400, 120], 99))
+    assert g["violations"] == ["ttft_ms", "itl_ms"] and not g["met"]
+    loose = goodput([{"e2e_ms": r.e2e_ms, "ttft_ms": r.ttft_ms, "itl_ms": r.itl_ms} for r in recs], 2.0,
+                    {"e2e_ms": 900})
+    assert loose["met"] and loose["good_requests"] == 4 and loose["goodput_rps"] == pytest.approx(2.0)
+    assert level_figures(recs, wall_s=2.0, concurrency=4)["sla"] is None  # no SLA configured
+
+
+def test_sla_choice_is_the_fastest_level_that_keeps_it_or_says_what_the_lowest_missed():
+    def level(c, tps, p99, met):
+        return {"concurrency": c, "output_tokens_per_s": tps,
+                "sla": {"met": met, "goodput_rps": tps / 10, "p99_ms": {"e2e_ms": p99},
+                        "violations": [] if met else ["e2e_ms"]}}
+
+    levels = [level(1, 10, 400, True), level(2, 19, 700, True), level(4, 30, 1200, False), level(8, 31, 2500, False)]
+    choice = sla_choice(levels, {"e2e_ms": 1000})
+    assert choice["met"] and choice["concurrency"] == 2 and choice["goodput_rps"] == pytest.approx(1.9)
+    assert "kept up to concurrency 2" in choice["sentence"] and "P99 end-to-end <= 1000 ms" in choice["sentence"]
+    none = sla_choice([level(1, 10, 1500, False), level(2, 19, 2500, False)], {"e2e_ms": 1000})
+    assert not none["met"] and none["concurrency"] is None
+    assert "at the lowest, concurrency 1, P99 end-to-end 1500 ms > 1000 ms" in none["sentence"]
 
 
 def test_knee_where_throughput_stops_paying():
@@ -175,7 +215,8 @@ def published_tiny(tmp_path_factory, tiny_model_dir):
     cfg = tiny_config(tmp, tiny_model_dir, "quantization: {kv_cache: int8, accuracy: {max_perplexity_increase_pct: "
                                            "100, min_top1_agreement: 0.3, max_kl_divergence: 2}}")
     overrides = ["bench.concurrency=[1,2,4]", "bench.requests_per_level=6", "bench.warmup_requests=1",
-                 "bench.prompt_tokens=16", "bench.output_tokens=8", "triton.model_name=tiny"]
+                 "bench.prompt_tokens=16", "bench.output_tokens=8", "triton.model_name=tiny",
+                 "sla.p99_e2e_ms=600000"]
     loaded = load_config(cfg, overrides)
     runner = Runner(loaded, STAGES, tmp / "work")
     runner.run(["publish"], echo=lambda s: None)
@@ -202,7 +243,10 @@ def test_bench_stage_on_a_real_server(published_tiny):
         assert tri["tiny_stream"]["requests"] == 6  # Triton counted exactly this level's requests
         assert tri["tiny_tensorrt_llm"]["requests"] == 6 and tri["tiny_preprocessing"]["requests"] >= 6
         assert tri["tiny_stream"]["queue_ms"] >= 0 and tri["tiny_preprocessing"]["compute_infer_ms"] > 0
+        assert level["sla"]["met"] and level["sla"]["goodput_rps"] == pytest.approx(level["requests_per_s"])
     assert t["knee"]["concurrency"] in (1, 2, 4)
+    fastest = max(t["levels"], key=lambda l: l["output_tokens_per_s"])
+    assert results["sla"] == {"e2e_ms": 600000} and t["sla_choice"]["concurrency"] == fastest["concurrency"]
     assert (out / THROUGHPUT_PNG).stat().st_size > 10_000 and (out / LATENCY_PNG).stat().st_size > 10_000
     s = manifest["summary"]
     assert s["levels"][0]["output_tokens_per_s"] == round(t["levels"][0]["output_tokens_per_s"], 2)

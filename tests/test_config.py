@@ -97,6 +97,9 @@ BAD = [
     ("decision-column-unmeasured", "plan: {decision_format: fp8}", [], ["add fp8 to sensitivity.formats"]),
     ("bad-override-value", "", ["build.max_batch_size=-3"], ["--set build.max_batch_size=-3", "greater than or equal to 1"]),
     ("malformed-override", "", ["max_batch_size"], ["override 'max_batch_size' must look like section.key=value"]),
+    ("negative-sla", "sla: {p99_e2e_ms: -5}", [], ["sla.p99_e2e_ms", "greater than 0"]),
+    ("unknown-sla-bound", "sla: {p95_e2e_ms: 500}", [], ["sla.p95_e2e_ms"]),
+    ("adaptive-without-itl", "triton: {adaptive_batch: true}", [], ["triton.adaptive_batch", "sla.p99_itl_ms"]),
     ("not-yaml", "build: [unclosed", [], ["not valid YAML"]),
     ("missing-text-files", "text: {source: {kind: files, paths: [gone.txt]}}", [], ["text.source.paths", "gone.txt"]),
 ]

@@ -13,7 +13,7 @@ from conftest import tiny_config
 
 from pipeline.config import load_config
 from pipeline.engines import reference
-from pipeline.engines.cpu_runtime import CpuRuntime, KVBlockPool, SamplingParams
+from pipeline.engines.cpu_runtime import AdaptiveBatchLimit, CpuRuntime, KVBlockPool, SamplingParams
 from pipeline.errors import InputError
 from pipeline.quant import quant_math as qm
 from pipeline.runner import Runner
@@ -202,3 +202,42 @@ def test_many_threads_submitting_at_once(runtime):
     for t in threads:
         t.join(timeout=120)
     assert sorted(results) == list(range(10)) and all(len(v) == 6 for v in results.values())
+
+
+# ---------------------------------------------------------------- the adaptive batch limit
+
+
+def test_adaptive_limit_halves_above_the_target_and_grows_by_one_below_while_it_binds():
+    c = AdaptiveBatchLimit(target_ms=100, max_batch_size=8)
+    assert c.observe(200, running=8) == 4  # 200 > 1.1 x 100: halve, and start the average again
+    assert c.observe(105, running=4) == 4  # within the band (90..110): keep
+    assert c.observe(150, running=4) == 2  # average 0.3 x 150 + 0.7 x 105 = 118.5 > 110
+    assert c.observe(50, running=1) == 2  # fast, but the limit is not what holds sequences back: keep
+    assert c.observe(50, running=2) == 3  # fast while binding: one more
+    assert c.observe(80, running=3) == 4
+    for _ in range(10):
+        c.observe(10, running=c.limit)
+    assert c.limit == 8  # never past max_batch_size
+    for _ in range(10):
+        c.observe(1000, running=c.limit)
+    assert c.limit == 1 and c.changes == 4 + 4 + 3  # never below one sequence
+    with pytest.raises(InputError, match="positive step-latency target"):
+        AdaptiveBatchLimit(target_ms=0, max_batch_size=8)
+
+
+def test_adaptive_runtime_runs_one_sequence_at_a_time_under_an_unreachable_target(bundle):
+    """A step target no step can meet: after the first burst (admitted at max_batch_size, then never
+    preempted) the limit falls to one, and the next burst decodes one sequence per step, with the same tokens
+    as the plain runtime's solo runs."""
+    params = SamplingParams(max_new_tokens=6, end_id=-1)
+    with CpuRuntime.load(bundle / "cpu_bundle", adaptive_target_ms=1e-3) as rt:
+        first = [rt.submit(p, params) for p in PROMPTS]
+        [r.result(timeout=120) for r in first]
+        assert rt.stats()["batch_limit"] == 1 and rt.adaptive.changes >= 2
+        before = dict(rt.steps)
+        second = [rt.submit(p, params) for p in PROMPTS[:3]]
+        got = [r.result(timeout=120) for r in second]
+        decodes = rt.steps["decode"] - before["decode"]
+        assert rt.steps["decode_sequences"] - before["decode_sequences"] == decodes  # one sequence a step
+    with CpuRuntime.load(bundle / "cpu_bundle") as plain:
+        assert got == [plain.generate(p, params) for p in PROMPTS[:3]]

@@ -214,6 +214,15 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
                              "world_size": 1, "tensorrt_llm_model": names.tensorrt_llm}
 
 
+def test_adaptive_batch_reaches_the_cpu_model_as_its_step_target(setup):
+    load, work, run = setup
+    names = pub.model_names("llm")
+    _, snap = run(load("cpu"))
+    assert _params(_configs(snap)[names.tensorrt_llm])["adaptive_batch_target_ms"] == "0"  # off by default
+    _, snap = run(load("cpu", "sla.p99_itl_ms=150", "triton.adaptive_batch=true"))
+    assert _params(_configs(snap)[names.tensorrt_llm])["adaptive_batch_target_ms"] == "150.0"
+
+
 def setup_yaml(work: Path) -> Path:
     return work.parent.parent / "tiny.yaml"
 

@@ -33,6 +33,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -254,12 +255,49 @@ class _Sequence:
 # ---------------------------------------------------------------- the runtime
 
 
-class CpuRuntime:
-    """Loads a cpu bundle and serves it with continuous batching on a scheduler thread."""
+class AdaptiveBatchLimit:
+    """How many sequences the scheduler runs at once, kept to a step-latency target as load moves.
 
-    def __init__(self, model, pool: KVBlockPool, settings: dict, eos_token_id: Optional[int]):
+    After each scheduler step (the prefills it admitted plus one decode step: the gap every running sequence
+    sees between two of its tokens) the step's time goes into an exponentially weighted average (weight
+    ``alpha`` for the newest). Above ``high`` x target the limit halves; below ``low`` x target, while the
+    limit is what holds sequences back (as many running as it allows), it grows by one. After a change the
+    average starts again from the next step, so one slow step halves the limit once, not on every step
+    after. Bounds: 1 and the build's max_batch_size; the KV pool's free blocks bound admission besides.
+    """
+
+    def __init__(self, target_ms: float, max_batch_size: int, alpha: float = 0.3, high: float = 1.1,
+                 low: float = 0.9):
+        if target_ms <= 0:
+            raise InputError(f"the adaptive batch limit needs a positive step-latency target, got {target_ms} ms")
+        self.target_ms, self.max_batch_size = target_ms, max_batch_size
+        self.alpha, self.high, self.low = alpha, high, low
+        self.limit = max_batch_size
+        self.ewma_ms: Optional[float] = None
+        self.changes = 0
+
+    def observe(self, step_ms: float, running: int) -> int:
+        """One step's time and how many sequences it ran; returns the limit for the next admission."""
+        e = step_ms if self.ewma_ms is None else self.alpha * step_ms + (1 - self.alpha) * self.ewma_ms
+        self.ewma_ms = e
+        if e > self.high * self.target_ms and self.limit > 1:
+            self.limit, self.ewma_ms, self.changes = max(1, self.limit // 2), None, self.changes + 1
+        elif e < self.low * self.target_ms and running >= self.limit and self.limit < self.max_batch_size:
+            self.limit, self.ewma_ms, self.changes = self.limit + 1, None, self.changes + 1
+        return self.limit
+
+
+class CpuRuntime:
+    """Loads a cpu bundle and serves it with continuous batching on a scheduler thread.
+
+    ``adaptive``: an ``AdaptiveBatchLimit`` that sets how many sequences run at once (default: always the
+    build's max_batch_size)."""
+
+    def __init__(self, model, pool: KVBlockPool, settings: dict, eos_token_id: Optional[int],
+                 adaptive: Optional[AdaptiveBatchLimit] = None):
         self.model, self.pool, self.settings = model, pool, settings
         self.eos_token_id = eos_token_id
+        self.adaptive = adaptive
         self.max_batch_size = settings["max_batch_size"]
         self.max_input_len = settings["max_input_len"]
         self.max_seq_len = settings["max_seq_len"]
@@ -275,10 +313,11 @@ class CpuRuntime:
 
     @classmethod
     def load(cls, bundle_dir: Path | str, quantize_kv_cache: bool = True, threads: Optional[int] = None,
-             layer_streaming: Optional[str] = None) -> "CpuRuntime":
+             layer_streaming: Optional[str] = None, adaptive_target_ms: Optional[float] = None) -> "CpuRuntime":
         """``quantize_kv_cache=False`` keeps the KV cache in fp32 (for comparisons with the unquantized cache).
         ``layer_streaming`` (auto | always | never) overrides the bundle's ``runtime.json``: see
-        ``weights_streamed``."""
+        ``weights_streamed``. ``adaptive_target_ms``: keep the step latency there with an
+        ``AdaptiveBatchLimit`` (None: run up to max_batch_size sequences at once, always)."""
         from pipeline.quant.checkpoint import rebuild
 
         bundle = Path(bundle_dir)
@@ -301,7 +340,8 @@ class CpuRuntime:
         log.info("cpu runtime: %s weights (%s), KV cache %s in %d blocks of %d tokens (%.1f MB)",
                  facts.get("quant_algo"), why, kv_algo or "fp32", pool.num_blocks, pool.tokens_per_block,
                  pool.bytes / 1e6)
-        rt = cls(model, pool, settings, eos)
+        adaptive = AdaptiveBatchLimit(adaptive_target_ms, settings["max_batch_size"]) if adaptive_target_ms else None
+        rt = cls(model, pool, settings, eos, adaptive)
         rt.layer_streaming = streamed
         return rt
 
@@ -338,7 +378,7 @@ class CpuRuntime:
         return {"kv_max_blocks": self.pool.num_blocks, "kv_free_blocks": free,
                 "kv_used_blocks": self.pool.num_blocks - free, "kv_tokens_per_block": self.pool.tokens_per_block,
                 "requests_active": waiting + running, "requests_scheduled": running, "requests_waiting": waiting,
-                "requests_max": self.max_batch_size}
+                "requests_max": self.max_batch_size, "batch_limit": self._batch_limit()}
 
     def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> list[int]:
         return self.submit(prompt_ids, params).result()
@@ -368,16 +408,20 @@ class CpuRuntime:
                     self._waiting = []
                     break
                 admit = []
-                while self._waiting and len(self._running) + len(admit) < self.max_batch_size and \
+                while self._waiting and len(self._running) + len(admit) < self._batch_limit() and \
                         self._blocks_for(len(self._waiting[0].prompt_ids) + 1) <= self._spare_blocks(admit):
                     admit.append(self._waiting.pop(0))
             try:
+                t0 = time.perf_counter()
                 for req in admit:
                     self._prefill(req)
                 self._drop_finished()
                 if self._running:
+                    running = len(self._running)
                     self._decode_step()
                     self._drop_finished()
+                    if self.adaptive is not None:
+                        self.adaptive.observe((time.perf_counter() - t0) * 1e3, running)
             except Exception as e:  # noqa: BLE001 - a crash ends the requests in flight with its message
                 log.exception("cpu runtime step failed")
                 for s in self._running:
@@ -386,6 +430,9 @@ class CpuRuntime:
                 self._running = []
         for req in pending:
             req._finish("cancelled")
+
+    def _batch_limit(self) -> int:
+        return self.adaptive.limit if self.adaptive is not None else self.max_batch_size
 
     def _blocks_for(self, positions: int) -> int:
         return -(-positions // self.tokens_per_block)

@@ -186,7 +186,8 @@ def _llm_io(msg, reshape: bool = True, streaming: bool = True) -> None:
     msg.output.extend([_out("output_ids", "INT32", [-1, -1]), _out("sequence_length", "INT32", [-1])])
 
 
-def build_model_configs(triton, settings: dict, names: ModelNames, version: int, serving_root: str) -> dict:
+def build_model_configs(triton, settings: dict, names: ModelNames, version: int, serving_root: str,
+                        adaptive_target_ms: Optional[float] = None) -> dict:
     """{model name: ModelConfig message} for the built target (``settings``: build_settings.json)."""
     pb = _pb()
     target = settings["target"]
@@ -244,7 +245,8 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
         _params(llm, {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE})
         _instances(llm, 1, "KIND_MODEL")  # the LLM API places itself on the GPUs
     else:
-        _params(llm, {"bundle_dir": artifacts.ARTIFACT_DIRS["cpu"], "cpu_threads": triton.cpu_threads})
+        _params(llm, {"bundle_dir": artifacts.ARTIFACT_DIRS["cpu"], "cpu_threads": triton.cpu_threads,
+                      "adaptive_batch_target_ms": adaptive_target_ms or 0})
         _instances(llm, 1)  # one runtime batches every request (continuous batching); copies would not share
     out[llm.name] = llm
 
@@ -478,7 +480,8 @@ def assemble(config, settings: dict, artifact: Path, tokenizer_dir: Path, names:
              serving_root: str, repo: Path) -> dict:
     """Write one version of every model into ``repo`` (files first, each config.pbtxt last)."""
     target = settings["target"]
-    configs = build_model_configs(config.triton, settings, names, version, serving_root)
+    adaptive = config.sla.p99_itl_ms if config.triton.adaptive_batch else None
+    configs = build_model_configs(config.triton, settings, names, version, serving_root, adaptive)
     texts = {name: config_text(msg) for name, msg in configs.items()}
     for name, src in ((names.preprocessing, "preprocessing"), (names.postprocessing, "postprocessing")):
         _copy_sources(src, repo / name / str(version))

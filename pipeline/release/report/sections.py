@@ -331,6 +331,11 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
         doc.h(3, f"{t['label']}: {t.get('config_name')} ({fmt(t.get('quantization'))}), {t.get('server')}")
         doc.table(LEVEL_HEADER, _level_rows(t["levels"]))
         doc.p(f"**Knee**: {t.get('knee_sentence')}")
+        if t.get("sla_choice"):
+            doc.p(f"**SLA**: {t['sla_choice']['sentence']}. Goodput per level (requests/s within every bound): " +
+                  ", ".join(f"{l['sla']['goodput_rps']:.2f} at {l['concurrency']}"
+                            + ("" if l["sla"]["met"] else f" (P99 over: {', '.join(l['sla']['violations'])})")
+                            for l in t["levels"]) + ".")
         pads = {dig(l, "padding_factor", "basis") for l in t["levels"]}
         doc.p("Padding factor (useful / processed batch slots): " + "; ".join(p for p in pads if p) + ".")
         first = [(l["concurrency"], tri) for l in t["levels"] for k, tri in (l.get("triton") or {}).items()

@@ -60,7 +60,7 @@ def build_summary(work_dir: Path, manifests: dict[str, Optional[dict]]) -> dict:
         },
         "bench": None if s["bench"] is None else {
             k: s["bench"].get(k) for k in ("peak_output_tokens_per_s", "peak_at_concurrency", "knee_concurrency",
-                                           "knee", "levels", "comparison")
+                                           "knee", "levels", "comparison", "sla")
         },
         "hash_chain_ok": all(l["ok"] is not False for l in chain) if chain else None,
     }
@@ -101,10 +101,18 @@ def five_lines(summary: dict) -> list[str]:
         ref = " (CPU reference runtime, not TensorRT)" if summary.get("reference_runtime") else ""
         lines.append(f"speed{ref}: peak {b['peak_output_tokens_per_s']:.1f} output tokens/s at concurrency "
                      f"{b['peak_at_concurrency']}, {knee}; TTFT P50 {c1.get('ttft_p50_ms')} ms at concurrency "
-                     f"{c1.get('concurrency')}")
+                     f"{c1.get('concurrency')}" + _sla_clause(b.get("sla")))
     else:
         lines.append(f"speed: bench {NOT_RUN}")
     return lines
+
+
+def _sla_clause(choice: Optional[dict]) -> str:
+    if not choice:
+        return ""
+    if choice["met"]:
+        return f"; SLA kept up to concurrency {choice['concurrency']} (goodput {choice['goodput_rps']:.2f} req/s)"
+    return "; no level keeps the SLA"
 
 
 def hash_chain(work_dir: Path, manifests: dict[str, Optional[dict]]) -> list[dict]:

@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from pipeline.errors import InputError
-from pipeline.serving.bench.stats import summarize
+from pipeline.serving.bench.stats import goodput, summarize
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +182,9 @@ def drive(grpc_url: str, model: str, prompts: list[Prompt], concurrency: int, ma
     return asyncio.run(_drive(grpc_url, model, prompts, concurrency, max_tokens, end_id, timeout_s))
 
 
-def level_figures(records: list[RequestRecord], wall_s: float, concurrency: int) -> dict:
-    """The client-side figures of one level."""
+def level_figures(records: list[RequestRecord], wall_s: float, concurrency: int,
+                  sla: Optional[dict[str, float]] = None) -> dict:
+    """The client-side figures of one level; with ``sla`` bounds ({metric: P99 ms}), its goodput against them."""
     ok = [r for r in records if r.error is None]
     out_tokens = sum(r.output_tokens for r in ok)
     gaps = [g for r in ok for g in r.token_gaps_ms()]
@@ -201,4 +202,6 @@ def level_figures(records: list[RequestRecord], wall_s: float, concurrency: int)
         "itl_ms": summarize([r.itl_ms for r in ok if r.itl_ms is not None]),
         "e2e_ms": summarize([r.e2e_ms for r in ok]),
         "token_gap_ms": summarize(gaps),
+        "sla": goodput([{"e2e_ms": r.e2e_ms, "ttft_ms": r.ttft_ms, "itl_ms": r.itl_ms} for r in ok], wall_s, sla)
+        if sla else None,
     }

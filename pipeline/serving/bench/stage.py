@@ -33,7 +33,7 @@ from pipeline.errors import InputError, StageFailed
 from pipeline.serving.bench.load import Prompt, make_prompts
 from pipeline.serving.bench.metrics import METRICS_ARGS
 from pipeline.serving.bench.plots import LATENCY_PNG, THROUGHPUT_PNG, plot_latency, plot_throughput
-from pipeline.serving.bench.stats import find_knee, knee_sentence, ratios
+from pipeline.serving.bench.stats import find_knee, knee_sentence, ratios, sla_choice
 from pipeline.serving.bench.target import (
     Target,
     build_dir_of,
@@ -54,22 +54,25 @@ BASELINE_SERVER_LOG = "tritonserver_baseline.log"
 def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, build_dir: Optional[Path],
               out_dir: Path) -> dict:
     """The bench stage: sweep this build (and the comparison baseline, if configured); write results and plots."""
-    cfg = config.bench
+    cfg, sla = config.bench, config.sla.bounds()
     targets = _resolve_targets(config, publish_dir, build_dir)
     warm, measured = _prompts(cfg, targets[0], samples_file)
 
     t_start = time.perf_counter()
     with _servers(targets, cfg, out_dir):
-        _sweep(targets, warm, measured, cfg)
+        _sweep(targets, warm, measured, cfg, sla)
     bench_s = time.perf_counter() - t_start
 
     knees = _find_knees(targets, cfg)
     for t in targets:
         log.info("%s: %s", t.label, knee_sentence(knees[t.label], t.levels))
     _write_plots(targets, knees, out_dir)
-    results = _results(cfg, targets, knees, bench_s)
+    choices = {t.label: sla_choice(t.levels, sla) for t in targets} if sla else {}
+    for label, choice in choices.items():
+        log.info("%s: %s", label, choice["sentence"])
+    results = _results(cfg, sla, targets, knees, choices, bench_s)
     (out_dir / artifacts.BENCH_RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
-    return _summary(targets, knees, bench_s)
+    return _summary(targets, knees, choices, bench_s)
 
 
 def compare_fingerprint(cfg: BenchSection) -> dict:
@@ -156,7 +159,8 @@ def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterato
             server.stop()
 
 
-def _sweep(targets: list[Target], warm: list[Prompt], measured: list[Prompt], cfg: BenchSection) -> None:
+def _sweep(targets: list[Target], warm: list[Prompt], measured: list[Prompt], cfg: BenchSection,
+           sla: dict[str, float]) -> None:
     """Warm each server up, then run every level on every target, alternating which target goes first."""
     levels = list(cfg.concurrency)
     for t in targets:
@@ -165,7 +169,7 @@ def _sweep(targets: list[Target], warm: list[Prompt], measured: list[Prompt], cf
         batch = measured[k * cfg.requests_per_level:(k + 1) * cfg.requests_per_level]
         order = targets if k % 2 == 0 else list(reversed(targets))  # alternate who goes first
         for t in order:
-            t.levels.append(run_level(t, batch, c, cfg))
+            t.levels.append(run_level(t, batch, c, cfg, sla))
 
 
 # ---------------------------------------------------------------- after the sweep
@@ -184,7 +188,8 @@ def _write_plots(targets: list[Target], knees: dict[str, dict], out_dir: Path) -
     plot_latency(levels_by_label, out_dir / LATENCY_PNG)
 
 
-def _results(cfg: BenchSection, targets: list[Target], knees: dict[str, dict], bench_s: float) -> dict:
+def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], knees: dict[str, dict],
+             choices: dict[str, dict], bench_s: float) -> dict:
     """bench_results.json: the settings, what each figure means, and every target's levels and knee."""
     results = {
         "format_version": 1,
@@ -201,10 +206,15 @@ def _results(cfg: BenchSection, targets: list[Target], knees: dict[str, dict], b
             "triton": "Triton's per-model counters, after the level minus before, per successful request; the "
                       "decoupled models return from execute at once, so their compute time is not generation time",
             "knee": f"the lowest level from which no higher level gains {cfg.knee_min_gain:.0%} or more per doubling",
+            "sla": "P99 bounds in ms (config sla:) for this request mix; a level keeps the SLA when its P99 of each "
+                   "bounded latency is within the bound",
+            "goodput_rps": "requests per second whose own latencies were all within the SLA's bounds",
         },
+        "sla": sla or None,
         "bench_s": bench_s,
         "targets": [{**t.describe(), "levels": t.levels, "knee": knees[t.label],
-                     "knee_sentence": knee_sentence(knees[t.label], t.levels)} for t in targets],
+                     "knee_sentence": knee_sentence(knees[t.label], t.levels),
+                     "sla_choice": choices.get(t.label)} for t in targets],
     }
     if len(targets) == 2:
         results["comparison"] = {"ratio": "this build / baseline", "levels": ratios(targets[0].levels,
@@ -212,7 +222,7 @@ def _results(cfg: BenchSection, targets: list[Target], knees: dict[str, dict], b
     return results
 
 
-def _summary(targets: list[Target], knees: dict[str, dict], bench_s: float) -> dict:
+def _summary(targets: list[Target], knees: dict[str, dict], choices: dict[str, dict], bench_s: float) -> dict:
     """The stage's manifest summary: this build's levels in brief, its peak and knee, and the ratios if compared."""
     main = targets[0]
     top = max(main.levels, key=lambda l: l["output_tokens_per_s"])
@@ -222,6 +232,7 @@ def _summary(targets: list[Target], knees: dict[str, dict], bench_s: float) -> d
         "peak_at_concurrency": top["concurrency"],
         "knee_concurrency": knees[main.label]["concurrency"] if knees[main.label]["found"] else None,
         "knee": knee_sentence(knees[main.label], main.levels),
+        "sla": choices.get(main.label),
         "repository_digest": main.provenance.repository_digest,
         "bench_s": round(bench_s, 1),
     }
@@ -239,4 +250,6 @@ def _level_summary(level: dict) -> dict:
     return {"concurrency": level["concurrency"], "output_tokens_per_s": round(level["output_tokens_per_s"], 2),
             "requests_per_s": round(level["requests_per_s"], 3), "ttft_p50_ms": round(level["ttft_ms"]["p50"], 1),
             "itl_p50_ms": round(level["itl_ms"]["p50"], 2) if level["itl_ms"].get("p50") is not None else None,
-            "e2e_p50_ms": round(level["e2e_ms"]["p50"], 1), "e2e_p99_ms": round(level["e2e_ms"]["p99"], 1)}
+            "e2e_p50_ms": round(level["e2e_ms"]["p50"], 1), "e2e_p99_ms": round(level["e2e_ms"]["p99"], 1),
+            **({"goodput_rps": round(level["sla"]["goodput_rps"], 3), "sla_met": level["sla"]["met"]}
+               if level.get("sla") else {})}

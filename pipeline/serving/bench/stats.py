@@ -1,4 +1,5 @@
-"""The numbers of a sweep: percentiles and summaries, the knee, the padding factor, and this/baseline ratios.
+"""The numbers of a sweep: percentiles and summaries, the knee, goodput against the SLA, the padding factor, and
+this/baseline ratios.
 
 The knee: the lowest level past which throughput gains less than ``bench.knee_min_gain`` per doubling of
 concurrency, i.e. where added concurrency stops paying and only adds latency.
@@ -80,6 +81,50 @@ def knee_sentence(knee: dict, levels: list[dict]) -> str:
     return (f"{rise}; past concurrency {c} no level gains more than {knee['next_gain_per_doubling'] * 100:.0f}% per "
             f"doubling (below {knee['min_gain'] * 100:.0f}%) while median end-to-end latency grows {lat:.2f}x to the "
             f"next level: the knee is at concurrency {c}.")
+
+
+# ---------------------------------------------------------------- the SLA
+
+
+def goodput(requests: Sequence[dict], wall_s: float, bounds: dict[str, float]) -> dict:
+    """One level against the SLA. ``requests``: each successful request's ``e2e_ms``, ``ttft_ms`` and ``itl_ms``
+    (None for a one-token answer); ``bounds``: {metric: P99 bound in ms}.
+
+    goodput: requests per second that met every bound on their own (a request is good when each of its own
+    latencies is within the bound, as vLLM's serving benchmark and genai-perf count goodput); ``met``: the level
+    keeps the SLA, its P99 of each bounded metric within the bound (``violations`` names those that are not).
+    """
+    good = sum(all(r[m] is None or r[m] <= b for m, b in bounds.items()) for r in requests)
+    p99 = {}
+    for m in bounds:
+        values = [r[m] for r in requests if r[m] is not None]
+        p99[m] = percentile(values, 99) if values else None
+    violations = [m for m, b in bounds.items() if p99[m] is not None and p99[m] > b]
+    return {"goodput_rps": good / wall_s if wall_s > 0 else 0.0, "good_requests": good, "requests": len(requests),
+            "met": not violations and bool(requests), "p99_ms": p99, "violations": violations}
+
+
+def sla_choice(levels: list[dict], bounds: dict[str, float]) -> dict:
+    """The level to run at under the SLA: the highest throughput among the levels that keep it; none keeping
+    it, the lowest level with what it missed by. With a sentence for the report."""
+    names = {"e2e_ms": "end-to-end", "ttft_ms": "TTFT", "itl_ms": "inter-token"}
+    sla = ", ".join(f"P99 {names[m]} <= {b:g} ms" for m, b in bounds.items())
+    kept = [l for l in levels if l["sla"]["met"]]
+    if kept:
+        best = max(kept, key=lambda l: l["output_tokens_per_s"])
+        return {"met": True, "concurrency": best["concurrency"], "goodput_rps": best["sla"]["goodput_rps"],
+                "output_tokens_per_s": best["output_tokens_per_s"],
+                "sentence": f"SLA ({sla}) kept up to concurrency {best['concurrency']}: "
+                            f"{best['output_tokens_per_s']:.1f} output tokens/s, goodput "
+                            f"{best['sla']['goodput_rps']:.2f} requests/s"}
+    low = levels[0]
+    missed = "; ".join(f"P99 {names[m]} {low['sla']['p99_ms'][m]:.0f} ms > {bounds[m]:g} ms"
+                       for m in low["sla"]["violations"])
+    return {"met": False, "concurrency": None, "goodput_rps": max(l["sla"]["goodput_rps"] for l in levels),
+            "output_tokens_per_s": None,
+            "sentence": f"no level keeps the SLA ({sla}): at the lowest, concurrency {low['concurrency']}, "
+                        f"{missed or 'no request succeeded'}. A faster build or a looser SLA is needed; more "
+                        f"concurrency only adds latency."}
 
 
 def padding_factor(settings: Optional[dict], concurrency: int) -> dict:

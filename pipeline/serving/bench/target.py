@@ -137,14 +137,16 @@ def warm_up(target: Target, prompts: list[Prompt], concurrency: int, cfg: BenchS
     log.info("%s: warm-up of %d request(s) in %.1f s", target.label, len(records), wall)
 
 
-def run_level(target: Target, prompts: list[Prompt], concurrency: int, cfg: BenchSection) -> dict:
-    """One measured level: the client's figures, the padding factor and what Triton counted meanwhile."""
+def run_level(target: Target, prompts: list[Prompt], concurrency: int, cfg: BenchSection,
+              sla: Optional[dict[str, float]] = None) -> dict:
+    """One measured level: the client's figures (with goodput against ``sla``'s bounds), the padding factor and
+    what Triton counted meanwhile."""
     models = target.names.all()
     before = scrape_metrics(target.metrics_url)
     records, wall = _send(target, prompts, concurrency, cfg)
     after = scrape_metrics(target.metrics_url)
     _raise_on_errors(target, records, f"concurrency {concurrency}")
-    fig = level_figures(records, wall, concurrency)
+    fig = level_figures(records, wall, concurrency, sla)
     fig["padding_factor"] = padding_factor(target.settings, concurrency)
     fig["triton"] = metrics_delta(before, after, models)
     log.info("%s c=%d: %.1f tok/s, %.2f req/s, TTFT p50 %.0f ms, ITL p50 %.1f ms, e2e p50/p99 %.0f/%.0f ms",
