@@ -298,6 +298,7 @@ class CpuRuntime:
         self.model, self.pool, self.settings = model, pool, settings
         self.eos_token_id = eos_token_id
         self.adaptive = adaptive
+        self.layer_streaming = False  # whether the model's decoder layers are streamed (set by load)
         self.max_batch_size = settings["max_batch_size"]
         self.max_input_len = settings["max_input_len"]
         self.max_seq_len = settings["max_seq_len"]

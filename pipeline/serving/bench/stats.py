@@ -95,11 +95,13 @@ def goodput(requests: Sequence[dict], wall_s: float, bounds: dict[str, float]) -
     keeps the SLA, its P99 of each bounded metric within the bound (``violations`` names those that are not).
     """
     good = sum(all(r[m] is None or r[m] <= b for m, b in bounds.items()) for r in requests)
-    p99 = {}
-    for m in bounds:
+    p99: dict[str, Optional[float]] = {}
+    violations = []
+    for m, bound in bounds.items():
         values = [r[m] for r in requests if r[m] is not None]
-        p99[m] = percentile(values, 99) if values else None
-    violations = [m for m, b in bounds.items() if p99[m] is not None and p99[m] > b]
+        p99[m] = value = percentile(values, 99) if values else None
+        if value is not None and value > bound:
+            violations.append(m)
     return {"goodput_rps": good / wall_s if wall_s > 0 else 0.0, "good_requests": good, "requests": len(requests),
             "met": not violations and bool(requests), "p99_ms": p99, "violations": violations}
 
