@@ -559,6 +559,19 @@ _IMAGE_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _BASE_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}(@sha256:[0-9a-f]{64})?$")
 
 
+class AlertsSection(Strict):
+    """Thresholds of the alert rules `invoke deploy-manifests` renders (pipeline/release/alerts.py)."""
+
+    queue_waiting: int = Field(32, ge=1)  # requests waiting per pod; 32: the HPA's scale-out target
+    kv_cache_used_fraction: float = Field(0.9, gt=0, le=1)
+    error_ratio: float = Field(0.05, gt=0, lt=1)  # failed / all requests over 5 minutes
+    missed_scrapes: int = Field(3, ge=1, le=40)  # target down after this many missed scrapes (15 s apart)
+    restarts_in_15m: int = Field(2, ge=0)
+    gpu_util_percent: float = Field(95, gt=0, le=100)
+    mem_copy_util_percent: float = Field(90, gt=0, le=100)
+    for_minutes: int = Field(5, ge=1, le=120)  # how long a condition holds before its alert fires
+
+
 class ImageSection(Strict):
     """`invoke image` / `release` / `deploy-manifests` (pipeline/release/image.py, pipeline/release/deploy.py)."""
 
@@ -622,6 +635,7 @@ class PipelineConfig(Strict):
     verify: VerifySection = VerifySection()
     sla: SlaSection = SlaSection()
     bench: BenchSection = BenchSection()
+    alerts: AlertsSection = AlertsSection()
     image: ImageSection = ImageSection()
 
     @model_validator(mode="after")

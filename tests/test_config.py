@@ -100,6 +100,8 @@ BAD = [
     ("negative-sla", "sla: {p99_e2e_ms: -5}", [], ["sla.p99_e2e_ms", "greater than 0"]),
     ("unknown-sla-bound", "sla: {p95_e2e_ms: 500}", [], ["sla.p95_e2e_ms"]),
     ("adaptive-without-itl", "triton: {adaptive_batch: true}", [], ["triton.adaptive_batch", "sla.p99_itl_ms"]),
+    ("bad-alert-threshold", "alerts: {kv_cache_used_fraction: 1.5}", [],
+     ["alerts.kv_cache_used_fraction", "less than or equal to 1"]),
     ("not-yaml", "build: [unclosed", [], ["not valid YAML"]),
     ("missing-text-files", "text: {source: {kind: files, paths: [gone.txt]}}", [], ["text.source.paths", "gone.txt"]),
 ]

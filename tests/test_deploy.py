@@ -151,7 +151,7 @@ def rendered_gpu(tmp_path) -> tuple[Path, object]:
 def test_rendered_gpu_manifests(rendered_gpu):
     out, pub = rendered_gpu
     serving = [(p, d) for p, d in docs_in(out) if p.parent == out]
-    assert validate_offline(docs_in(out)) == {"Kustomization", "PodMonitor"}
+    assert validate_offline(docs_in(out)) == {"Kustomization", "PodMonitor", "PrometheusRule"}
     kinds = by_kind(serving)
     check_serving_wiring(kinds, gpus=1)
     (dep,) = kinds["Deployment"]
@@ -190,8 +190,13 @@ def test_rendered_cpu_manifests_have_no_gpu(tmp_path):
     done = run_invoke("deploy-manifests", "--work-root", str(tmp_path))
     assert done.returncode == 0, done.stderr
     out = tmp_path / DEFAULT_NAME / deploy.RENDERED_DIR
-    assert validate_offline(docs_in(out)) == {"Kustomization", "PodMonitor"}
+    assert validate_offline(docs_in(out)) == {"Kustomization", "PodMonitor", "PrometheusRule"}
     assert not (out / "jobs").exists()
+    (rule,) = by_kind(docs_in(out))["PrometheusRule"]
+    plain = yaml.safe_load((out / deploy.ALERTS_RULE_FILE).read_text())
+    assert rule["spec"] == plain and rule["metadata"]["name"] == f"triton-{DEFAULT_NAME}"
+    assert all(f'pod=~"triton-{DEFAULT_NAME}-.*"' in r["expr"] for r in plain["groups"][0]["rules"]
+               if r["alert"].startswith("Triton"))
     check_serving_wiring(by_kind(docs_in(out)), gpus=None)
     assert deploy.GPU_RESOURCE not in (out / "deployment.yaml").read_text()
     assert deploy.GPU_METRIC not in (out / "hpa.yaml").read_text()

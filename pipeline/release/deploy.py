@@ -23,6 +23,7 @@ from pipeline import constants
 from pipeline.config import PipelineConfig
 from pipeline.errors import ConfigError, InputError
 from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
+from pipeline.release import alerts
 from pipeline.runner import Runner, WorkDirLock
 
 DEPLOY_DIR = constants.REPO_ROOT / "deploy"
@@ -31,6 +32,8 @@ JOBS_DIR = DEPLOY_DIR / "jobs"
 JOB_TEMPLATE = "engine-build-job.yaml"
 JOBS_SHARED = ("engine-builds-pvc.yaml", "networkpolicy.yaml")  # rendered once, beside the Jobs
 RENDERED_DIR = "deploy"  # inside the config's work dir
+ALERTS_RESOURCE = "prometheusrule.yaml"  # the Prometheus Operator's resource, among the serving manifests
+ALERTS_RULE_FILE = "monitoring/alert-rules.yml"  # the same rules as a plain rules file (not a resource)
 BASE_NAME = "triton-llm"  # the name every base resource carries; rendering replaces it
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 ANNOTATION_PREFIX = "trtllm-pipeline/"
@@ -147,6 +150,8 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
             doc["spec"]["behavior"]["scaleUp"]["tolerance"] = "0"
             doc["spec"]["behavior"]["scaleDown"]["tolerance"] = scale_down_tolerance()
         out[file_name] = doc
+    labels = out["deployment.yaml"]["metadata"].get("labels") or {}
+    out[ALERTS_RESOURCE] = alerts.prometheus_rule(cfg.alerts, name, labels)
     return out
 
 
@@ -202,8 +207,10 @@ def _kustomization(files: Sequence[str], comment: str) -> str:
     return f"# {comment}\n{body}"
 
 
-def write_rendered(out_dir: Path, serving: dict[str, dict], jobs: dict[str, dict], header: str) -> Path:
-    """Write the rendered manifests into out_dir (replaced whole: written beside it, then renamed)."""
+def write_rendered(out_dir: Path, serving: dict[str, dict], jobs: dict[str, dict], header: str,
+                   plain: dict[str, dict] | None = None) -> Path:
+    """Write the rendered manifests into out_dir (replaced whole: written beside it, then renamed); ``plain``:
+    files that are not Kubernetes resources (kept out of the kustomization), by relative path."""
     staging = out_dir.with_name(out_dir.name + ".staging")
     remove_tree(staging)
     staging.mkdir(parents=True)
@@ -221,6 +228,9 @@ def write_rendered(out_dir: Path, serving: dict[str, dict], jobs: dict[str, dict
             dump(staging / "jobs" / file_name, doc)
         atomic_write_text(staging / "jobs" / "kustomization.yaml",
                           _kustomization(list(jobs), f"{header}. Engine builds: kubectl apply -k <this folder>"))
+    for rel, doc in (plain or {}).items():
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        dump(staging / rel, doc)
     replace_dir(staging, out_dir)
     return out_dir
 
@@ -247,9 +257,11 @@ def render_manifests(runner: Runner, overrides: Sequence[str], gpu_types: Sequen
             jobs = render_jobs(cfg, runner.loaded.path, overrides, gpu_types, builder_ref)
         header = (f"Rendered by `invoke deploy-manifests` from deploy/ for {pub.config_name} "
                   f"(repository sha256:{pub.short_digest}...); edit deploy/, not this file")
-        out = write_rendered(runner.work_dir / RENDERED_DIR, serving, jobs, header)
+        rules = alerts.rule_file(cfg.alerts, serving[ALERTS_RESOURCE]["metadata"]["name"])
+        out = write_rendered(runner.work_dir / RENDERED_DIR, serving, jobs, header, {ALERTS_RULE_FILE: rules})
     echo(f"image: {image_ref}")
     echo(f"manifests: {out} (kubectl apply -k {out})")
+    echo(f"alert rules: {out / ALERTS_RESOURCE} (PrometheusRule), {out / ALERTS_RULE_FILE} (plain rules file)")
     if jobs:
         echo(f"engine-build Jobs: {out / 'jobs'} ({len(jobs) - len(JOBS_SHARED)} job(s); kubectl apply -k {out / 'jobs'})")
     elif cfg.build.target != "cpu":

@@ -1,0 +1,97 @@
+"""Alert rules for a served build, from the ``alerts`` config section: a PrometheusRule for the Prometheus
+Operator and the same groups as a plain rules file (for a Prometheus without the Operator, and for promtool).
+
+Every expression reads a series a real exporter writes, named where it is defined:
+- Triton's own metrics (``nv_inference_pending_request_count``, ``nv_inference_request_success`` /
+  ``_failure``: Triton's metrics documentation), and the tensorrtllm backend's families the cpu target's
+  models export too (``nv_trt_llm_request_metrics{request_type="waiting"}``,
+  ``nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used"|"max"}``: triton_repo/common/llm_serving.py);
+- ``up`` (Prometheus itself: 0 when a scrape fails; the PodMonitor scrapes every ``SCRAPE_INTERVAL_S``);
+- ``kube_pod_container_status_restarts_total`` (kube-state-metrics);
+- NVIDIA dcgm-exporter's default counters (etc/default-counters.csv at commit 00d6d344ea4a):
+  ``DCGM_FI_DEV_GPU_UTIL`` and ``DCGM_FI_DEV_MEM_COPY_UTIL`` (gauges, percent), ``DCGM_FI_DEV_XID_ERRORS``
+  (gauge: the last XID error's value, 0 when none).
+
+The queue threshold defaults to the HorizontalPodAutoscaler's target (32 waiting per replica): the alert
+says the autoscaler is not keeping up (at its maximum, or pods not starting), not that it has work to do.
+Each alert carries a ``runbook`` annotation; the README lists them.
+"""
+
+from __future__ import annotations
+
+SCRAPE_INTERVAL_S = 15  # deploy/base/podmonitor.yaml
+GROUP = "trtllm-pipeline.serving"
+
+
+def _duration(seconds: int) -> str:
+    return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
+
+
+def rules(section, name: str) -> list[dict]:
+    """The alerting rules for the release ``name`` (its pods are ``<name>-...``), thresholds from ``section``
+    (a config AlertsSection)."""
+    pods = f'pod=~"{name}-.*"'
+    hold = _duration(section.for_minutes * 60)
+    waiting = (f'sum by (namespace, pod) ({{__name__=~"nv_inference_pending_request_count|nv_trt_llm_request_metrics",'
+               f'request_type=~"|waiting",{pods}}})')
+    kv = 'nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="{}",' + pods + '}}'
+    failed = f"sum by (namespace, pod) (rate(nv_inference_request_failure{{{pods}}}[5m]))"
+    answered = f"sum by (namespace, pod) (rate(nv_inference_request_success{{{pods}}}[5m]))"
+    out = [
+        _rule("TritonQueueBacklog", f"{waiting} > {section.queue_waiting}", hold, "warning",
+              f"More than {section.queue_waiting} requests have waited in {{{{ $labels.pod }}}} for {hold}.",
+              "The autoscaler is not keeping up: check the HPA (at maxReplicas?), pending pods and GPU capacity; "
+              "lower build.max_batch_size only if P99 latency is the problem."),
+        _rule("TritonKVCacheNearlyFull",
+              f"sum by (namespace, pod) ({kv.format('used')}) / sum by (namespace, pod) ({kv.format('max')}) "
+              f"> {section.kv_cache_used_fraction}", hold, "warning",
+              f"{{{{ $labels.pod }}}} has used over {section.kv_cache_used_fraction:.0%} of its KV-cache blocks "
+              f"for {hold}.",
+              "New requests wait for blocks: raise build.kv_cache.free_gpu_memory_fraction, quantize the KV cache "
+              "(quantization.kv_cache: fp8), or add replicas."),
+        _rule("TritonErrorRate", f"{failed} / ({failed} + {answered}) > {section.error_ratio}", hold, "critical",
+              f"Over {section.error_ratio:.0%} of requests to {{{{ $labels.pod }}}} failed for {hold}.",
+              "Read the pod's log (bad client input is a 4xx, not a failure here); a model that fails every "
+              "request is restarted by its watchdog / liveness probe."),
+        _rule("TritonTargetDown", f'up{{{pods}}} == 0', _duration(section.missed_scrapes * SCRAPE_INTERVAL_S),
+              "critical",
+              f"{{{{ $labels.pod }}}} missed {section.missed_scrapes} scrapes in a row (no metrics for "
+              f"{section.missed_scrapes * SCRAPE_INTERVAL_S} s).",
+              "The server is down or hung: its liveness probe restarts it; if it keeps happening, see "
+              "TritonPodRestarting."),
+        _rule("TritonPodRestarting",
+              f"increase(kube_pod_container_status_restarts_total{{{pods}}}[15m]) > {section.restarts_in_15m}",
+              "0s", "critical",
+              f"{{{{ $labels.pod }}}} restarted more than {section.restarts_in_15m} times in 15 minutes.",
+              "kubectl describe pod / logs --previous: OOM kill (raise the memory limit), engine load failure "
+              "(image and engine built for another GPU?), or a watchdog stop."),
+        _rule("GpuSaturated", f"avg by (Hostname, gpu) (DCGM_FI_DEV_GPU_UTIL) > {section.gpu_util_percent}", "15m",
+              "warning", f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.Hostname }}}} has been over "
+              f"{section.gpu_util_percent}% busy for 15 minutes.",
+              "Expected under load; with a queue backlog too, add GPUs (raise the HPA's maxReplicas)."),
+        _rule("GpuMemoryCopyBusy", f"avg by (Hostname, gpu) (DCGM_FI_DEV_MEM_COPY_UTIL) > "
+                                   f"{section.mem_copy_util_percent}", "15m", "warning",
+              f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.Hostname }}}} spent over "
+              f"{section.mem_copy_util_percent}% of its time on memory copies for 15 minutes.",
+              "Decode is memory-bound: a quantized KV cache and weights (INT8/FP8/INT4) move fewer bytes."),
+        _rule("GpuXidError", "max by (Hostname, gpu) (DCGM_FI_DEV_XID_ERRORS) > 0", "0s", "critical",
+              "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} reported XID error {{ $value }}.",
+              "Look the XID up in NVIDIA's XID catalogue; drain the node if it repeats."),
+    ]
+    return out
+
+
+def _rule(alert: str, expr: str, hold: str, severity: str, summary: str, runbook: str) -> dict:
+    return {"alert": alert, "expr": expr, "for": hold, "labels": {"severity": severity},
+            "annotations": {"summary": summary, "runbook": runbook}}
+
+
+def rule_file(section, name: str) -> dict:
+    """A plain Prometheus rules file (``rule_files:``; what promtool checks)."""
+    return {"groups": [{"name": GROUP, "rules": rules(section, name)}]}
+
+
+def prometheus_rule(section, name: str, labels: dict[str, str]) -> dict:
+    """The same groups as a Prometheus Operator PrometheusRule resource."""
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": name, "labels": dict(labels)}, "spec": rule_file(section, name)}

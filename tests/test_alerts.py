@@ -1,0 +1,107 @@
+"""The alert rules `invoke deploy-manifests` renders, checked and unit-tested by Prometheus's own promtool:
+each alert fires on the series its exporter writes once its condition has held long enough, not before, and
+not for a healthy pod beside it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from pipeline.config import AlertsSection
+from pipeline.release import alerts, deploy
+
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="needs promtool (Debian: apt-get install prometheus; scripts/setup-env does it as root)")
+NAME = "triton-demo"
+BAD, GOOD = f"{NAME}-7d9f-a", f"{NAME}-7d9f-b"
+
+
+def _summary(rule: dict, labels: dict, value: str = "") -> str:
+    text = rule["annotations"]["summary"].replace("{{ $value }}", value)
+    for k, v in labels.items():
+        text = text.replace(f"{{{{ $labels.{k} }}}}", v)
+    return text
+
+
+# alert -> (input series, sample interval, a time it must not fire yet, a time it must be firing, the firing
+# alert's labels, its $value as text). Times by hand from the rule: the condition's start plus its `for`.
+CASES = {
+    "TritonQueueBacklog": (  # 20 pending + 20 waiting in the batch manager = 40 > 32 from t=0, for 5m
+        [(f'nv_inference_pending_request_count{{namespace="ns",pod="{BAD}"}}', "20x200"),
+         (f'nv_trt_llm_request_metrics{{namespace="ns",pod="{BAD}",request_type="waiting"}}', "20x200"),
+         # the batch manager's active requests are not waiting: 10 + 100 active stays healthy
+         (f'nv_inference_pending_request_count{{namespace="ns",pod="{GOOD}"}}', "10x200"),
+         (f'nv_trt_llm_request_metrics{{namespace="ns",pod="{GOOD}",request_type="active"}}', "100x200")],
+        "15s", "4m", "6m", {"namespace": "ns", "pod": BAD}, ""),
+    "TritonKVCacheNearlyFull": (  # 95 of 100 blocks used from t=0, for 5m
+        [(f'nv_trt_llm_kv_cache_block_metrics{{namespace="ns",pod="{BAD}",kv_cache_block_type="used"}}', "95x200"),
+         (f'nv_trt_llm_kv_cache_block_metrics{{namespace="ns",pod="{BAD}",kv_cache_block_type="max"}}', "100x200"),
+         (f'nv_trt_llm_kv_cache_block_metrics{{namespace="ns",pod="{GOOD}",kv_cache_block_type="used"}}', "50x200"),
+         (f'nv_trt_llm_kv_cache_block_metrics{{namespace="ns",pod="{GOOD}",kv_cache_block_type="max"}}', "100x200")],
+        "15s", "4m", "6m", {"namespace": "ns", "pod": BAD}, ""),
+    "TritonErrorRate": (  # half the requests fail; a rate needs two samples (t=15s), then 5m
+        [(f'nv_inference_request_failure{{namespace="ns",pod="{BAD}",model="m",version="1"}}', "0+10x200"),
+         (f'nv_inference_request_success{{namespace="ns",pod="{BAD}",model="m",version="1"}}', "0+10x200"),
+         (f'nv_inference_request_failure{{namespace="ns",pod="{GOOD}",model="m",version="1"}}', "0+0x200"),
+         (f'nv_inference_request_success{{namespace="ns",pod="{GOOD}",model="m",version="1"}}', "0+10x200")],
+        "15s", "5m", "7m", {"namespace": "ns", "pod": BAD}, ""),
+    "TritonTargetDown": (  # scrapes fail from t=15s: three missed scrapes (45 s) later it fires
+        [(f'up{{job="ns/triton",namespace="ns",pod="{BAD}"}}', "1 0x200"),
+         (f'up{{job="ns/triton",namespace="ns",pod="{GOOD}"}}', "1x200")],
+        "15s", "45s", "2m", {"job": "ns/triton", "namespace": "ns", "pod": BAD}, ""),
+    "TritonPodRestarting": (  # three restarts at t=10m; a steady count of one is no restart
+        [(f'kube_pod_container_status_restarts_total{{namespace="ns",pod="{BAD}",container="triton"}}', "0x9 3x20"),
+         (f'kube_pod_container_status_restarts_total{{namespace="ns",pod="{GOOD}",container="triton"}}', "1x30")],
+        "1m", "9m", "11m", {"namespace": "ns", "pod": BAD, "container": "triton"}, ""),
+    "GpuSaturated": (
+        [('DCGM_FI_DEV_GPU_UTIL{Hostname="node-1",gpu="0"}', "99x200"),
+         ('DCGM_FI_DEV_GPU_UTIL{Hostname="node-1",gpu="1"}', "60x200")],
+        "15s", "14m", "16m", {"Hostname": "node-1", "gpu": "0"}, ""),
+    "GpuMemoryCopyBusy": (
+        [('DCGM_FI_DEV_MEM_COPY_UTIL{Hostname="node-1",gpu="0"}', "97x200"),
+         ('DCGM_FI_DEV_MEM_COPY_UTIL{Hostname="node-1",gpu="1"}', "40x200")],
+        "15s", "14m", "16m", {"Hostname": "node-1", "gpu": "0"}, ""),
+    "GpuXidError": (  # XID 79 (fallen off the bus) from t=2m
+        [('DCGM_FI_DEV_XID_ERRORS{Hostname="node-1",gpu="0"}', "0 0 79x20"),
+         ('DCGM_FI_DEV_XID_ERRORS{Hostname="node-1",gpu="1"}', "0x22")],
+        "1m", "1m", "3m", {"Hostname": "node-1", "gpu": "0"}, "79"),
+}
+
+
+def test_every_alert_has_a_case_a_runbook_and_the_hpa_queue_threshold():
+    rules = alerts.rules(AlertsSection(), NAME)
+    assert sorted(r["alert"] for r in rules) == sorted(CASES)
+    assert all(r["annotations"]["runbook"] for r in rules)
+    assert AlertsSection().queue_waiting == deploy.SCALE_OUT_QUEUED_PER_REPLICA
+    doc = alerts.prometheus_rule(AlertsSection(), NAME, {"app": "x"})
+    assert doc["kind"] == "PrometheusRule" and doc["spec"]["groups"][0]["rules"] == rules
+
+
+@needs_promtool
+def test_promtool_checks_the_rules_and_each_alert_fires_when_and_only_where_it_should(tmp_path):
+    section = AlertsSection()
+    by_name = {r["alert"]: r for r in alerts.rules(section, NAME)}
+    rule_path = tmp_path / "alert-rules.yml"
+    rule_path.write_text(yaml.safe_dump(alerts.rule_file(section, NAME), sort_keys=False))
+    checked = subprocess.run([PROMTOOL, "check", "rules", str(rule_path)], capture_output=True, text=True)
+    assert checked.returncode == 0 and f"SUCCESS: {len(CASES)} rules found" in checked.stdout, checked.stdout
+
+    tests = []
+    for alert, (series, interval, not_yet, fires, labels, value) in CASES.items():
+        rule = by_name[alert]
+        firing = {"exp_labels": {**labels, "severity": rule["labels"]["severity"]},
+                  "exp_annotations": {"summary": _summary(rule, labels, value), "runbook": rule["annotations"]["runbook"]}}
+        tests.append({"name": alert, "interval": interval,
+                      "input_series": [{"series": s, "values": v} for s, v in series],
+                      "alert_rule_test": [{"eval_time": not_yet, "alertname": alert, "exp_alerts": []},
+                                          {"eval_time": fires, "alertname": alert, "exp_alerts": [firing]}]})
+    test_path = tmp_path / "alert-tests.yml"
+    test_path.write_text(yaml.safe_dump({"rule_files": [str(rule_path)], "evaluation_interval": "15s",
+                                         "tests": tests}, sort_keys=False))
+    run = subprocess.run([PROMTOOL, "test", "rules", str(test_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "SUCCESS" in run.stdout
