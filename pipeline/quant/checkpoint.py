@@ -224,15 +224,12 @@ class CheckpointReader:
         """Each rank's ``key`` (None for a rank without it), or None when no rank has it."""
         if not self._present(key, required):
             return None
-        return [self._get(r, key) if key in keys else None for r, keys in enumerate(self._keys)]
+        return [_get(f, key) if key in keys else None for f, keys in zip(self._files, self._keys)]
 
     def _read_replicated(self, key: str):
         """A tensor every rank holds a copy of, read from rank 0."""
         self._present(key)
-        return self._get(0, key)
-
-    def _get(self, rank: int, key: str):
-        return _get(self._files[rank], key)
+        return _get(self._files[0], key)
 
     def embedding(self):
         """The vocabulary embedding, fp32 [vocab, hidden] (the ranks' pieces joined, the padding cut off)."""
@@ -385,9 +382,9 @@ def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None, strea
     weights are ever allocated).
 
     ``streamed``: the decoder layers stay on the meta device and each is read from the checkpoint when a
-    forward reaches it, then dropped (``model.streamed_layers``, a ``StreamedLayers``): the model holds the embedding, the final norm,
-    lm_head and one decoder layer at a time. Every layer is read once here all the same, so a checkpoint
-    that cannot be read fails now, not in the middle of a request.
+    forward reaches it, then dropped (``model.streamed_layers``, a ``StreamedLayers``): the model holds the
+    embedding, the final norm, lm_head and one decoder layer at a time. Every layer is read once here all
+    the same, so a checkpoint that cannot be read fails now, not in the middle of a request.
     ``kept``: the HF names of the layers the plan keeps in high precision (checked when given)."""
     import torch
     from accelerate import init_empty_weights

@@ -9,6 +9,8 @@ Per level (``target``): the client's figures (throughput, TTFT / ITL / end-to-en
 padding factor where the build says how batches are padded, and Triton's own counters from its metrics
 endpoint, read before and after the level. The knee (``stats.find_knee``): the lowest level from which
 no higher level gains ``bench.knee_min_gain`` or more per doubling of concurrency (one noisy level cannot move it).
+With an SLA (the ``sla`` section's P99 bounds), each level's goodput against it and the level to run at
+(``stats.goodput``, ``stats.sla_choice``).
 
 Comparison mode (``bench.compare_repository``): a second published repository gets its own server, and
 the two are swept level by level, alternating which goes first, so drifting machine load hits both alike;
