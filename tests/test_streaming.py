@@ -92,6 +92,11 @@ def test_streamed_checkpoint_is_bit_equal_to_the_in_memory_one(tmp_path, tiny_mo
         assert sb["accuracy"]["from_checkpoint"][key] == value, key
     assert sb["checkpoint"]["read_back"] == sa["checkpoint"]["read_back"]
     assert not (streamed / "layer_exports").exists()
+    # the greedy generations, both models streamed: the original model's text is the in-memory run's
+    ga = json.loads((whole / "accuracy.json").read_text())["generations"]
+    gb = json.loads((streamed / "accuracy.json").read_text())["generations"]
+    assert len(gb) == 3 and [g["original"] for g in gb] == [g["original"] for g in ga]
+    assert all(g["quantized"] for g in gb)
 
 
 def test_a_bound_too_small_for_the_whole_model_streams_and_one_too_small_for_a_layer_is_refused(

@@ -401,7 +401,7 @@ def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None, strea
         if streamed:
             StreamedLayers.drop(layer)
     if streamed:
-        model.streamed_layers = StreamedLayers(reader, model.model.layers)
+        model.streamed_layers = StreamedLayers(reader.load_layer, model.model.layers)
     state["lm_head.weight"], head_transform = reader.lm_head(tied_embedding=embed)
     facts = reader.finish()
     _, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -414,22 +414,22 @@ def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None, strea
 
 
 class StreamedLayers:
-    """Decoder layers that hold their weights only while a forward runs through them: a pre-hook reads layer
-    ``i`` from the checkpoint (``CheckpointReader.load_layer``, fp32), a hook after it puts its parameters
+    """Decoder layers that hold their weights only while a forward runs through them: a pre-hook loads layer
+    ``i`` (``load(i, layer)``: here ``CheckpointReader.load_layer``, fp32), a hook after it puts its parameters
     back on the meta device. Host memory: one decoder layer in fp32 besides what the model keeps; time: every
-    forward reads the whole checkpoint (from the page cache when it fits there) and dequantizes it again."""
+    forward reads the whole model again (from the page cache when it fits there)."""
 
-    def __init__(self, reader: CheckpointReader, layers):
+    def __init__(self, load, layers):
         import functools
 
-        self.reader = reader
+        self.load = load
         self.loads = 0  # layers read so far (a figure for the logs and the benchmark)
         for i, layer in enumerate(layers):
             layer.register_forward_pre_hook(functools.partial(self._load, i))
             layer.register_forward_hook(lambda module, args, output: self.drop(module))
 
     def _load(self, i: int, layer, args) -> None:
-        self.reader.load_layer(i, layer)
+        self.load(i, layer)
         self.loads += 1
 
     @staticmethod

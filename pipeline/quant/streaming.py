@@ -36,8 +36,9 @@ The streamed checkpoint is bit-equal to the in-memory one: every tensor, config.
 accuracy figures, on SmolLM2's default config and in tests/test_streaming.py (INT8 SmoothQuant, FP8 with
 lm_head quantized, mixed INT4 AWQ + INT8 SmoothQuant, tensor parallelism 2). The stage log names the peak RSS
 after each layer and step.
-Not streamed yet: the HF unified checkpoint (refused with layer streaming) and the greedy generations for
-reading (skipped; the gate does not use them).
+The greedy generations for reading compare the original model and the written checkpoint, both with their
+decoder layers streamed (``streamed_original``, ``checkpoint.rebuild(streamed=True)``).
+Not streamed yet: the HF unified checkpoint (refused with layer streaming).
 """
 
 from __future__ import annotations
@@ -497,6 +498,27 @@ def _peak() -> str:
     from pipeline.compute import gib
 
     return gib(own_peak_rss())
+
+
+def streamed_original(model_dir: Path, config):
+    """The original model in fp32 with its decoder layers read from its safetensors files when a forward
+    reaches them (``checkpoint.StreamedLayers``): for the greedy generations of a streamed quantize."""
+    import torch
+
+    from pipeline.quant.checkpoint import StreamedLayers
+
+    store = WeightStore(model_dir)
+    model = skeleton(config, torch.float32)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its frequencies, for real
+    store.load_module(model.model.embed_tokens, "model.embed_tokens", torch.float32)
+    store.load_module(model.model.norm, "model.norm", torch.float32)
+    if store.head_name() == "lm_head.weight":
+        store.load_module(model.lm_head, "lm_head", torch.float32)
+    else:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.streamed_layers = StreamedLayers(
+        lambda i, layer: store.load_module(layer, f"model.layers.{i}", torch.float32), model.model.layers)
+    return model
 
 
 def read_back_streamed(ckpt: Path, model_dir: Path, kept: set[str], evals, reference_final_hidden,
