@@ -319,6 +319,9 @@ class QuantizationSection(Strict):
     smoothquant_alpha: float = Field(1.0, ge=0, le=1)  # ModelOpt's default; 0.5 lost 3x more on SmolLM2
     export_hf_checkpoint: bool = False  # the unified HF checkpoint the `pytorch` target serves
     accuracy: AccuracyTolerance = AccuracyTolerance()
+    # a few greedy generations, original vs quantized, in generations.md (for reading; not gated). With layer
+    # streaming every token reads both models again: on a 2B model twice the rest of quantize's time
+    greedy_generations: bool = True
 
     @field_validator("weight_format", mode="before")
     @classmethod

@@ -66,11 +66,14 @@ def test_fp8_with_fp8_kv(tmp_path, tiny_model_dir):
     cfg = _tiny_config(tmp_path, tiny_model_dir)
     work = tmp_path / "work"
     _run(cfg, work, "sensitivity.formats=[fp8]", "quantization.weight_format=fp8", "quantization.kv_cache=fp8",
-         "quantization.accuracy.max_perplexity_increase_pct=50", "quantization.accuracy.min_top1_agreement=0.5")
+         "quantization.accuracy.max_perplexity_increase_pct=50", "quantization.accuracy.min_top1_agreement=0.5",
+         "quantization.greedy_generations=false")
     ckpt = work / "tiny" / "quantize" / "trtllm_checkpoint"
     q = json.loads((ckpt / "config.json").read_text())["quantization"]
     assert q["quant_algo"] == "FP8" and q["kv_cache_quant_algo"] == "FP8"
     assert _dtypes(ckpt)["transformer.layers.1.mlp.fc.weight"] == "F8_E4M3"
+    generations = (work / "tiny" / "quantize" / "generations.md").read_text()
+    assert "Not run (quantization.greedy_generations: false)" in generations and "- quantized:" not in generations
 
 
 def test_accuracy_gate_fails_below_the_measured_loss_and_exports_nothing(tmp_path, outlier_model_dir):

@@ -578,7 +578,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         save_file({"hidden": res["reference_final_hidden"].cpu().contiguous()}, str(out_dir / READ_BACK_REFERENCE))
         return {"read_back_pending": True, "accuracy": res["accuracy"], "exported": exported,
                 "calibrate_s": res["calibrate_s"], "elapsed_s": time.perf_counter() - t0, "device": device,
-                "calibration_tokens": int(calib.numel()),
+                "calibration_tokens": int(calib.numel()), "greedy_generations": quant.greedy_generations,
                 "compute": comp.compute_record(device, ref_dtype, bound)}
     original = _load_model(model_dir, device, ref_dtype, gpu_bound)
     # the model ModelOpt quantizes in place; on GPUs a second load (a deep copy of a dispatched model would
@@ -605,7 +605,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     log.info("calibrated in %.1f s", t_quant)
 
     accuracy = _accuracy(original, model, evals)
-    generations = _generations(original, model, tokenizer)
+    generations = _generations(original, model, tokenizer) if quant.greedy_generations else []
     log.info("accuracy: %s", accuracy)
     if not baseline:
         _gate(accuracy, quant, plan_doc, table_layers)
@@ -675,7 +675,7 @@ def finish_streamed(model_dir: Path, evaluation_file: Path, plan_file: Path, tab
     evaluation_tokens = int(evals.numel())
     del hidden, evals
     comp.trim_heap()
-    generations = _streamed_generations(model_dir, ckpt, kept)
+    generations = _streamed_generations(model_dir, ckpt, kept) if partial["greedy_generations"] else []
     return _finish(out_dir, partial["accuracy"], from_ckpt, read_facts, partial["exported"], None, generations, plan_doc,
                    partial["calibration_tokens"], evaluation_tokens, partial["compute"], partial["calibrate_s"], t0,
                    streamed=True)
@@ -762,7 +762,9 @@ def _generations_markdown(rows: list[dict], acc: dict, streamed: bool = False) -
              f"Perplexity {acc['perplexity_original']} -> {acc['perplexity_quantized']} "
              f"(+{acc['perplexity_increase_pct']}%), top-1 agreement {acc['top1_agreement']}, "
              f"KL {acc['kl_divergence']}.", ""]
-    if streamed:
+    if not rows:
+        lines += ["Not run (quantization.greedy_generations: false).", ""]
+    elif streamed:
         lines += ["Quantized with layer streaming: the quantized side is the written checkpoint read back (as the "
                   "engine gets it), both models streamed a decoder layer at a time.", ""]
     for r in rows:
