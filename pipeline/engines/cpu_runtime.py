@@ -319,18 +319,14 @@ class CpuRuntime:
         ``layer_streaming`` (auto | always | never) overrides the bundle's ``runtime.json``: see
         ``weights_streamed``. ``adaptive_target_ms``: keep the step latency there with an
         ``AdaptiveBatchLimit`` (None: run up to max_batch_size sequences at once, always)."""
-        from pipeline.quant.checkpoint import rebuild
-
         bundle = Path(bundle_dir)
         settings = read_settings(bundle)
         if threads:
             torch.set_num_threads(threads)
-        ckpt, model_dir = bundle / artifacts.CPU_CHECKPOINT_SUBDIR, bundle / artifacts.CPU_MODEL_SUBDIR
+        ckpt = bundle / artifacts.CPU_CHECKPOINT_SUBDIR
         kv_algo = json.loads((ckpt / "config.json").read_text()).get("quantization", {}).get("kv_cache_quant_algo")
         kv_algo = kv_algo if quantize_kv_cache else None
-        streamed, why = weights_streamed(bundle, settings, layer_streaming or settings.get("layer_streaming", "auto"))
-        model, facts = rebuild(ckpt, model_dir, streamed=streamed)
-        model.eval()
+        model, facts, streamed, why = bundle_model(bundle, settings, layer_streaming)
         cfg = model.config
         scales = kv_cache_scales(ckpt, cfg.num_hidden_layers) if kv_algo else None
         pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, _head_dim(cfg), settings["tokens_per_block"],
@@ -513,6 +509,17 @@ def read_settings(bundle: Path) -> dict:
     if not settings_file.is_file():
         raise InputError(f"{bundle} is not a cpu runtime bundle (no {artifacts.CPU_RUNTIME_FILE}); run `invoke build` first")
     return json.loads(settings_file.read_text())
+
+
+def bundle_model(bundle: Path, settings: dict, layer_streaming: Optional[str] = None):
+    """The bundle's checkpoint rebuilt as an fp32 model, its layers streamed when ``weights_streamed`` says so
+    (``layer_streaming`` overrides runtime.json's mode): (model, facts, streamed, why)."""
+    from pipeline.quant.checkpoint import rebuild
+
+    streamed, why = weights_streamed(bundle, settings, layer_streaming or settings.get("layer_streaming", "auto"))
+    model, facts = rebuild(bundle / artifacts.CPU_CHECKPOINT_SUBDIR, bundle / artifacts.CPU_MODEL_SUBDIR,
+                           streamed=streamed)
+    return model.eval(), facts, streamed, why
 
 
 def _head_dim(cfg) -> int:
