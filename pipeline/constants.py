@@ -28,3 +28,11 @@ HUB_DEFAULT_INCLUDE = (
     "chat_template.json",
 )
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+# Greedy checks of a served model (verify) and of a vLLM export (build): short prompts of different kinds.
+CHECK_PROMPTS = (
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+)

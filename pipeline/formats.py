@@ -61,6 +61,11 @@ NO_QUANT = "none"  # weight_format: none exports the unquantized baseline
 # KV-cache formats: config name -> TensorRT-LLM kv_cache_quant_algo (None: not quantized)
 KV_CACHE_ALGOS: dict[str, Optional[str]] = {"int8": "INT8", "fp8": "FP8", "none": None}
 
+# vllm target: weight formats pipeline/engines/vllm/export.py writes -> vllm.device values whose kernels run
+# them (vLLM 0.32: compressed-tensors W8A8 INT8 has a CPU kernel, model_executor/kernels/linear/scaled_mm/cpu.py)
+VLLM_SERVABLE: dict[str, tuple[str, ...]] = {NO_QUANT: ("cpu", "cuda"), "int8_sq": ("cpu", "cuda")}
+VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM 0.32 v1/attention/backends/cpu_attn.py: kernel block sizes MultipleOf(32)
+
 # derived views, for the code that only needs one column
 TRTLLM_QUANT_ALGO = {f.name: f.trtllm_quant_algo for f in FORMATS.values()}
 FORMAT_OF_ALGO = {f.trtllm_quant_algo: f for f in FORMATS.values()}

@@ -89,6 +89,12 @@ def _run_build(ctx: StageContext) -> dict:
     ckpt = ctx.upstream("quantize") / "trtllm_checkpoint"
     if cfg.build.target == "cpu":
         return build_cpu(ckpt, ctx.upstream("model") / artifacts.MODEL_DIR, cfg, ctx.out_dir)
+    if cfg.build.target == "vllm":
+        from pipeline.engines.vllm.target import build_vllm
+
+        return build_vllm(ckpt, ctx.upstream("model") / artifacts.MODEL_DIR,
+                          ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
+                          ctx.upstream("quantize") / artifacts.ACCURACY_FILE, cfg, ctx.out_dir)
     from pipeline.engines.trtllm import targets as trtllm
 
     if cfg.build.target == "tensorrt":
@@ -97,6 +103,11 @@ def _run_build(ctx: StageContext) -> dict:
 
 
 def _build_preflight(loaded) -> None:
+    if loaded.config.build.target == "vllm":
+        from pipeline.engines.vllm.runtime import serving_python  # vLLM's environment, or stop before any work
+
+        serving_python()
+        return
     from pipeline.engines.trtllm.preflight import (
         preflight,  # GPU targets: a GPU and TensorRT-LLM here, or stop before any work
     )
@@ -184,8 +195,8 @@ STAGES: list[StageDef] = [
              sections=("quantization", "build.dtype", "build.tensor_parallel_size", "compute.device"),
              run=_run_quantize, preflight=_compute_preflight,
              version=2),  # 2: mixed formats, INT4 and tensor-parallel read-back, HF unified checkpoint
-    StageDef("build", "engine / LLM-API options / CPU runtime bundle", needs=("model", "quantize"),
-             sections=("build",), run=_run_build, preflight=_build_preflight),
+    StageDef("build", "engine / LLM-API options / CPU runtime bundle / vLLM export", needs=("model", "text", "quantize"),
+             sections=("build", "vllm"), run=_run_build, preflight=_build_preflight),
     StageDef("publish", "Triton model repository", needs=("model", "plan", "build"),
              sections=("triton", "sla.p99_itl_ms", "build.target", "build.trtllm_version", "image.base_tag",
                        "image.base_trtllm_version"),

@@ -133,7 +133,10 @@ def test_the_adapter_rules_serve_the_metrics_the_hpa_asks_for():
     served = {r["name"]["as"] for r in rules["rules"]["custom"]}
     (hpa,) = by_kind(docs_in(REPO / "deploy" / "base"))["HorizontalPodAutoscaler"]
     asked = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
-    assert asked == served == {deploy.GPU_METRIC, deploy.QUEUE_METRIC}
+    assert asked == {deploy.GPU_METRIC, deploy.QUEUE_METRIC}
+    assert served == asked | {deploy.VLLM_QUEUE_METRIC, deploy.VLLM_GPU_METRIC}  # the vllm target's two
+    vllm_queue = next(r for r in rules["rules"]["custom"] if r["name"]["as"] == deploy.VLLM_QUEUE_METRIC)
+    assert "vllm:num_requests_waiting" in vllm_queue["metricsQuery"]
     queue_rule = next(r for r in rules["rules"]["custom"] if r["name"]["as"] == deploy.QUEUE_METRIC)
     assert "nv_trt_llm_request_metrics" in queue_rule["metricsQuery"] and 'request_type=~"|waiting"' in queue_rule["metricsQuery"]
 
@@ -247,3 +250,39 @@ def test_checkov_finds_nothing_unjustified(rendered_gpu, tmp_path):
         assert not failed, f"checkov {framework}: " + "; ".join(failed)
         passed = sum(len(r.get("results", {}).get("passed_checks", [])) for r in reports)
         assert passed > 10, f"checkov {framework} checked almost nothing: {done.stdout[-500:]} {done.stderr[-500:]}"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_rendered_vllm_manifests_serve_one_port_and_scale_on_vllms_queue(tmp_path, device):
+    """The vllm target: vLLM's image on port 8000 (API, /health, /metrics), the HPA on vLLM's own queue gauge
+    (32 waiting per replica) and on CPU (vllm.device cpu) or the DCGM GPU utilisation (cuda) at 85 %; no alert
+    rules (the shipped ones read Triton's series); valid against the Kubernetes schemas."""
+    name = "smollm2-135m-vllm"
+    make_published(tmp_path, config_name=name, target="vllm")
+    extra = ["--set", "build.cuda_graphs.enabled=true"] if device == "cuda" else []
+    done = run_invoke("deploy-manifests", "--config", str(REPO / "engine_configs" / f"{name}.yaml"), "--work-root",
+                      str(tmp_path), "--set", f"vllm.device={device}", *extra)
+    assert done.returncode == 0, done.stderr
+    assert "alert rules: none for the vllm target" in done.stdout
+    out = tmp_path / name / deploy.RENDERED_DIR
+    docs = docs_in(out)
+    assert validate_offline(docs) == {"Kustomization", "PodMonitor"}
+    kinds = by_kind(docs)
+    (dep,) = kinds["Deployment"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["name"] == "vllm" and [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8000)]
+    assert all(c[p]["httpGet"] == {"path": "/health", "port": "http"}
+               for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+    assert c["resources"]["limits"].get(deploy.GPU_RESOURCE) == ("1" if device == "cuda" else None)
+    (svc,) = kinds["Service"]
+    assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"]
+    (mon,) = kinds["PodMonitor"]
+    assert [(e["port"], e["path"]) for e in mon["spec"]["podMetricsEndpoints"]] == [("http", "/metrics")]
+    (netpol,) = kinds["NetworkPolicy"]
+    assert {p["port"] for rule in netpol["spec"]["ingress"] for p in rule["ports"]} == {8000}
+    (hpa,) = kinds["HorizontalPodAutoscaler"]
+    metrics = {m["pods"]["metric"]["name"] if m["type"] == "Pods" else "cpu": m for m in hpa["spec"]["metrics"]}
+    assert metrics[deploy.VLLM_QUEUE_METRIC]["pods"]["target"]["averageValue"] == "32"
+    util = deploy.VLLM_GPU_METRIC if device == "cuda" else "cpu"
+    assert set(metrics) == {deploy.VLLM_QUEUE_METRIC, util}
+    assert not (out / deploy.ALERTS_RESOURCE).exists()

@@ -47,6 +47,13 @@ def make_published(work_root: Path, config_name: str = DEFAULT_NAME, target: str
     from tritonclient.grpc import model_config_pb2
 
     repo = work_root / config_name / "publish" / "model_repository"
+    if target == "vllm":  # one folder: the export and its engine record (vLLM's server loads it, no config.pbtxt)
+        export = repo / "smollm2" / "1" / artifacts.VLLM_MODEL_DIR
+        export.mkdir(parents=True, exist_ok=True)
+        (export / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}\n')
+        (export / artifacts.VLLM_ENGINE_FILE).write_text(json.dumps({
+            "server_module": "vllm.entrypoints.launchers.api_server.entry", "server_flags": ["--dtype", "bfloat16"]}))
+        return _write_provenance(repo, config_name, target, None, ["smollm2"], {"vllm": "0.32.0"}, prov_overrides)
     llm = "smollm2_tensorrt_llm"
     (repo / "smollm2" / "1").mkdir(parents=True, exist_ok=True)
     ensemble = model_config_pb2.ModelConfig(name="smollm2", platform="ensemble", max_batch_size=8)
@@ -68,16 +75,21 @@ def make_published(work_root: Path, config_name: str = DEFAULT_NAME, target: str
     for key, value in (params if parameters is None else parameters).items():
         cfg.parameters[key].string_value = value
     (repo / llm / "config.pbtxt").write_text(text_format.MessageToString(cfg))
+    return _write_provenance(repo, config_name, target, None if target == "cpu" else trtllm_version,
+                             ["smollm2", llm], {"gpu": None}, prov_overrides)
+
+
+def _write_provenance(repo: Path, config_name: str, target: str, trtllm_version: str | None, models: list[str],
+                      build_provenance: dict, prov_overrides: dict) -> Path:
     files = {rel: sha256_file(repo / rel) for rel in list_files(repo) if rel != artifacts.PROVENANCE_FILE}
     prov = {
         "pipeline_version": "0.1.0", "config_name": config_name, "model_name": "smollm2",
-        "models": ["smollm2", llm], "version": 1,
+        "models": models, "version": 1,
         "model_source": {"kind": "hub", "repo_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "12" * 20},
         "plan_sha256": "cd" * 32,
         "quantization": {"weight_format": "int8_sq", "kv_cache": "int8"},
         "checkpoint_sha256": "ef" * 32,
-        "build": {"target": target, "trtllm_version": None if target == "cpu" else trtllm_version,
-                  "provenance": {"gpu": None}},
+        "build": {"target": target, "trtllm_version": trtllm_version, "provenance": build_provenance},
         "repository_digest": digest_of_files(files),
     }
     prov.update(prov_overrides)
@@ -211,7 +223,7 @@ def test_from_images_are_pinned_or_arg_driven_with_pinned_defaults():
     default_version = BuildSection().trtllm_version
     assert args["TRITON_TAG"] == image_tags.triton_tags_for(default_version)[0]
     assert image_tags.trtllm_version_of_tag(args["TRITON_TAG"]) == default_version
-    assert {"gpu", "cpu", "builder"} <= names
+    assert {"gpu", "cpu", "builder", "vllm-cpu", "vllm-gpu"} <= names
 
 
 def copy_sources_checked() -> set[str]:
@@ -240,7 +252,7 @@ def copy_sources_checked() -> set[str]:
         if st["name"]:
             seen_stages.append(st["name"])
     # and the named contexts the Dockerfile uses are exactly the ones `invoke image` passes
-    used = set(re.findall(r"--from=(\w+)", DOCKERFILE.read_text())) - set(seen_stages)
+    used = set(re.findall(r"--from=([\w-]+)", DOCKERFILE.read_text())) - set(seen_stages)
     assert used == set(img.NAMED_CONTEXTS)
     return copied
 
@@ -506,3 +518,32 @@ def test_invoke_image_builder_dry_run(tmp_path):
     assert options(cmd, "--target") == ["builder"] and not options(cmd, "--build-context")
     assert re.fullmatch(r"trtllm-pipeline:builder-trtllm1\.2\.1-[0-9a-z]{1,12}", options(cmd, "--tag")[0])
     assert build_args(cmd)["TRITON_TAG"] == "26.07-trtllm-python-py3"
+
+
+def test_vllm_images_serve_the_export_with_launch_non_root_with_health_and_labels(tmp_path):
+    """The vllm target's images: vLLM's server started by launch.py from /models, /health, the same labels;
+    `invoke image --dry-run` picks vllm-cpu or vllm-gpu by vllm.device and tags the vLLM release."""
+    by_name = {st["name"]: st for st in stages(dockerfile_instructions())}
+    for name in ("vllm-cpu", "vllm-gpu"):
+        body = by_name[name]["body"]
+        entry = json.loads(next(a for _, k, a in body if k == "ENTRYPOINT"))
+        assert entry[:3] == ["python3", "/opt/launch.py", "vllm"]
+        assert f"--model-repository={img.IMAGE_MODEL_REPOSITORY}" in entry and "--port=8000" in entry
+        assert "/health" in next(a for _, k, a in body if k == "HEALTHCHECK")
+        assert [a for _, k, a in body if k == "USER"][-1].split(":")[0] not in ("root", "0")
+        labels = dict(re.findall(r'(\S+)="\$\{(\w+)\}"', " ".join(a for _, k, a in body if k == "LABEL")))
+        assert labels == img.LABEL_ARGS
+        assert "pipeline/serving/launch.py /opt/launch.py" in [a for _, k, a in body if k == "COPY"]
+    vllm_config = REPO / "engine_configs" / "smollm2-135m-vllm.yaml"
+    repo = make_published(tmp_path, config_name="smollm2-135m-vllm", target="vllm")
+    pub = img.read_published(repo)
+    assert pub.trtllm_version is None and img.check_repository(repo) == []
+    for device, target in (("cpu", "vllm-cpu"), ("cuda", "vllm-gpu")):
+        overrides = ["--set", f"vllm.device={device}"] + (["--set", "build.cuda_graphs.enabled=true"]
+                                                          if device == "cuda" else [])
+        done = run_invoke("image", "--dry-run", "--config", str(vllm_config), "--work-root", str(tmp_path), *overrides)
+        assert done.returncode == 0, done.stderr
+        (cmd,) = printed_commands(done.stdout)
+        assert options(cmd, "--target") == [target]
+        assert options(cmd, "--tag") == [f"trtllm-pipeline:smollm2-int8_sq-kvint8-vllm0.32.0-{pub.repository_digest[:12]}"]
+        assert build_args(cmd)["BUILD_TARGET"] == "vllm" and build_args(cmd)["TRTLLM_VERSION"] == "none"

@@ -8,6 +8,11 @@ and writes plain YAML plus a kustomization.yaml into ``<work dir>/deploy/``. Not
 Scaling rules (HorizontalPodAutoscaler, per-pod averages): scale out when GPU utilisation > 85 % or more than
 32 requests wait per replica; scale in when GPU utilisation < 50 % and the queue < 32 x 50/85 (one scale-down
 tolerance serves every metric of an HPA). The cpu target scales on CPU utilisation the same way.
+
+The vllm target runs vLLM's image (``launch.py vllm``): one port (8000) for the OpenAI API, ``/health`` (the
+probes) and ``/metrics`` (the PodMonitor); the queue is vLLM's ``vllm:num_requests_waiting``, utilisation the
+DCGM exporter's on GPUs and the CPU's with ``vllm.device: cpu``. Its alert rules are Triton's (they read
+Triton's series), so none are rendered for it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ SCALE_OUT_QUEUED_PER_REPLICA = 32
 SCALE_IN_UTILIZATION_PCT = 50
 GPU_METRIC = "triton_gpu_utilization_percent"
 QUEUE_METRIC = "triton_queued_requests"
+# the vllm target: vLLM's own gauge vllm:num_requests_waiting, and the GPU's utilisation from the DCGM exporter
+# (vLLM exports none), each turned into a per-pod custom metric by deploy/monitoring/prometheus-adapter-rules.yaml
+VLLM_QUEUE_METRIC = "vllm_queued_requests"
+VLLM_GPU_METRIC = "dcgm_gpu_utilization_percent"
+VLLM_PORT = 8000  # vLLM's server: the OpenAI API, /health and /metrics on one port
 
 
 def scale_down_tolerance() -> str:
@@ -111,6 +121,8 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
         doc["metadata"]["name"] = name
         _relabel(doc, name)
         kind = doc["kind"]
+        if pub.target == "vllm":
+            _to_vllm(doc, cfg.vllm.device)
         if kind == "Deployment":
             doc["metadata"]["annotations"] = dict(annotations)
             pod = doc["spec"]["template"]
@@ -119,7 +131,7 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
             container = _containers(doc)[0]
             container["image"] = image_ref
             res = container["resources"]
-            if pub.target == "cpu":
+            if pub.target == "cpu" or (pub.target == "vllm" and cfg.vllm.device == "cpu"):
                 for part in ("requests", "limits"):
                     res[part].pop(GPU_RESOURCE, None)
                 res["requests"].update({"cpu": "2", "memory": "8Gi"})
@@ -141,7 +153,7 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
             for m in metrics:
                 if m["type"] == "Pods" and m["pods"]["metric"]["name"] == GPU_METRIC:
                     m["pods"]["target"]["averageValue"] = str(SCALE_OUT_UTILIZATION_PCT)
-                    if pub.target == "cpu":  # no GPU: the same thresholds on CPU utilisation
+                    if pub.target == "cpu" or (pub.target == "vllm" and cfg.vllm.device == "cpu"):  # no GPU: CPU
                         m.clear()
                         m.update({"type": "Resource", "resource": {"name": "cpu", "target": {
                             "type": "Utilization", "averageUtilization": SCALE_OUT_UTILIZATION_PCT}}})
@@ -150,17 +162,45 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
             doc["spec"]["behavior"]["scaleUp"]["tolerance"] = "0"
             doc["spec"]["behavior"]["scaleDown"]["tolerance"] = scale_down_tolerance()
         out[file_name] = doc
-    labels = out["deployment.yaml"]["metadata"].get("labels") or {}
-    out[ALERTS_RESOURCE] = alerts.prometheus_rule(cfg.alerts, name, labels)
+    if pub.target != "vllm":
+        labels = out["deployment.yaml"]["metadata"].get("labels") or {}
+        out[ALERTS_RESOURCE] = alerts.prometheus_rule(cfg.alerts, name, labels)
     return out
+
+
+def _to_vllm(doc: dict, device: str) -> None:
+    """A base resource turned to serve vLLM: one port, /health, vLLM's queue and the DCGM GPU metric."""
+    kind = doc["kind"]
+    if kind == "Deployment":
+        (c,) = _containers(doc)
+        c["name"] = "vllm"
+        c["ports"] = [p for p in c["ports"] if p["name"] == "http"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            c[probe]["httpGet"]["path"] = "/health"
+        doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 60
+    elif kind == "Service":
+        doc["spec"]["ports"] = [p for p in doc["spec"]["ports"] if p["name"] == "http"]
+    elif kind == "PodMonitor":
+        for endpoint in doc["spec"]["podMetricsEndpoints"]:
+            endpoint["port"] = "http"
+    elif kind == "NetworkPolicy":
+        for rule in doc["spec"]["ingress"]:
+            rule["ports"] = [p for p in rule["ports"] if p["port"] == VLLM_PORT]
+    elif kind == "HorizontalPodAutoscaler":
+        for m in doc["spec"]["metrics"]:
+            metric = m.get("pods", {}).get("metric", {})
+            if metric.get("name") == QUEUE_METRIC:
+                metric["name"] = VLLM_QUEUE_METRIC
+            elif metric.get("name") == GPU_METRIC and device == "cuda":
+                metric["name"] = VLLM_GPU_METRIC
 
 
 def render_jobs(cfg: PipelineConfig, config_path: Path, overrides: Sequence[str], gpu_types: Sequence[str],
                 builder_ref: str) -> dict[str, dict]:
     """{file name: resource}: the shared volume and network policy, then one engine-build Job per GPU type."""
-    if cfg.build.target == "cpu":
-        raise ConfigError("build.target is cpu: engine-build Jobs are for the GPU targets. Render them for a "
-                          "tensorrt or pytorch config (or --set build.target=tensorrt).")
+    if cfg.build.target in ("cpu", "vllm"):
+        raise ConfigError(f"build.target is {cfg.build.target}: engine-build Jobs are for the GPU targets. Render "
+                          f"them for a tensorrt or pytorch config (or --set build.target=tensorrt).")
     try:
         rel_config = config_path.resolve().relative_to(constants.REPO_ROOT).as_posix()
     except ValueError:
@@ -257,14 +297,19 @@ def render_manifests(runner: Runner, overrides: Sequence[str], gpu_types: Sequen
             jobs = render_jobs(cfg, runner.loaded.path, overrides, gpu_types, builder_ref)
         header = (f"Rendered by `invoke deploy-manifests` from deploy/ for {pub.config_name} "
                   f"(repository sha256:{pub.short_digest}...); edit deploy/, not this file")
-        rules = alerts.rule_file(cfg.alerts, serving[ALERTS_RESOURCE]["metadata"]["name"])
-        out = write_rendered(runner.work_dir / RENDERED_DIR, serving, jobs, header, {ALERTS_RULE_FILE: rules})
+        plain = {}
+        if ALERTS_RESOURCE in serving:
+            plain[ALERTS_RULE_FILE] = alerts.rule_file(cfg.alerts, serving[ALERTS_RESOURCE]["metadata"]["name"])
+        out = write_rendered(runner.work_dir / RENDERED_DIR, serving, jobs, header, plain)
     echo(f"image: {image_ref}")
     echo(f"manifests: {out} (kubectl apply -k {out})")
-    echo(f"alert rules: {out / ALERTS_RESOURCE} (PrometheusRule), {out / ALERTS_RULE_FILE} (plain rules file)")
+    if ALERTS_RESOURCE in serving:
+        echo(f"alert rules: {out / ALERTS_RESOURCE} (PrometheusRule), {out / ALERTS_RULE_FILE} (plain rules file)")
+    else:
+        echo("alert rules: none for the vllm target yet (the shipped rules read Triton's metrics)")
     if jobs:
         echo(f"engine-build Jobs: {out / 'jobs'} ({len(jobs) - len(JOBS_SHARED)} job(s); kubectl apply -k {out / 'jobs'})")
-    elif cfg.build.target != "cpu":
+    elif cfg.build.target not in ("cpu", "vllm"):
         echo("engine-build Jobs: pass --gpu-type <node label value> (repeatable) to render them")
     if cfg.image.repository is None:
         echo("note: image.repository is not set: the image name is local; a cluster cannot pull it")

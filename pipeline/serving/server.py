@@ -221,6 +221,33 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+def stop_process_group(proc: Optional[subprocess.Popen], what: str) -> None:
+    """SIGTERM to ``proc`` (started with ``start_new_session``) and its process group, SIGKILL after a grace
+    period; then whatever is left in the group (children of a server that died hard)."""
+    if proc is None:
+        return
+    pid = proc.pid  # with start_new_session the process group id is the server's pid
+    if proc.poll() is None:
+        for send in (lambda: os.kill(pid, signal.SIGTERM), lambda: os.killpg(pid, signal.SIGTERM)):
+            try:
+                send()
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it", what, pid, STOP_GRACE_S)
+            proc.kill()
+            proc.wait(timeout=30)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while group_members(pid) and time.monotonic() < deadline:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.1)
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     """The server log's error lines, then its last lines, without the ASCII tables it prints."""
     try:
@@ -409,30 +436,7 @@ class TritonServer:
 
     def _terminate(self) -> None:
         """SIGTERM to the server and its process group (Python-backend stubs), SIGKILL after a grace period."""
-        proc = self.process
-        if proc is None:
-            return
-        pid = proc.pid  # with start_new_session the process group id is the server's pid
-        if proc.poll() is None:
-            for send in (lambda: os.kill(pid, signal.SIGTERM), lambda: os.killpg(pid, signal.SIGTERM)):
-                try:
-                    send()
-                except ProcessLookupError:
-                    pass
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                log.warning("tritonserver (pid %d) ignored SIGTERM for %.0f s; killing it", pid, STOP_GRACE_S)
-                proc.kill()
-                proc.wait(timeout=30)
-        # stubs left behind by a server that died hard are still in its group
-        deadline = time.monotonic() + STOP_GRACE_S
-        while group_members(pid) and time.monotonic() < deadline:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                break
-            time.sleep(0.1)
+        stop_process_group(self.process, "tritonserver")
         self.process = None
 
     def stop(self) -> None:
@@ -478,10 +482,15 @@ class TritonServer:
             raise StageFailed(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
 
 
-def server_for_target(target: str, repository: Path, **kwargs) -> TritonServer:
-    """The nvidia-pytriton server for the cpu target; the image's ``tritonserver`` for the GPU targets."""
+def server_for_target(target: str, repository: Path, **kwargs):
+    """The nvidia-pytriton server for the cpu target; the image's ``tritonserver`` for the GPU targets; vLLM's
+    OpenAI server for the vllm target (pipeline.serving.vllm_server)."""
     if target == "cpu":
         return TritonServer(repository, **kwargs)
+    if target == "vllm":
+        from pipeline.serving.vllm_server import VllmServer
+
+        return VllmServer(repository, **kwargs)
     binary = shutil.which("tritonserver")
     if binary is None:
         raise EnvironmentProblem(
@@ -508,16 +517,17 @@ def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001
         raise InputError(f"nothing published at {repo}: run `invoke publish` (or `invoke all`) for this config "
                          f"first") from None
     names = model_names(prov["model_name"])
-    log_path = work_dir / "logs" / "tritonserver-serve.log"
+    target = prov["build"]["target"]
+    log_path = work_dir / "logs" / ("vllm-serve.log" if target == "vllm" else "tritonserver-serve.log")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        with server_for_target(prov["build"]["target"], repo, http_port=http_port, grpc_port=grpc_port,
+        with server_for_target(target, repo, http_port=http_port, grpc_port=grpc_port,
                                metrics_port=metrics_port, host=host, log_path=log_path) as server:
             echo(serve_banner(server, names.ensemble, names.stream if (repo / names.stream).is_dir() else None,
                               prov, repo, log_path))
             while server.is_alive():
                 time.sleep(0.5)
-            raise StageFailed(f"tritonserver stopped by itself. Last lines of its log {log_path}:\n"
+            raise StageFailed(f"the server stopped by itself. Last lines of its log {log_path}:\n"
                               f"{log_tail(log_path)}")
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -527,9 +537,22 @@ def _raise_interrupt(signum, frame):  # SIGTERM: leave the with block (stopping 
     raise KeyboardInterrupt
 
 
-def serve_banner(server: TritonServer, ensemble: str, stream: Optional[str], prov: dict, repo: Path,
-                 log_path: Path) -> str:
+def serve_banner(server, ensemble: str, stream: Optional[str], prov: dict, repo: Path, log_path: Path) -> str:
     http = f"http://{server.http_url}"
+    if prov["build"]["target"] == "vllm":  # vLLM's OpenAI server
+        body = json.dumps({"model": server.model_name, "prompt": "The capital of France is", "max_tokens": 32})
+        chat = json.dumps({"model": server.model_name, "max_tokens": 32,
+                           "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        return "\n".join([
+            f"serving {server.model_name} version {prov['version']} (vllm target, vLLM's OpenAI server) from {repo}",
+            f"  OpenAI   {server.base_url}   (/completions, /chat/completions, stream: true)",
+            f"  metrics  {server.metrics_url}",
+            f"  log      {log_path}",
+            "",
+            "try:",
+            f"  curl -s {server.base_url}/completions -H 'Content-Type: application/json' -d '{body}'",
+            f"  curl -s {server.base_url}/chat/completions -H 'Content-Type: application/json' -d '{chat}'",
+            "", "Ctrl-C stops the server."])
     body = json.dumps({"text_input": "The capital of France is", "max_tokens": 32})
     lines = [
         f"serving {ensemble} version {prov['version']} ({prov['build']['target']} target) from {repo}",

@@ -31,19 +31,14 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from pipeline import artifacts
+from pipeline import artifacts, constants
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving.publish import model_names
 from pipeline.serving.server import TritonServer, server_for_target
 
 log = logging.getLogger(__name__)
 
-PROMPTS = (
-    "The capital of France is",
-    "Water boils at a temperature of",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-)
+PROMPTS = constants.CHECK_PROMPTS
 MAX_TOKENS = 16
 CONCURRENT_REQUESTS = 16
 REQUEST_TIMEOUT_S = 300.0
@@ -333,6 +328,10 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         prov = json.loads((repo / artifacts.PROVENANCE_FILE).read_text())
     except (OSError, ValueError):
         raise InputError(f"{repo} has no readable {artifacts.PROVENANCE_FILE}; run `invoke publish` first") from None
+    if prov["build"]["target"] == "vllm":  # vLLM's OpenAI server, not Triton: its own checks
+        from pipeline.serving.verify_vllm import verify_vllm
+
+        return verify_vllm(repo, prov, out_dir, prompts, max_tokens, concurrent)
     names = model_names(prov["model_name"])
     version, target = int(prov["version"]), prov["build"]["target"]
     tokenizer = AutoTokenizer.from_pretrained(str(repo / names.preprocessing / str(version) / artifacts.TOKENIZER_DIR))

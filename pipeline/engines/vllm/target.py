@@ -1,0 +1,143 @@
+"""build stage, vllm target: export the checkpoint for vLLM, load it in vLLM, and check what it computes.
+
+The check runs vLLM's offline engine (the one its server runs) in the serving environment on the export and
+compares it with the simulated model, the TensorRT-LLM checkpoint rebuilt in fp32 (what the accuracy gate
+measured) and the original model:
+
+- the accuracy gate's figures, through vLLM, on the evaluation tokens: perplexity (against the original's)
+  and top-1 agreement with the original model, held to the config's accuracy bounds; the top-1 agreement
+  with the simulated model beside them;
+- greedy tokens for verify's prompts against the simulated model's, each equal or diverging first at a
+  near-tie of the reference (``reference.compare``). vLLM computes in bfloat16 on a CPU (its INT8 GEMM takes
+  no fp32 activations), and bf16 rounding before a static INT8 activation step moves logits by whole units at
+  times, so these are recorded, not gated (measured on SmolLM2: the unquantized bf16 model itself diverges
+  from its fp32 run at a margin of 0.40).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from pipeline import artifacts
+from pipeline.constants import CHECK_PROMPTS as PROMPTS
+from pipeline.errors import StageFailed
+
+EXPORT_DIR = artifacts.VLLM_MODEL_DIR
+CHECK_FILE = "vllm_check.json"  # inside the export: publish carries it, verify reads its tokens
+CHECK_TOKENS = 16
+
+
+def reference_figures(ckpt_dir: Path, model_dir: Path, prompt_ids: list[list[int]], evaluation: list[list[int]],
+                      max_tokens: int, end_id) -> dict:
+    """(child process) The simulated model's greedy tokens and logits per prompt, and the simulated and the
+    original model's top-1 token at each evaluation position."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.engines import reference
+    from pipeline.quant.checkpoint import rebuild
+
+    def top1(model) -> list[list[int]]:
+        with torch.no_grad():
+            return [model(torch.tensor([seq])).logits[0, :-1].argmax(-1).tolist() for seq in evaluation]
+
+    sim, _ = rebuild(ckpt_dir, model_dir)
+    greedy = [reference.greedy(sim, p, max_tokens, end_id=end_id) for p in prompt_ids]
+    out = {"greedy": [(g.tokens, [row.tolist() for row in g.logits]) for g in greedy], "sim_top1": top1(sim)}
+    del sim
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out["original_top1"] = top1(original)
+    return out
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
+
+
+def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file: Path, cfg, out_dir: Path) -> dict:
+    """Export, write the engine arguments, check the export in vLLM, write build_settings.json."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from pipeline.child import run_in_child
+    from pipeline.engines import reference
+    from pipeline.engines.build import build_settings, checkpoint_sha256
+    from pipeline.engines.vllm import engine_args as ea
+    from pipeline.engines.vllm import runtime
+    from pipeline.engines.vllm.export import export_for_vllm
+    from pipeline.fsutil import atomic_write_json
+
+    t0 = time.perf_counter()
+    log_path = out_dir / artifacts.STAGE_LOG_FILE
+    python = runtime.serving_python()
+    version = runtime.vllm_version(python)
+    export_dir = out_dir / EXPORT_DIR
+    exported, _ = run_in_child(export_for_vllm, ckpt_dir, model_dir, export_dir, cfg.vllm.dtype, log_path=log_path,
+                               what="the vLLM export")
+    args, env = ea.engine_args(cfg), ea.engine_env(cfg)
+    atomic_write_json(export_dir / artifacts.VLLM_ENGINE_FILE, {
+        "vllm_version": version, "server_module": ea.SERVER_MODULE, "server_flags": ea.server_flags(args),
+        "engine_args": args, "env": env})
+
+    tok = AutoTokenizer.from_pretrained(export_dir)
+    prompt_ids = [tok(p).input_ids for p in PROMPTS]
+    evaluation = load_file(str(eval_tokens))[artifacts.TOKENS_KEY].tolist()
+    got = runtime.run_worker(python, {"model": str(export_dir), "engine_args": ea.offline_args(args),
+                                      "prompts": prompt_ids, "max_tokens": CHECK_TOKENS, "evaluation": evaluation},
+                             env, log_path)
+    ref, _ = run_in_child(reference_figures, ckpt_dir, model_dir, prompt_ids, evaluation, CHECK_TOKENS,
+                          tok.eos_token_id, log_path=log_path, what="the simulated model's reference figures")
+    gate = json.loads(accuracy_file.read_text())["accuracy"]
+    ppl = math.exp(got["nll_sum"] / max(got["tokens_scored"], 1))
+    increase = 100.0 * (ppl / gate["perplexity_original"] - 1.0)
+    top1_original = _agreement(got["top1"], ref["original_top1"])
+    tokens = []
+    for i, (want, rows) in enumerate(ref["greedy"]):
+        import torch
+
+        verdict = reference.compare(got["tokens"][i], reference.Greedy(want, [torch.tensor(r) for r in rows]))
+        tokens.append({"prompt": PROMPTS[i], **verdict, "vllm": tok.decode(got["tokens"][i]), "simulated": tok.decode(want),
+                       "vllm_tokens": got["tokens"][i]})
+    bounds = cfg.quantization.accuracy
+    check = {
+        "vllm_version": version, "max_tokens": CHECK_TOKENS,
+        "evaluation_tokens": got["tokens_scored"],
+        "perplexity": {"vllm": round(ppl, 4), "simulated": gate.get("from_checkpoint", {}).get("perplexity_quantized"),
+                       "original": gate["perplexity_original"]},
+        "perplexity_increase_pct": round(increase, 3),
+        "top1_agreement_with_original": round(top1_original, 4),
+        "top1_agreement_with_simulated": round(_agreement(got["top1"], ref["sim_top1"]), 4),
+        "bounds": {"max_perplexity_increase_pct": bounds.max_perplexity_increase_pct,
+                   "min_top1_agreement": bounds.min_top1_agreement},
+        "greedy_tokens": {"equal": sum(t["equal"] for t in tokens), "near_tie": sum(t["ok"] and not t["equal"] for t in tokens),
+                          "diverged": sum(not t["ok"] for t in tokens), "prompts": tokens,
+                          "tie_bound": reference.TIE_BOUND},
+        "vllm_load_s": got["load_s"], "vllm_score_s": got["score_s"],
+    }
+    atomic_write_json(export_dir / CHECK_FILE, check)
+    failures = []
+    if increase > bounds.max_perplexity_increase_pct:
+        failures.append(f"perplexity through vLLM {ppl:.4f} is {increase:.2f} % above the original's "
+                        f"{gate['perplexity_original']} (bound {bounds.max_perplexity_increase_pct} %)")
+    if top1_original < bounds.min_top1_agreement:
+        failures.append(f"top-1 agreement with the original {top1_original:.4f} < {bounds.min_top1_agreement}")
+    if failures:
+        raise StageFailed(f"the vLLM export does not pass the accuracy gate: {'; '.join(failures)}. The figures are in "
+                          f"{export_dir / CHECK_FILE}; the simulated checkpoint passed it, so the export or vLLM's "
+                          f"arithmetic lost it (quantization.accuracy in the config sets the bounds)")
+
+    ckpt_hash = checkpoint_sha256(ckpt_dir)
+    graphs = {"enabled": not args["enforce_eager"], "batch_sizes": [], "enable_padding": False,
+              "cuda_graph_mode": False, "cuda_graph_cache_size": 0}
+    provenance = {"runtime": f"vLLM {version} ({cfg.vllm.device})", "vllm": version, "export": exported}
+    settings = build_settings(cfg, "vllm", EXPORT_DIR, args["kv_cache_dtype"], graphs, None, provenance, ckpt_hash,
+                              enable_chunked_context=True)
+    atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
+    return {"target": "vllm", "vllm": version, "checkpoint_sha256": ckpt_hash, "export": exported,
+            "kv_cache_dtype": args["kv_cache_dtype"], "check": {k: v for k, v in check.items() if k != "greedy_tokens"},
+            "greedy_tokens": {k: v for k, v in check["greedy_tokens"].items() if k != "prompts"},
+            "timing_s": round(time.perf_counter() - t0, 1)}

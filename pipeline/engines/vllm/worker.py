@@ -1,0 +1,52 @@
+"""Runs inside the vLLM serving environment (vLLM and the standard library only; no pipeline imports).
+
+    python worker.py REQUEST.json RESULT.json
+
+REQUEST: {"model": dir, "engine_args": {EngineArgs field: value}, "prompts": [[token ids]], "max_tokens": n,
+"evaluation": [[token ids]]}. It loads the model with vLLM's offline ``LLM`` (the engine its server runs),
+generates greedy tokens for each prompt (all at once: vLLM batches them) and, for each evaluation sequence,
+the log-probability vLLM gives each of its tokens and its own top-1 token there (``prompt_logprobs=1``: the
+actual token and the most likely one), then writes RESULT: {"tokens": [[ids]], "nll_sum": float,
+"tokens_scored": int, "top1": [[id per scored position]], "load_s", "generate_s", "score_s", "vllm": version}.
+"""
+
+import json
+import sys
+import time
+
+
+def main(request_path: str, result_path: str) -> int:
+    with open(request_path) as f:
+        req = json.load(f)
+    t0 = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=req["model"], **req["engine_args"])
+    t_load = time.perf_counter() - t0
+    greedy = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], greedy, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    t_gen = time.perf_counter() - t0 - t_load
+    nll, scored, top1 = 0.0, 0, []
+    if req.get("evaluation"):
+        score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["evaluation"]], score, use_tqdm=False)
+        for seq, out in zip(req["evaluation"], outs):
+            best = []
+            for tok, lp in zip(seq[1:], out.prompt_logprobs[1:]):  # the first token has no prediction
+                nll -= lp[tok].logprob
+                best.append(min(lp, key=lambda t: lp[t].rank))
+                scored += 1
+            top1.append(best)
+    result = {"tokens": tokens, "nll_sum": nll, "tokens_scored": scored, "top1": top1, "load_s": round(t_load, 1),
+              "generate_s": round(t_gen, 1), "score_s": round(time.perf_counter() - t0 - t_load - t_gen, 1),
+              "vllm": vllm.__version__}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

@@ -1,0 +1,185 @@
+"""verify stage, vllm target: vLLM's OpenAI server on the published export, checked with the official client.
+
+The server (pipeline.serving.vllm_server) runs on 127.0.0.1 with a free port and is stopped whatever
+happens. Through the ``openai`` client it checks:
+
+- completions, greedy, with token ids (vLLM's ``return_token_ids``): the tokens the build's check got from
+  vLLM's offline engine for the same prompts (``vllm_check.json`` beside the export), and ``text`` equal to
+  the tokenizer's decoding of them;
+- a streamed completion: its pieces concatenate to the unstreamed text;
+- a chat completion with the model's chat template: the prompt the server counted is the template's, and
+  it answers;
+- concurrent requests, each equal to its solo answer;
+- malformed requests (negative max_tokens, an unknown model) get a 4xx error and the server keeps answering;
+- ``/metrics`` carries vLLM's queue gauges (what the HPA and the alert rules read).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from pipeline import artifacts
+from pipeline.engines.vllm.target import CHECK_FILE
+from pipeline.errors import InputError, StageFailed
+
+log = logging.getLogger(__name__)
+
+CHAT_QUESTION = "What is the capital of France?"
+METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running")
+REQUEST_TIMEOUT_S = 300.0
+
+
+class VllmVerifier:
+    def __init__(self, server, tokenizer, prompts: list[str], expected: list[list[int]], max_tokens: int):
+        from openai import OpenAI
+
+        self.server, self.tokenizer, self.prompts, self.expected = server, tokenizer, prompts, expected
+        self.max_tokens = max_tokens
+        self.client = OpenAI(base_url=server.base_url, api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+        self.model = server.model_name
+        self.checks: list[dict] = []
+        self.latency_ms: dict[str, list[float]] = {}
+        self.solo: list[list[int]] = []
+
+    def guard(self, name: str, fn: Callable[[], dict]) -> None:
+        """Run one check; any exception is that check failing (recorded with its message), not the stage's."""
+        try:
+            detail = fn()
+            ok = detail.pop("ok")
+        except Exception as e:  # noqa: BLE001 - a check's failure is data, recorded and reported together
+            ok, detail = False, {"error": f"{type(e).__name__}: {e}"}
+        self.checks.append({"name": name, "ok": bool(ok), **detail})
+        log.log(logging.INFO if ok else logging.ERROR, "verify %s: %s %s", name, "ok" if ok else "FAILED", detail)
+
+    def _complete(self, prompt: str) -> tuple[list[int], str, float]:
+        t0 = time.perf_counter()
+        r = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=self.max_tokens,
+                                           temperature=0.0, extra_body={"return_token_ids": True})
+        ms = (time.perf_counter() - t0) * 1000
+        choice = r.choices[0]
+        ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids") or []
+        return list(ids), choice.text, ms
+
+    def completions(self) -> dict:
+        results, ok = [], True
+        for prompt, want in zip(self.prompts, self.expected):
+            ids, text, ms = self._complete(prompt)
+            self.latency_ms.setdefault("completion", []).append(ms)
+            self.solo.append(ids)
+            decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
+            n = min(len(ids), len(want))  # the build's check may have asked for another length: compare the prefix
+            equal, text_ok = bool(ids) and ids[:n] == want[:n], text == decoded
+            ok &= equal and text_ok
+            results.append({"prompt": prompt, "equal": equal, "text_is_decoding": text_ok, "text": text,
+                            **({} if equal else {"got_tokens": ids, "offline_tokens": want})})
+        return {"ok": ok, "results": results}
+
+    def streaming(self) -> dict:
+        t0 = time.perf_counter()
+        pieces, first_ms = [], None
+        stream = self.client.completions.create(model=self.model, prompt=self.prompts[0], max_tokens=self.max_tokens,
+                                                temperature=0.0, stream=True)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                first_ms = first_ms or (time.perf_counter() - t0) * 1000
+                pieces.append(chunk.choices[0].text)
+        _, whole, _ = self._complete(self.prompts[0])
+        self.latency_ms.setdefault("stream_first_token", []).append(first_ms or 0.0)
+        return {"ok": "".join(pieces) == whole and len(pieces) > 1, "pieces": len(pieces), "text": "".join(pieces)}
+
+    def chat(self) -> dict:
+        messages: list[Any] = [{"role": "user", "content": CHAT_QUESTION}]
+        r = self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=self.max_tokens,
+                                                temperature=0.0)
+        templated = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(templated, dict):  # newer tokenizers return a BatchEncoding
+            templated = templated["input_ids"]
+        answer = r.choices[0].message.content or ""
+        counted = r.usage.prompt_tokens if r.usage else None
+        return {"ok": bool(answer.strip()) and counted == len(templated), "answer": answer,
+                "prompt_tokens": counted, "template_tokens": len(templated), "finish_reason": r.choices[0].finish_reason}
+
+    def concurrent(self, n: int) -> dict:
+        jobs = [self.prompts[i % len(self.prompts)] for i in range(n)]
+        with ThreadPoolExecutor(n) as pool:
+            answers = list(pool.map(self._complete, jobs))
+        differ = [i for i, (ids, _, _) in enumerate(answers) if ids != self.solo[i % len(self.prompts)]]
+        self.latency_ms.setdefault(f"concurrent_{n}", []).extend(ms for _, _, ms in answers)
+        return {"ok": not differ, "requests": n, "differ_from_solo": differ}
+
+    def malformed(self) -> dict:
+        import openai
+
+        statuses = {}
+        for name, call in (
+            ("negative_max_tokens", lambda: self.client.completions.create(model=self.model, prompt="Hi", max_tokens=-1)),
+            ("unknown_model", lambda: self.client.completions.create(model="no-such-model", prompt="Hi", max_tokens=4)),
+        ):
+            try:
+                call()
+                statuses[name] = 200
+            except openai.APIStatusError as e:
+                statuses[name] = e.status_code
+        ids, _, _ = self._complete(self.prompts[0])
+        still = ids == self.solo[0]
+        return {"ok": all(400 <= s < 500 for s in statuses.values()) and still, "statuses": statuses,
+                "answers_after": still}
+
+    def metrics(self) -> dict:
+        with urllib.request.urlopen(self.server.metrics_url, timeout=30) as r:
+            text = r.read().decode()
+        found = {m: any(line.startswith(m) for line in text.splitlines()) for m in METRICS}
+        return {"ok": all(found.values()), "found": found}
+
+
+def verify_vllm(repo: Path, prov: dict, out_dir: Path, prompts: tuple[str, ...], max_tokens: int,
+                concurrent: int) -> dict:
+    """The verify stage on a published vllm repository; StageFailed (after every check ran) when one fails."""
+    from transformers import AutoTokenizer
+
+    from pipeline.serving.vllm_server import VllmServer, published_model
+
+    folder, _, _ = published_model(repo)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    try:
+        check = json.loads((folder / CHECK_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{folder / CHECK_FILE} is missing or unreadable ({e}): it is the build's vLLM check; "
+                         f"rebuild and publish with `invoke publish --force`") from None
+    offline = {p["prompt"]: p["vllm_tokens"] for p in check["greedy_tokens"]["prompts"]}
+    missing = [p for p in prompts if p not in offline]
+    if missing:
+        raise StageFailed(f"verify: the build's vLLM check has no tokens for {missing}; rebuild with "
+                          f"`invoke build --force`")
+    server = VllmServer(repo, log_path=out_dir / artifacts.SERVER_LOG_FILE)
+    with server:
+        v = VllmVerifier(server, tokenizer, list(prompts), [offline[p] for p in prompts], max_tokens)
+        v.guard("completions", v.completions)
+        v.guard("completions_stream", v.streaming)
+        v.guard("chat_completions", v.chat)
+        v.guard(f"concurrent_{concurrent}", lambda: v.concurrent(concurrent))
+        v.guard("malformed_requests", v.malformed)
+        v.guard("metrics", v.metrics)
+        startup_s = server.startup_s
+    failed = [c["name"] for c in v.checks if not c["ok"]]
+    latency = {k: {"median_ms": round(sorted(x)[len(x) // 2], 1), "max_ms": round(max(x), 1), "n": len(x)}
+               for k, x in v.latency_ms.items() if x}
+    results = {"ok": not failed, "model_name": prov["model_name"], "version": prov["version"], "target": "vllm",
+               "server": {"startup_s": startup_s, "binary": f"vLLM OpenAI server ({check.get('vllm_version')})",
+                          "log": artifacts.SERVER_LOG_FILE},
+               "reference": "vLLM's offline engine on the same export, in the build's check (vllm_check.json)",
+               "prompts": list(prompts), "max_tokens": max_tokens, "latency": latency, "checks": v.checks}
+    (out_dir / artifacts.VERIFY_RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if failed:
+        from pipeline.serving.server import log_tail
+
+        raise StageFailed(f"verify: {len(failed)} check(s) failed: {', '.join(failed)}. The answers are in "
+                          f"{out_dir / artifacts.VERIFY_RESULTS_FILE}; the server's log ends:\n"
+                          f"{log_tail(out_dir / artifacts.SERVER_LOG_FILE)}")
+    return {"checks": len(v.checks), "all_ok": True, "server_startup_s": startup_s, "latency": latency}

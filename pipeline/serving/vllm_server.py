@@ -1,0 +1,172 @@
+"""vLLM's OpenAI-compatible server on a published vllm repository: started, checked ready, stopped.
+
+The server is ``python -m vllm.entrypoints.openai.api_server`` of the serving environment
+(pipeline.engines.vllm.runtime), with the engine arguments the build recorded beside the export
+(``vllm_engine.json``), on 127.0.0.1 and a free port unless told otherwise. It answers the OpenAI API under
+``/v1`` (completions, chat completions, streaming), ``/health`` and Prometheus metrics on ``/metrics``
+(``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ...). It runs in its own session: stopping
+it ends its engine-core and worker processes too (``server.stop_process_group``), and a parent that dies
+takes it along (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Optional
+
+from pipeline import artifacts
+from pipeline.errors import InputError, StageFailed
+from pipeline.serving import launch
+from pipeline.serving.server import LOOPBACK, _set_pdeathsig, free_port, log_tail, stop_process_group
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # measured on 2 busy cores: 40-90 s to import vLLM and load SmolLM2
+
+
+def published_model(repository: Path) -> tuple[Path, dict, dict]:
+    """(the export folder, its vllm_engine.json, provenance.json) of a published vllm repository."""
+    prov = artifacts.read_provenance(repository)
+    try:
+        folder, engine = launch.vllm_model(repository)
+    except SystemExit as e:
+        raise InputError(str(e)) from None
+    return folder, engine, prov.model_dump()
+
+
+@dataclass
+class VllmServer:
+    """vLLM's OpenAI server on a published repository. The Triton-style port arguments are accepted so that
+    callers can start either server alike: vLLM serves everything, metrics too, on ``http_port``."""
+
+    model_repository: Path
+    http_port: int = 0
+    grpc_port: int = 0  # unused: vLLM's server has no gRPC endpoint
+    metrics_port: int = 0  # unused: metrics are on http_port/metrics
+    host: str = LOOPBACK
+    log_path: Optional[Path] = None
+    ready_timeout_s: float = READY_TIMEOUT_S
+
+    process: Optional[subprocess.Popen] = field(default=None, init=False, repr=False)
+    startup_s: Optional[float] = field(default=None, init=False)
+    model_name: str = field(default="", init=False)
+    engine: dict = field(default_factory=dict, init=False)
+    _log_file: Optional[IO[bytes]] = field(default=None, init=False, repr=False)
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def base_url(self) -> str:  # what an OpenAI client takes
+        return f"http://{self.http_url}/v1"
+
+    @property
+    def grpc_url(self) -> str:
+        return ""
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.http_url}/metrics"
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.process.pid if self.process else None
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def command(self, python: str) -> list[str]:
+        return launch.vllm_argv(python, self.model_repository, self.host, self.http_port)
+
+    def start(self) -> "VllmServer":
+        from pipeline.engines.vllm import runtime
+
+        if self.process is not None:
+            raise RuntimeError("server already started")
+        self.model_repository = Path(self.model_repository).resolve()
+        folder, self.engine, prov = published_model(self.model_repository)
+        self.model_name = self.engine["engine_args"].get("served_model_name") or prov["model_name"]
+        python = runtime.serving_python()
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkdtemp(prefix="vllm-server-")) / "vllm-server.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        want = self.http_port
+        t0 = time.monotonic()
+        try:
+            for attempt in range(3):  # a free port can be taken between choosing it and binding it
+                self.http_port = want or free_port(self.host)
+                self._spawn(python, runtime.child_env(self.engine.get("env", {})))
+                if self._wait_ready():
+                    break
+                if attempt < 2 and not want and "ddress already in use" in log_tail(self.log_path):
+                    stop_process_group(self.process, "vLLM server")
+                    continue
+                raise StageFailed(self._failure_message())
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = round(time.monotonic() - t0, 2)
+        log.info("vLLM server ready in %.1f s (pid %d): %s", self.startup_s, self.pid, self.base_url)
+        return self
+
+    def _spawn(self, python: str, env: dict) -> None:
+        assert self.log_path is not None  # set by start()
+        if self._log_file is not None:
+            self._log_file.close()
+        self._log_file = open(self.log_path, "ab")
+        cmd = self.command(python)
+        log.info("starting %s", " ".join(cmd))
+        self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                        preexec_fn=_set_pdeathsig)
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.ready_timeout_s
+        url = f"http://{self.http_url}/health"
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        return False
+
+    def _failure_message(self) -> str:
+        code = self.process.poll() if self.process else None
+        state = f"exited with code {code}" if code is not None else f"was not ready after {self.ready_timeout_s:.0f} s"
+        tail = log_tail(self.log_path) if self.log_path else "(no log)"
+        return f"the vLLM server {state}. Last lines of its log {self.log_path}:\n{tail}"
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def exit_code_within(self, timeout_s: float) -> Optional[int]:
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self) -> None:
+        stop_process_group(self.process, "vLLM server")
+        self.process = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None

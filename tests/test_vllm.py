@@ -1,0 +1,161 @@
+"""The vllm target: what it refuses before any work, its engine arguments checked by vLLM's own parser, a
+missing serving environment, and (e2e) the embedded default built, served and benchmarked by vLLM on this
+CPU: verify through the official ``openai`` client, bench against the cpu target in one run.
+
+vLLM runs in its own environment (``.venv-vllm``, scripts/setup-env; ``VLLM_PYTHON`` overrides it). The tests
+that need it skip, saying how to install it, where it is missing; CI's set-up installs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, run_invoke
+
+from pipeline.config import load_config
+from pipeline.engines.vllm import engine_args as ea
+from pipeline.engines.vllm import runtime
+from pipeline.errors import ConfigError, EnvironmentProblem
+
+VLLM_CONFIG = REPO / "engine_configs" / "smollm2-135m-vllm.yaml"
+NAME = "smollm2-135m-vllm"
+
+
+def _serving_python():
+    try:
+        return runtime.serving_python()
+    except EnvironmentProblem as e:
+        return pytest.skip(f"vLLM's serving environment is not installed here ({e})")
+
+
+needs_vllm = pytest.mark.usefixtures("vllm_python")
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    return _serving_python()
+
+
+@pytest.mark.parametrize("override, says", [
+    ("quantization.weight_format=fp8", "cannot serve quantization.weight_format fp8 on vllm.device cpu"),
+    ("quantization.weight_format=int4_awq", "cannot serve quantization.weight_format int4_awq"),
+    ("build.kv_cache.tokens_per_block=16", "multiple of 32"),
+    ("build.cuda_graphs.enabled=true", "no CUDA graphs on vllm.device cpu"),
+    ("vllm.dtype=float32", "takes bfloat16 or float16 activations only"),
+    ("build.pipeline_parallel_size=2", "pipeline_parallel_size must be 1"),
+])
+def test_the_config_refuses_what_vllm_cannot_serve(override, says):
+    """Refused when the config loads (every task, before any stage), naming the field and what would run."""
+    with pytest.raises(ConfigError, match=says):
+        load_config(VLLM_CONFIG, [override])
+
+
+def test_engine_arguments_come_from_the_build_section():
+    cfg = load_config(VLLM_CONFIG).config
+    args = ea.engine_args(cfg)
+    assert args == {"dtype": "bfloat16", "max_model_len": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 4096,
+                    "block_size": 32, "kv_cache_dtype": "fp8", "tensor_parallel_size": 1,
+                    "enable_prefix_caching": True, "enforce_eager": True, "served_model_name": "smollm2"}
+    assert ea.engine_env(cfg) == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    none = load_config(VLLM_CONFIG, ["quantization.kv_cache=none", "vllm.kv_offloading_gib=16"]).config
+    assert ea.engine_args(none)["kv_cache_dtype"] == "auto" and ea.engine_args(none)["kv_offloading_size"] == 16
+    gpu = load_config(VLLM_CONFIG, ["vllm.device=cuda", "build.cuda_graphs.enabled=true"]).config
+    assert ea.engine_args(gpu)["gpu_memory_utilization"] == 0.9 and not ea.engine_args(gpu)["enforce_eager"]
+    assert ea.engine_env(gpu) == {}
+
+
+@needs_vllm
+def test_the_server_argv_is_what_vllms_own_parser_reads(vllm_python):
+    """vLLM 0.32's OpenAI-server parser (make_arg_parser + EngineArgs.from_cli_args) reads our argv back to
+    the same values, for the CPU profile and a GPU one; and it has no --swap-space (the V1 engine dropped
+    it: the seeds' 16 GB swap is vllm.kv_offloading_gib)."""
+    script = REPO / "tests" / "bin" / "vllm-parse-args"
+    for overrides in ([], ["vllm.device=cuda", "build.cuda_graphs.enabled=true", "vllm.kv_offloading_gib=16",
+                           "build.tensor_parallel_size=1", "vllm.kv_cache_dtype=fp8_e4m3"]):
+        args = ea.engine_args(load_config(VLLM_CONFIG, overrides).config)
+        argv = ["--model", "/models/m", "--host", "127.0.0.1", "--port", "8000", *ea.server_flags(args),
+                "--disable-uvicorn-access-log"]  # as pipeline.serving.launch.vllm_argv puts it together
+        fields = [*args, "model"]
+        out = subprocess.run([vllm_python, str(script), json.dumps(argv), json.dumps(fields)],
+                             capture_output=True, text=True, timeout=300, env=runtime.child_env({}))
+        assert out.returncode == 0, out.stderr[-2000:]
+        parsed = json.loads(out.stdout.strip().splitlines()[-1])
+        want = {**args, "model": "/models/m", "served_model_name": [args["served_model_name"]]}
+        assert parsed == want
+    refused = subprocess.run([vllm_python, str(script), json.dumps(["--model", "/m", "--swap-space", "16"]), "[]"],
+                             capture_output=True, text=True, timeout=300, env=runtime.child_env({}))
+    assert refused.returncode == 2 and "unrecognized arguments: --swap-space" in refused.stderr
+
+
+def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path):
+    """No vLLM Python, or a Python without vLLM: the build's preflight stops every task that would build,
+    exit 3, saying how the README's set-up installs it; no stage runs."""
+    for python, says in ((str(tmp_path / "nothing" / "python"), "does not exist"), (sys.executable, "has no vLLM")):
+        proc = run_invoke("build", "--config", str(VLLM_CONFIG), "--work-root", str(tmp_path / "work"),
+                          env={**os.environ, runtime.ENV_VAR: python})
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert says in proc.stderr and "scripts/setup-env" in proc.stderr
+        assert not (tmp_path / "work" / NAME / "model").exists()
+
+
+@pytest.mark.e2e
+@needs_vllm
+def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_root):
+    """`invoke all` with the vllm config: the export passes the accuracy gate in vLLM, verify's checks pass
+    through the openai client on vLLM's server, and bench sweeps it. Where the cpu target's default was
+    published in this session (tests/test_verify.py), bench compares the two engines in one run.
+
+    The cpu default's model, text and checkpoint are reused where present (copied: the runner reruns what
+    depends on build.target and skips what comes out identical)."""
+    cpu_work, work = default_work_root / "smollm2-135m-cpu", default_work_root / NAME
+    if (cpu_work / "quantize" / "manifest.json").is_file() and not work.exists():
+        shutil.copytree(cpu_work, work, symlinks=True,
+                        ignore=shutil.ignore_patterns("build", "publish", "verify", "bench", "report", "model_repository"))
+    proc = run_invoke("all", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root), timeout=3000)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    check = json.loads((work / "build" / "vllm_model" / "vllm_check.json").read_text())
+    assert check["perplexity_increase_pct"] < 10 and check["top1_agreement_with_original"] > 0.8
+    assert check["evaluation_tokens"] > 1000
+    verify = json.loads((work / "verify" / "verify_results.json").read_text())
+    assert verify["ok"] and verify["target"] == "vllm"
+    assert {c["name"] for c in verify["checks"]} >= {"completions", "completions_stream", "chat_completions",
+                                                     "malformed_requests", "metrics"}
+    assert all(r["equal"] and r["text_is_decoding"] for r in verify["checks"][0]["results"])
+    bench = json.loads((work / "bench" / "bench_results.json").read_text())
+    levels = bench["targets"][0]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2, 4, 8, 16]
+    assert all(lv["errors"] == 0 and lv["output_tokens"] == 16 * lv["requests"] for lv in levels)
+
+    cpu_repo = cpu_work / "publish" / "model_repository"
+    if (cpu_repo / "provenance.json").is_file():
+        proc = run_invoke("bench", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root),
+                          "--compare-with", str(cpu_repo), "--set", "bench.concurrency=[1,16]", timeout=1800)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        both = json.loads((work / "bench" / "bench_results.json").read_text())
+        assert [t["target"] for t in both["targets"]] == ["vllm", "cpu"]
+
+
+def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
+    """`python -m pipeline.serving.launch vllm` (the vLLM image's entrypoint, and VllmServer's command): the
+    export folder of the published version and the flags the build recorded; a repository without the record
+    is refused saying what to rerun."""
+    from pipeline.serving import launch
+
+    folder = tmp_path / "repo" / "m" / "3" / "vllm_model"
+    folder.mkdir(parents=True)
+    (tmp_path / "repo" / "provenance.json").write_text(json.dumps({"model_name": "m", "version": 3}))
+    flags = ea.server_flags({"dtype": "bfloat16", "max_num_seqs": 16, "enforce_eager": True,
+                             "enable_prefix_caching": False})
+    assert flags == ["--dtype", "bfloat16", "--max-num-seqs", "16", "--enforce-eager", "--no-enable-prefix-caching"]
+    (folder / "vllm_engine.json").write_text(json.dumps({"server_module": ea.SERVER_MODULE, "server_flags": flags}))
+    argv = launch.vllm_argv("/opt/vllm/bin/python", tmp_path / "repo", "0.0.0.0", 8000)
+    assert argv == ["/opt/vllm/bin/python", "-m", ea.SERVER_MODULE, "--model", str(folder), "--host", "0.0.0.0",
+                    "--port", "8000", *flags, "--disable-uvicorn-access-log"]
+    (folder / "vllm_engine.json").write_text(json.dumps({"server_module": ea.SERVER_MODULE}))
+    with pytest.raises(SystemExit, match="not a published vllm repository.*server_flags"):
+        launch.vllm_argv("python", tmp_path / "repo", "0.0.0.0", 8000)
