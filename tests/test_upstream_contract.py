@@ -33,7 +33,7 @@ pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 from pipeline.serving import publish as pub  # noqa: E402  (needs tritonclient)
 
 GPU_PROFILES = [p for p in sorted((REPO_ROOT / "engine_configs").glob("*.yaml"))
-                if load_config(p).config.build.target != "cpu"
+                if load_config(p).config.build.target in ("tensorrt", "pytorch")
                 and not rules.validity_problems(load_config(p).config, load_config(p).config.build.target_sm)]
 # What each profile's checkpoint config.json will say (ModelOpt's export): architecture and hidden size of the
 # model it names. The rules read these from the checkpoint; before quantize they are not known.

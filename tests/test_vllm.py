@@ -115,7 +115,8 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     if (cpu_work / "quantize" / "manifest.json").is_file() and not work.exists():
         shutil.copytree(cpu_work, work, symlinks=True,
                         ignore=shutil.ignore_patterns("build", "publish", "verify", "bench", "report", "model_repository"))
-    proc = run_invoke("all", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root), timeout=3000)
+    light = ["--set", "bench.concurrency=[1,8]", "--set", "bench.requests_per_level=8"]  # the sweep's wiring, briefly
+    proc = run_invoke("all", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root), *light, timeout=3000)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     check = json.loads((work / "build" / "vllm_model" / "vllm_check.json").read_text())
@@ -128,16 +129,24 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     assert all(r["equal"] and r["text_is_decoding"] for r in verify["checks"][0]["results"])
     bench = json.loads((work / "bench" / "bench_results.json").read_text())
     levels = bench["targets"][0]["levels"]
-    assert [lv["concurrency"] for lv in levels] == [1, 2, 4, 8, 16]
+    assert [lv["concurrency"] for lv in levels] == [1, 8]
     assert all(lv["errors"] == 0 and lv["output_tokens"] == 16 * lv["requests"] for lv in levels)
 
     cpu_repo = cpu_work / "publish" / "model_repository"
     if (cpu_repo / "provenance.json").is_file():
         proc = run_invoke("bench", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root),
-                          "--compare-with", str(cpu_repo), "--set", "bench.concurrency=[1,16]", timeout=1800)
+                          "--compare-with", str(cpu_repo), *light, timeout=1800)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         both = json.loads((work / "bench" / "bench_results.json").read_text())
         assert [t["target"] for t in both["targets"]] == ["vllm", "cpu"]
+        assert [c["concurrency"] for c in both["comparison"]["levels"]] == [1, 8]
+        report = run_invoke("report", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root), *light,
+                            "--set", f"bench.compare_repository={cpu_repo.resolve()}")  # the same bench: no rerun
+        assert "bench: up to date" in report.stdout, report.stdout[-2000:]
+        assert report.returncode == 0, report.stderr[-2000:]
+        page = (work / "report" / "index.md").read_text()
+        assert "Target `vllm`" in page and "top-1 agreement with the original" in page
+        assert "vLLM (its CPU build" in page  # the two engines side by side
 
 
 def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):

@@ -260,8 +260,60 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(errors[-lines:] + (["..."] if errors and tail else []) + tail)
 
 
+class ServerProcess:
+    """What every server the pipeline starts shares: its process (in a session of its own), a context manager
+    that starts and stops it, and whether it is still alive."""
+
+    process: Optional[subprocess.Popen]
+
+    def start(self):
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.process.pid if self.process else None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def exit_code_within(self, timeout_s: float) -> Optional[int]:
+        """The server's exit code if it has ended or ends within ``timeout_s``, else None. After a failed
+        request, a server killed a moment ago may not be reaped yet: its sockets close before it exits."""
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def wait_ready(self, url: str, timeout_s: float, poll_s: float = 0.1) -> bool:
+        """Whether ``url`` answers 200 within ``timeout_s``; False as soon as the process has ended."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(poll_s)
+        return False
+
+
 @dataclass
-class TritonServer:
+class TritonServer(ServerProcess):
     """A tritonserver process on a model repository. Use as a context manager; ``start()`` waits for ready.
 
     ``load_models``: start in explicit model-control mode with these models loaded (``["*"]``: all); None:
@@ -305,18 +357,7 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
-    @property
-    def pid(self) -> Optional[int]:
-        return self.process.pid if self.process else None
-
     # ------------------------------------------------------------ lifecycle
-
-    def __enter__(self) -> "TritonServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def command(self) -> list[str]:
         """The tritonserver command line (ports must be chosen already)."""
@@ -400,19 +441,7 @@ class TritonServer:
                                         start_new_session=True, preexec_fn=_set_pdeathsig)
 
     def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + self.ready_timeout_s
-        url = f"http://{self.host}:{self.http_port}/v2/health/ready"
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        return False
+        return self.wait_ready(f"http://{self.host}:{self.http_port}/v2/health/ready", self.ready_timeout_s)
 
     def _failure_message(self) -> str:
         code = self.process.poll() if self.process else None
@@ -420,19 +449,6 @@ class TritonServer:
                  else f"was not ready after {self.ready_timeout_s:.0f} s")
         where = "" if self._tmp is not None and self._tmp in self.log_path.parents else f" {self.log_path}"
         return f"tritonserver {state}. From its log{where} (errors first):\n{log_tail(self.log_path)}"
-
-    def is_alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def exit_code_within(self, timeout_s: float) -> Optional[int]:
-        """The server's exit code if it has ended or ends within ``timeout_s``, else None. After a failed
-        request, a server killed a moment ago may not be reaped yet: its sockets close before it exits."""
-        if self.process is None:
-            return None
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
 
     def _terminate(self) -> None:
         """SIGTERM to the server and its process group (Python-backend stubs), SIGKILL after a grace period."""

@@ -15,8 +15,6 @@ import logging
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Optional
@@ -24,7 +22,7 @@ from typing import IO, Optional
 from pipeline import artifacts
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving import launch
-from pipeline.serving.server import LOOPBACK, _set_pdeathsig, free_port, log_tail, stop_process_group
+from pipeline.serving.server import LOOPBACK, ServerProcess, _set_pdeathsig, free_port, log_tail, stop_process_group
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +40,7 @@ def published_model(repository: Path) -> tuple[Path, dict, dict]:
 
 
 @dataclass
-class VllmServer:
+class VllmServer(ServerProcess):
     """vLLM's OpenAI server on a published repository. The Triton-style port arguments are accepted so that
     callers can start either server alike: vLLM serves everything, metrics too, on ``http_port``."""
 
@@ -75,17 +73,6 @@ class VllmServer:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.http_url}/metrics"
-
-    @property
-    def pid(self) -> Optional[int]:
-        return self.process.pid if self.process else None
-
-    def __enter__(self) -> "VllmServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def command(self, python: str) -> list[str]:
         return launch.vllm_argv(python, self.model_repository, self.host, self.http_port)
@@ -133,36 +120,13 @@ class VllmServer:
                                         preexec_fn=_set_pdeathsig)
 
     def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + self.ready_timeout_s
-        url = f"http://{self.http_url}/health"
-        while time.monotonic() < deadline:
-            if self.process is None or self.process.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-        return False
+        return self.wait_ready(f"http://{self.http_url}/health", self.ready_timeout_s, poll_s=0.25)
 
     def _failure_message(self) -> str:
         code = self.process.poll() if self.process else None
         state = f"exited with code {code}" if code is not None else f"was not ready after {self.ready_timeout_s:.0f} s"
         tail = log_tail(self.log_path) if self.log_path else "(no log)"
         return f"the vLLM server {state}. Last lines of its log {self.log_path}:\n{tail}"
-
-    def is_alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def exit_code_within(self, timeout_s: float) -> Optional[int]:
-        if self.process is None:
-            return None
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
 
     def stop(self) -> None:
         stop_process_group(self.process, "vLLM server")

@@ -32,6 +32,8 @@ log = logging.getLogger(__package__)  # "pipeline.engines.trtllm": log lines nam
 
 NVIDIA_SMI = "nvidia-smi"
 
+TRTLLM_TARGETS = ("tensorrt", "pytorch")  # the build targets TensorRT-LLM serves
+
 
 # ====================================================================================== this machine
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ def check_target_requirements(cfg, before_work: bool = False) -> Optional[Enviro
     Order: the config against the rules for the GPU it names (ConfigError: fixable anywhere), then what the
     machine lacks (EnvironmentProblem, with exactly what is needed), then the rules against the GPU found."""
     b = cfg.build
-    if b.target == "cpu":
+    if b.target not in TRTLLM_TARGETS:  # cpu and vllm need nothing of TensorRT-LLM
         return None
     enforce_rules(cfg, b.target_sm, gpu_label=f"{b.target_gpu or 'the target GPU'} (SM {b.target_sm})"
                   if b.target_sm else "")
@@ -236,5 +238,5 @@ def _missing_requirements(b, env: Environment) -> list[str]:
 def preflight(loaded) -> None:
     """The build stage's preflight: for a GPU target, stop before any stage runs if this machine cannot
     build it (or the config breaks the rules for its GPU)."""
-    if loaded.config.build.target != "cpu":
+    if loaded.config.build.target in TRTLLM_TARGETS:
         check_target_requirements(loaded.config, before_work=True)

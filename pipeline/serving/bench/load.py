@@ -116,6 +116,13 @@ class RequestRecord:
         return out
 
 
+def _ended(rec: RequestRecord) -> RequestRecord:
+    """A request whose stream ended: one without any token is an error too."""
+    if rec.error is None and not rec.arrivals:
+        rec.error = "the stream ended without a token"
+    return rec
+
+
 def _stream_inputs(text: str, max_tokens: int, end_id: Optional[int]) -> list:
     import tritonclient.grpc as grpcclient  # optional and heavy (gRPC stubs): only when a load is driven
 
@@ -151,9 +158,22 @@ async def _one_request(client, model: str, prompt: Prompt, max_tokens: int, end_
                 rec.arrivals.append((time.perf_counter(), n))
     except Exception as e:  # noqa: BLE001 - a failed request is recorded; the level then fails as a whole
         rec.error = f"{type(e).__name__}: {e}"
-    if rec.error is None and not rec.arrivals:
-        rec.error = "the stream ended without a token"
-    return rec
+    return _ended(rec)
+
+
+async def _closed_loop(send, prompts: list[Prompt], concurrency: int) -> tuple[list[RequestRecord], float]:
+    """``concurrency`` clients, each sending the next prompt (``await send(prompt)``) when its request is done,
+    until every prompt is sent: (records in completion order, wall seconds)."""
+    todo = iter(prompts)  # shared: each client takes the next prompt when its request is done
+    records: list[RequestRecord] = []
+
+    async def one_client():
+        for prompt in todo:
+            records.append(await send(prompt))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    return records, time.perf_counter() - t0
 
 
 async def _drive(grpc_url: str, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
@@ -161,20 +181,11 @@ async def _drive(grpc_url: str, model: str, prompts: list[Prompt], concurrency: 
     import tritonclient.grpc.aio as grpcaio  # optional and heavy (gRPC stubs): only when a load is driven
 
     client = grpcaio.InferenceServerClient(grpc_url)
-    todo = iter(prompts)  # shared: each client takes the next prompt when its request is done
-    records: list[RequestRecord] = []
-
-    async def one_client():
-        for prompt in todo:
-            records.append(await _one_request(client, model, prompt, max_tokens, end_id, timeout_s))
-
-    t0 = time.perf_counter()
     try:
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        return await _closed_loop(lambda p: _one_request(client, model, p, max_tokens, end_id, timeout_s),
+                                  prompts, concurrency)
     finally:
-        wall = time.perf_counter() - t0
         await client.close()
-    return records, wall
 
 
 def drive(grpc_url: str, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
@@ -198,9 +209,7 @@ async def _openai_request(client, model: str, prompt: Prompt, max_tokens: int, i
                     rec.arrivals.append((time.perf_counter(), n))
     except Exception as e:  # noqa: BLE001 - a failed request is recorded; the level then fails as a whole
         rec.error = f"{type(e).__name__}: {e}"
-    if rec.error is None and not rec.arrivals:
-        rec.error = "the stream ended without a token"
-    return rec
+    return _ended(rec)
 
 
 async def _drive_openai(base_url: str, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
@@ -208,20 +217,11 @@ async def _drive_openai(base_url: str, model: str, prompts: list[Prompt], concur
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout_s, max_retries=0)
-    todo = iter(prompts)
-    records: list[RequestRecord] = []
-
-    async def one_client():
-        for prompt in todo:
-            records.append(await _openai_request(client, model, prompt, max_tokens, ignore_eos))
-
-    t0 = time.perf_counter()
     try:
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        return await _closed_loop(lambda p: _openai_request(client, model, p, max_tokens, ignore_eos),
+                                  prompts, concurrency)
     finally:
-        wall = time.perf_counter() - t0
         await client.close()
-    return records, wall
 
 
 def drive_openai(base_url: str, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,

@@ -193,7 +193,9 @@ def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], kn
     """bench_results.json: the settings, what each figure means, and every target's levels and knee."""
     results = {
         "format_version": 1,
-        "tool": "pipeline.bench: tritonclient asyncio gRPC streams, closed loop",
+        "tool": "pipeline.bench: closed loop; tritonclient asyncio gRPC streams (Triton), openai's AsyncOpenAI "
+                "streamed completions (vLLM)" if any(t.is_vllm for t in targets)
+                else "pipeline.bench: tritonclient asyncio gRPC streams, closed loop",
         "settings": {**cfg.model_dump(mode="json"), "model": targets[0].names.stream,
                      "end_id": -1 if cfg.ignore_eos else "the model's EOS"},
         "definitions": {
