@@ -132,6 +132,8 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     assert [lv["concurrency"] for lv in levels] == [1, 8]
     assert all(lv["errors"] == 0 and lv["output_tokens"] == 16 * lv["requests"] for lv in levels)
 
+    _serve_and_stop(default_work_root, light)
+
     cpu_repo = cpu_work / "publish" / "model_repository"
     if (cpu_repo / "provenance.json").is_file():
         proc = run_invoke("bench", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root),
@@ -168,3 +170,48 @@ def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
     (folder / "vllm_engine.json").write_text(json.dumps({"server_module": ea.SERVER_MODULE}))
     with pytest.raises(SystemExit, match="not a published vllm repository.*server_flags"):
         launch.vllm_argv("python", tmp_path / "repo", "0.0.0.0", 8000)
+
+
+def _serve_and_stop(work_root, light) -> None:
+    """`invoke serve` on the vllm repository: it prints the OpenAI endpoints, answers a completion, stops on
+    Ctrl-C, and leaves none of vLLM's processes behind (its server's whole process group is gone)."""
+    import re
+    import signal
+    import time
+    import urllib.request
+
+    from pipeline.serving.server import free_port, group_members
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "invoke", "serve", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),
+           "--http-port", str(port), *light]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    server_pid = None
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+            found = re.search(r"vLLM server ready in [0-9.]+ s \(pid (\d+)\)", line)
+            server_pid = int(found.group(1)) if found else server_pid
+            if "Ctrl-C stops the server" in line:
+                break
+        text = "\n".join(lines)
+        assert f"http://127.0.0.1:{port}/v1" in text and "/chat/completions" in text and server_pid, text[-3000:]
+        body = json.dumps({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert "Paris" in json.loads(r.read())["choices"][0]["text"]
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+        assert proc.returncode == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert server_pid is not None and not group_members(server_pid)

@@ -25,7 +25,8 @@ def build_summary(work_dir: Path, manifests: dict[str, Optional[dict]]) -> dict:
     chain = hash_chain(work_dir, manifests)
     out = {
         "format_version": 1,
-        "config_name": next((m["config_name"] for m in manifests.values() if m), work_dir.name),
+        "config_name": work_dir.name,  # a work dir is named after its config (an upstream stage may come from
+                                       # another config's run with the same inputs)
         "stages": {k: ("ok" if m else NOT_RUN) for k, m in manifests.items()},
         "target": dig(settings, "target"),
         "reference_runtime": dig(settings, "target") == "cpu",
@@ -90,7 +91,8 @@ def five_lines(summary: dict) -> list[str]:
                  f"{f'{kv:,.0f} bytes/token' if kv else NOT_RUN}")
     r, v = summary.get("repository"), summary.get("verify")
     lines.append(
-        (f"serving: Triton model {r['model_name']} v{r['version']} (repository {r['repository_digest'][:12]})"
+        (f"serving: {'vLLM' if summary.get('target') == 'vllm' else 'Triton'} model {r['model_name']} "
+         f"v{r['version']} (repository {r['repository_digest'][:12]})"
          if r else f"serving: publish {NOT_RUN}")
         + (f"; verify {v['passed']}/{v['checks']} checks passed" if v else f"; verify {NOT_RUN}"))
     b = summary.get("bench")
