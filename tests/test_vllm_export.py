@@ -29,7 +29,9 @@ def _model_from_export(folder, model_dir):
     """An fp32 HF model computing what the compressed-tensors export says (independent of the export code)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    state = load_file(str(folder / "model.safetensors"))
+    state = {}
+    for shard in sorted(folder.glob("*.safetensors")):  # one file, or shards (the index is checked by the caller)
+        state.update(load_file(str(shard)))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
     weights = {}
     for name, t in state.items():
@@ -128,4 +130,25 @@ def test_a_format_vllm_cannot_run_is_refused_before_export(exported, tiny_model_
     e = exported("fp8")
     with pytest.raises(InputError, match="FP8 cannot be exported for vLLM"):
         export_for_vllm(e["ckpt"][1], tiny_model_dir, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its .partial sibling
+
+
+def test_a_large_export_is_written_in_shards_with_an_index(exported, tiny_model_dir, tokens, tmp_path):  # noqa: F811
+    """Shards of at most ~64 KiB pending (the tiny model is ~0.6 MB): several files and an index mapping every
+    tensor to the file that holds it, and the same logits as the single-file export."""
+    from pipeline.engines.vllm.export import INDEX_FILE, export_for_vllm
+
+    e = exported("int8_sq")
+    one = export_for_vllm(e["ckpt"][1], tiny_model_dir, tmp_path / "one", dtype="float32")
+    many = export_for_vllm(e["ckpt"][1], tiny_model_dir, tmp_path / "many", dtype="float32", max_shard_bytes=64 * 1024)
+    assert one["weight_files"] == 1 and many["weight_files"] > 3
+    index = json.loads((tmp_path / "many" / INDEX_FILE).read_text())
+    shards = sorted(p.name for p in (tmp_path / "many").glob("model-*.safetensors"))
+    assert sorted(set(index["weight_map"].values())) == shards
+    held = {k: s for s in shards for k in load_file(str(tmp_path / "many" / s))}
+    assert held == index["weight_map"]
+    assert set(held) == set(load_file(str(tmp_path / "one" / "model.safetensors")))
+    with torch.no_grad():
+        a = _model_from_export(tmp_path / "one", tiny_model_dir)(tokens[1]).logits
+        b = _model_from_export(tmp_path / "many", tiny_model_dir)(tokens[1]).logits
+    assert torch.equal(a, b)

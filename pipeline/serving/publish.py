@@ -353,8 +353,11 @@ def check_build(config, settings: dict, build_dir: Path) -> Path:
                          f"found {settings['artifact_dir']!r}{'' if artifact.is_dir() else ' (missing)'}")
     expect = {"cpu": ["runtime.json", "checkpoint/config.json"], "tensorrt": ["config.json", "rank0.engine"],
               "pytorch": [artifacts.LLM_API_OPTIONS_FILE, "checkpoint/config.json"],
-              "vllm": [artifacts.VLLM_ENGINE_FILE, "config.json", "model.safetensors"]}[target]
+              "vllm": [artifacts.VLLM_ENGINE_FILE, "config.json"]}[target]
     lacking = [f for f in expect if not (artifact / f).is_file()]
+    if target == "vllm" and not any((artifact / f).is_file() for f in ("model.safetensors",
+                                                                        "model.safetensors.index.json")):
+        lacking.append("model.safetensors or its shards' index")
     if lacking:
         raise InputError(f"target/engine mismatch: {artifact} is not a {target} build (no {', '.join(lacking)}); "
                          f"run `invoke build --force`")

@@ -23,21 +23,29 @@ strategy channel / tensor, ``dynamic: false``: its CPU kernel is oneDNN's or the
 W = code * scale) and ``input_scale`` (F32 [1], x_code = round(x / scale)). Layers the plan keeps in high
 precision are the config's ``ignore`` list (q/k/v and gate/up decide together: vLLM fuses them and
 ModelOpt's plan gives each group one format). Unquantized tensors are written in ``dtype``.
+
+Memory: the checkpoint is read a tensor at a time and the export is written as it goes, in safetensors
+shards of at most ``max_shard_bytes`` with an index (``model.safetensors.index.json``, the HF layout vLLM
+reads), so the export holds one shard and one decoder layer, not the model. It is written into a sibling
+``.partial`` folder and renamed into place at the end: a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.errors import InputError, IntegrityError
-from pipeline.fsutil import atomic_write_text
+from pipeline.fsutil import atomic_write_text, remove_tree
 
 # TensorRT-LLM algos the export writes for vLLM; anything else is refused before export (config check)
 EXPORTABLE_ALGOS = ("W8A8_SQ_PER_CHANNEL",)
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_FILE = "model.safetensors"  # one shard; more: model-00001.safetensors ... and the index
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 2 * 2**30  # a shard is written, and its tensors freed, once this much is pending
 QUANT_METHOD = "compressed-tensors"
 # the compressed-tensors scheme of every quantized linear (compressed_tensors.quantization.QuantizationArgs)
 W8A8_STATIC_SCHEME = {
@@ -231,17 +239,74 @@ def _fold_into_rows(target: Linear, lin: Linear, name: str, where: str, facts: E
     facts.folded[where] = facts.folded.get(where, 0) + 1
 
 
-def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bfloat16") -> dict:
-    """Write ``out_dir`` (a new folder): model.safetensors, config.json with the quantization_config, the
-    tokenizer files. Returns the export's facts."""
+class ShardWriter:
+    """Tensors written to safetensors shards as they come; ``finish`` names them and writes the index."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.pending: dict[str, Any] = {}
+        self.pending_bytes = self.total_bytes = 0
+        self.shards: list[tuple[str, list[str]]] = []
+
+    def add(self, name: str, tensor) -> None:
+        self.pending[name] = tensor
+        size = tensor.numel() * tensor.element_size()
+        self.pending_bytes += size
+        self.total_bytes += size
+        if self.pending_bytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        from pipeline.compute import trim_heap
+
+        if not self.pending:
+            return
+        name = f"model-{len(self.shards) + 1:05d}.safetensors"
+        save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
+        self.shards.append((name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+        trim_heap()  # the shard's tensors are freed: give the memory back
+
+    def finish(self) -> list[str]:
+        """The weight files: one ``model.safetensors``, or the shards and their index."""
+        self.flush()
+        if len(self.shards) == 1:
+            os.replace(self.folder / self.shards[0][0], self.folder / WEIGHTS_FILE)
+            return [WEIGHTS_FILE]
+        index = {"metadata": {"total_size": self.total_bytes},
+                 "weight_map": {key: shard for shard, keys in self.shards for key in keys}}
+        atomic_write_text(self.folder / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+        return [shard for shard, _ in self.shards] + [INDEX_FILE]
+
+
+def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bfloat16",
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+    """Write ``out_dir`` (a new folder): the weights (one file or shards and an index), config.json with the
+    quantization_config, the tokenizer files. Returns the export's facts."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise InputError(f"{out_dir} exists; the export writes a new folder")
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    remove_tree(partial)
+    partial.mkdir(parents=True)
+    try:
+        facts = _export(Path(ckpt_dir), Path(model_dir), partial, dtype, max_shard_bytes)
+    except BaseException:
+        remove_tree(partial)
+        raise
+    os.replace(partial, out_dir)
+    return facts
+
+
+def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
     from pipeline.engines.build import copy_model_files
     from pipeline.quant.checkpoint import _layer_formats
 
-    ckpt_dir, model_dir = Path(ckpt_dir), Path(model_dir)
     ckpt_cfg = json.loads((ckpt_dir / "config.json").read_text())
     layer_format = _layer_formats(ckpt_dir, ckpt_cfg.get("quantization") or {})
     hf = AutoConfig.from_pretrained(model_dir)
@@ -252,26 +317,27 @@ def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str =
     qkv_split = [n_heads // tp * head_dim, n_kv // tp * head_dim, n_kv // tp * head_dim]
     torch_dtype = getattr(torch, dtype)
     facts = ExportFacts()
-    state: dict[str, Any] = {}
+    writer = ShardWriter(out_dir, max_shard_bytes)
 
     def put(hf_name: str, lin: Linear) -> None:
         if lin.prequant is not None:
             raise IntegrityError(f"{hf_name}: a pre-quant scale was left unfolded")  # a bug here, not bad input
         if lin.quantized:  # own copies: q/k/v are views of one fused tensor, and safetensors refuses shared storage
-            state[f"{hf_name}.weight"] = lin.weight.clone()
-            state[f"{hf_name}.weight_scale"] = lin.weight_scale.float().reshape(-1, 1).clone()
-            state[f"{hf_name}.input_scale"] = lin.input_scale.float().reshape(1).clone()
+            writer.add(f"{hf_name}.weight", lin.weight.clone())
+            writer.add(f"{hf_name}.weight_scale", lin.weight_scale.float().reshape(-1, 1).clone())
+            writer.add(f"{hf_name}.input_scale", lin.input_scale.float().reshape(1).clone())
             facts.quantized_linears += 1
         else:
-            state[f"{hf_name}.weight"] = lin.weight.to(torch_dtype).clone()
+            writer.add(f"{hf_name}.weight", lin.weight.to(torch_dtype).clone())
             facts.ignore.append(hf_name)
             facts.high_precision_linears += 1
 
     emb = ranks.each("transformer.vocab_embedding.weight")
     split_dim = ckpt_cfg.get("embedding_sharding_dim", 0) if tp > 1 and ckpt_cfg.get("use_parallel_embedding") else None
     embed = (emb[0] if split_dim is None else _cat(emb, split_dim))[:hf.vocab_size]
-    state["model.embed_tokens.weight"] = embed.to(torch_dtype).contiguous()
-    state["model.norm.weight"] = ranks.one("transformer.ln_f.weight").to(torch_dtype)
+    writer.add("model.embed_tokens.weight", embed.to(torch_dtype).contiguous())
+    del emb, embed
+    final_norm = ranks.one("transformer.ln_f.weight").float()  # written last: lm_head's smoothing may fold into it
     for i in range(hf.num_hidden_layers):
         p, h = f"transformer.layers.{i}", f"model.layers.{i}"
         q, k, v = _read_linear(ranks, f"{p}.attention.qkv", layer_format(f"{p}.attention.qkv")[0], "qkv", qkv_split)
@@ -291,8 +357,8 @@ def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str =
         if len({l.quantized for l in (q, k, v)}) != 1 or gate.quantized != up.quantized:
             raise IntegrityError(f"{h}: vLLM fuses q/k/v and gate/up, which must share one format "
                                  f"(q/k/v {[l.quantized for l in (q, k, v)]}, gate/up {[gate.quantized, up.quantized]})")
-        state[f"{h}.input_layernorm.weight"] = ln_in.to(torch_dtype)
-        state[f"{h}.post_attention_layernorm.weight"] = ln_post.to(torch_dtype)
+        writer.add(f"{h}.input_layernorm.weight", ln_in.to(torch_dtype))
+        writer.add(f"{h}.post_attention_layernorm.weight", ln_post.to(torch_dtype))
         for name, lin in (("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
                           ("self_attn.o_proj", o), ("mlp.gate_proj", gate), ("mlp.up_proj", up),
                           ("mlp.down_proj", down)):
@@ -307,19 +373,19 @@ def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str =
         if head.quantized:
             head.weight_scale = head.weight_scale[:hf.vocab_size]
             if head.prequant is not None:  # nothing before lm_head to fold into but the final norm
-                state["model.norm.weight"] = (state["model.norm.weight"].float() * head.prequant).to(torch_dtype)
+                final_norm = final_norm * head.prequant
                 head.prequant = None
                 facts.folded["norm"] = 1
         put("lm_head", head)
         tied = False
     elif not tied:
         raise IntegrityError(f"{ckpt_dir}: no lm_head, and the model does not tie its word embeddings")
+    writer.add("model.norm.weight", final_norm.to(torch_dtype))
     leftover = ranks.unread()
     if leftover:
         raise IntegrityError(f"{ckpt_dir}: tensors the vLLM export does not know: {leftover[:4]}")
 
-    out_dir.mkdir(parents=True)
-    save_file(state, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    files = writer.finish()
     copy_model_files(model_dir, out_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.update({"torch_dtype": dtype, "tie_word_embeddings": tied})
@@ -332,4 +398,5 @@ def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str =
             "ignore": facts.ignore,
         }
     atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
-    return {"dtype": dtype, "weights_bytes": (out_dir / WEIGHTS_FILE).stat().st_size, **facts.as_dict()}
+    return {"dtype": dtype, "weights_bytes": sum((out_dir / f).stat().st_size for f in files), "weight_files": len(files),
+            **facts.as_dict()}
