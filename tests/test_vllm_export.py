@@ -152,3 +152,17 @@ def test_a_large_export_is_written_in_shards_with_an_index(exported, tiny_model_
         a = _model_from_export(tmp_path / "one", tiny_model_dir)(tokens[1]).logits
         b = _model_from_export(tmp_path / "many", tiny_model_dir)(tokens[1]).logits
     assert torch.equal(a, b)
+
+
+def test_the_build_checks_reference_figures_are_the_same_streamed(exported, tiny_model_dir, tokens):  # noqa: F811
+    """The vLLM check's reference (simulated greedy tokens and logits, simulated and original top-1 tokens) with
+    one decoder layer held at a time, as on a model larger than the memory bound: the same figures."""
+    from pipeline.engines.vllm.target import reference_figures
+
+    e = exported("int8_sq")
+    prompts, evaluation = [[5, 17, 99, 3], [300, 12, 8]], tokens[1].tolist()
+    whole = reference_figures(e["ckpt"][1], tiny_model_dir, prompts, evaluation, 6, 2, streamed=False)
+    streamed = reference_figures(e["ckpt"][1], tiny_model_dir, prompts, evaluation, 6, 2, streamed=True)
+    assert streamed == whole
+    assert [len(r) for r in whole["sim_top1"]] == [len(s) - 1 for s in evaluation] == [len(r) for r in whole["original_top1"]]
+    assert [len(tokens) for tokens, _ in whole["greedy"]] == [6, 6] or any(2 in t for t, _ in whole["greedy"])

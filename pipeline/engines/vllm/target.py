@@ -12,6 +12,9 @@ measured) and the original model:
   no fp32 activations), and bf16 rounding before a static INT8 activation step moves logits by whole units at
   times, so these are recorded, not gated (measured on SmolLM2: the unquantized bf16 model itself diverges
   from its fp32 run at a margin of 0.40).
+
+The reference models hold one decoder layer at a time (read from disk as a forward reaches it) where their
+fp32 weights do not fit this machine's memory bound (``compute.host_memory_bound``).
 """
 
 from __future__ import annotations
@@ -28,27 +31,31 @@ from pipeline.errors import StageFailed
 EXPORT_DIR = artifacts.VLLM_MODEL_DIR
 CHECK_FILE = "vllm_check.json"  # inside the export: publish carries it, verify reads its tokens
 CHECK_TOKENS = 16
+REFERENCE_HEADROOM_BYTES = 1 << 30  # activations and logits of a 256-token forward, besides the fp32 weights
 
 
 def reference_figures(ckpt_dir: Path, model_dir: Path, prompt_ids: list[list[int]], evaluation: list[list[int]],
-                      max_tokens: int, end_id) -> dict:
+                      max_tokens: int, end_id, streamed: bool = False) -> dict:
     """(child process) The simulated model's greedy tokens and logits per prompt, and the simulated and the
-    original model's top-1 token at each evaluation position."""
+    original model's top-1 token at each evaluation position. ``streamed``: both models hold one decoder layer
+    at a time, read when a forward reaches it (for a model larger than this machine's memory bound)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from pipeline.engines import reference
     from pipeline.quant.checkpoint import rebuild
+    from pipeline.quant.streaming import streamed_original
 
     def top1(model) -> list[list[int]]:
         with torch.no_grad():
             return [model(torch.tensor([seq])).logits[0, :-1].argmax(-1).tolist() for seq in evaluation]
 
-    sim, _ = rebuild(ckpt_dir, model_dir)
+    sim, _ = rebuild(ckpt_dir, model_dir, streamed=streamed)
     greedy = [reference.greedy(sim, p, max_tokens, end_id=end_id) for p in prompt_ids]
     out = {"greedy": [(g.tokens, [row.tolist() for row in g.logits]) for g in greedy], "sim_top1": top1(sim)}
     del sim
-    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    original = (streamed_original(model_dir, AutoConfig.from_pretrained(model_dir)) if streamed
+                else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)).eval()
     out["original_top1"] = top1(original)
     return out
 
@@ -63,6 +70,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
+    from pipeline import compute
     from pipeline.child import run_in_child
     from pipeline.engines import reference
     from pipeline.engines.build import build_settings, checkpoint_sha256
@@ -89,8 +97,11 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     got = runtime.run_worker(python, {"model": str(export_dir), "engine_args": ea.offline_args(args),
                                       "prompts": prompt_ids, "max_tokens": CHECK_TOKENS, "evaluation": evaluation},
                              env, log_path)
+    bound = compute.host_memory_bound(cfg.compute)
+    streamed = compute.model_bytes(model_dir, "float32") + REFERENCE_HEADROOM_BYTES > bound.bytes
     ref, _ = run_in_child(reference_figures, ckpt_dir, model_dir, prompt_ids, evaluation, CHECK_TOKENS,
-                          tok.eos_token_id, log_path=log_path, what="the simulated model's reference figures")
+                          tok.eos_token_id, streamed, log_path=log_path, bound=bound,
+                          what="the simulated model's reference figures")
     gate = json.loads(accuracy_file.read_text())["accuracy"]
     ppl = math.exp(got["nll_sum"] / max(got["tokens_scored"], 1))
     increase = 100.0 * (ppl / gate["perplexity_original"] - 1.0)
@@ -116,7 +127,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
         "greedy_tokens": {"equal": sum(t["equal"] for t in tokens), "near_tie": sum(t["ok"] and not t["equal"] for t in tokens),
                           "diverged": sum(not t["ok"] for t in tokens), "prompts": tokens,
                           "tie_bound": reference.TIE_BOUND},
-        "vllm_load_s": got["load_s"], "vllm_score_s": got["score_s"],
+        "vllm_load_s": got["load_s"], "vllm_score_s": got["score_s"], "reference_streamed": streamed,
     }
     atomic_write_json(export_dir / CHECK_FILE, check)
     failures = []
