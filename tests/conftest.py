@@ -80,6 +80,23 @@ def memory_cgroup(limit_bytes: int):
                 time.sleep(0.1)
 
 
+def read_until(proc, marker: str, timeout_s: float) -> list[str]:
+    """Lines a process prints (``stdout=PIPE, text=True``) up to the first holding ``marker``, or until it
+    closes its output or ``timeout_s`` passes."""
+    import time
+
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if marker in line:
+            break
+    return lines
+
+
 def write_yaml(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text).lstrip())

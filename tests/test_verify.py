@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_invoke, tiny_config
+from conftest import REPO, read_until, run_invoke, tiny_config
 
 from pipeline import artifacts
 from pipeline.config import load_config
@@ -302,16 +302,8 @@ def test_invoke_serve_prints_endpoints_answers_and_stops_on_ctrl_c(tiny):
     for s in TINY_SETS:
         cmd += ["--set", s]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    banner = []
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            banner.append(line.rstrip("\n"))
-            if "Ctrl-C stops the server" in line:
-                break
+        banner = read_until(proc, "Ctrl-C stops the server", 300)
         text = "\n".join(banner)
         assert f"http://127.0.0.1:{ports[0]}" in text and f"127.0.0.1:{ports[1]}" in text, text
         curl = next(l.strip() for l in banner if l.strip().startswith("curl -s -X POST"))

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_invoke
+from conftest import REPO, read_until, run_invoke
 
 from pipeline.config import load_config
 from pipeline.engines.vllm import engine_args as ea
@@ -177,7 +177,6 @@ def _serve_and_stop(work_root, light) -> None:
     Ctrl-C, and leaves none of vLLM's processes behind (its server's whole process group is gone)."""
     import re
     import signal
-    import time
     import urllib.request
 
     from pipeline.serving.server import free_port, group_members
@@ -186,20 +185,11 @@ def _serve_and_stop(work_root, light) -> None:
     cmd = [sys.executable, "-m", "invoke", "serve", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),
            "--http-port", str(port), *light]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     server_pid = None
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line.rstrip("\n"))
-            found = re.search(r"vLLM server ready in [0-9.]+ s \(pid (\d+)\)", line)
-            server_pid = int(found.group(1)) if found else server_pid
-            if "Ctrl-C stops the server" in line:
-                break
-        text = "\n".join(lines)
+        text = "\n".join(read_until(proc, "Ctrl-C stops the server", 600))
+        found = re.search(r"vLLM server ready in [0-9.]+ s \(pid (\d+)\)", text)
+        server_pid = int(found.group(1)) if found else None
         assert f"http://127.0.0.1:{port}/v1" in text and "/chat/completions" in text and server_pid, text[-3000:]
         body = json.dumps({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8,
                            "temperature": 0}).encode()
