@@ -318,6 +318,12 @@ def _bundle_in(repo: Path, names, version: int) -> Optional[Path]:
     return b if b.is_dir() else None
 
 
+def latency_summary(latency_ms: dict[str, list[float]]) -> dict:
+    """Per kind of request: median, max and count of its latencies (ms)."""
+    return {k: {"median_ms": round(float(np.median(x)), 1), "max_ms": round(max(x), 1), "n": len(x)}
+            for k, x in latency_ms.items() if x}
+
+
 def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
            max_tokens: int = MAX_TOKENS, concurrent: int = CONCURRENT_REQUESTS) -> dict:
     """The verify stage. Raises StageFailed (after logging every check) when any check fails."""
@@ -360,8 +366,7 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         # a failed check may be a dead server (killed a moment ago: give it 2 s to be reaped)
         died = server.exit_code_within(2.0) if any(not c.ok for c in v.checks) else None
     failed = [c.name for c in v.checks if not c.ok]
-    latency = {k: {"median_ms": round(float(np.median(x)), 1), "max_ms": round(max(x), 1), "n": len(x)}
-               for k, x in v.latency_ms.items()}
+    latency = latency_summary(v.latency_ms)
     results = {
         "ok": not failed,
         "model_name": names.ensemble, "version": version, "target": target,

@@ -8,6 +8,7 @@ module finds that Python (``VLLM_PYTHON`` overrides it) and checks vLLM is there
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -36,6 +37,7 @@ def serving_python() -> str:
     return python
 
 
+@functools.lru_cache(maxsize=None)  # one look per Python: the preflight's, then the build's, record it
 def vllm_version(python: str) -> str:
     """vLLM's version in that environment (read from its metadata: no vLLM import, no torch start-up)."""
     code = ("import importlib.metadata as m\nfor d in %r:\n    try:\n        print(m.version(d)); break\n"

@@ -67,6 +67,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file: Path, cfg, out_dir: Path) -> dict:
     """Export, write the engine arguments, check the export in vLLM, write build_settings.json."""
+    import torch
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -108,8 +109,6 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     top1_original = _agreement(got["top1"], ref["original_top1"])
     tokens = []
     for i, (want, rows) in enumerate(ref["greedy"]):
-        import torch
-
         verdict = reference.compare(got["tokens"][i], reference.Greedy(want, [torch.tensor(r) for r in rows]))
         tokens.append({"prompt": PROMPTS[i], **verdict, "vllm": tok.decode(got["tokens"][i]), "simulated": tok.decode(want),
                        "vllm_tokens": got["tokens"][i]})
