@@ -205,3 +205,21 @@ def _serve_and_stop(work_root, light) -> None:
             proc.kill()
             proc.wait()
     assert server_pid is not None and not group_members(server_pid)
+
+
+def test_a_batched_answer_may_leave_its_solo_one_only_at_a_near_tie():
+    """verify's rule for concurrent requests on vLLM: equal, or first different where the solo run's own top-2
+    log-probabilities are within BF16_TIE_BOUND; a wide gap or a token outside the solo run's top-2 fails."""
+    from types import SimpleNamespace
+
+    from pipeline.serving.verify_vllm import BF16_TIE_BOUND, VllmVerifier
+
+    v = VllmVerifier(SimpleNamespace(base_url="http://127.0.0.1:9/v1", model_name="m"), None, ["p"], [[1]], 3)
+    solo = [5, 6, 7]
+    v.top_logprobs[("p", tuple(solo))] = [{5: -0.1, 9: -3.0}, {6: -0.60, 8: -0.75}, {7: -0.2, 4: -2.9}]
+    assert v.batch_tie("p", solo, [5, 6, 7]) == {"ok": True, "equal": True}
+    near = v.batch_tie("p", solo, [5, 8, 3])  # position 1: a gap of 0.15
+    assert near["ok"] and near["diverged_at"] == 1 and abs(near["margin"] - 0.15) < 1e-9
+    far = v.batch_tie("p", solo, [5, 6, 4])  # position 2: a gap of 2.7
+    assert not far["ok"] and far["margin"] > BF16_TIE_BOUND
+    assert not v.batch_tie("p", solo, [5, 2, 7])["ok"]  # not among the solo run's top 2
