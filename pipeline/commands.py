@@ -114,7 +114,8 @@ def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> P
 
 
 def serve(config: Optional[str], overrides: Sequence[str], work_root: Path, **ports) -> None:
-    serve_published(open_runner(config, overrides, work_root).work_dir, **ports)
+    runner = open_runner(config, overrides, work_root)
+    serve_published(runner.work_dir, frontend=runner.loaded.config.vllm.frontends[0], **ports)
 
 
 def image(config: Optional[str], overrides: Sequence[str], work_root: Path, *, push: bool = False,

@@ -447,6 +447,17 @@ class VllmSection(Strict):
     kv_offloading_gib: Optional[float] = Field(None, gt=0)
     # the OpenAI server's model name (its "model" field); None: triton.model_name
     served_model_name: Optional[SafeName] = None
+    # What serves the export in verify and bench (each is checked and swept): vLLM's own OpenAI server, and
+    # Triton through the vLLM Python-backend model (the ensemble's inputs, as on every target). The first one
+    # is what `invoke serve` starts.
+    frontends: list[Literal["openai", "triton"]] = Field(default_factory=lambda: ["openai", "triton"], min_length=1)
+
+    @field_validator("frontends")
+    @classmethod
+    def _distinct_frontends(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"vllm.frontends lists one twice: {v}")
+        return v
 
 
 # ---------------------------------------------------------------- triton, bench, image

@@ -128,7 +128,8 @@ def _run_verify(ctx: StageContext) -> dict:
     from pipeline.serving.verify import verify
 
     v = ctx.config.verify
-    return verify(ctx.upstream("publish"), ctx.out_dir, max_tokens=v.max_tokens, concurrent=v.concurrent_requests)
+    return verify(ctx.upstream("publish"), ctx.out_dir, max_tokens=v.max_tokens, concurrent=v.concurrent_requests,
+                  vllm_frontends=tuple(ctx.config.vllm.frontends))
 
 
 def _run_bench(ctx: StageContext) -> dict:
@@ -176,6 +177,10 @@ def _text_fingerprint(loaded, hash_cache):
     return text_fingerprint(loaded, hash_cache)
 
 
+# the vllm section's engine fields: the build depends on them, not on vllm.frontends (what verify and bench serve)
+VLLM_ENGINE_FIELDS = tuple(f"vllm.{name}" for name in ("device", "dtype", "kv_cache_dtype", "gpu_memory_utilization",
+                                                       "cpu_kv_cache_gib", "kv_offloading_gib", "served_model_name"))
+
 STAGES: list[StageDef] = [
     StageDef("model", "download the model and prepare an HF-format folder", sections=("model",),
              external_inputs=_model_fingerprint, run=_run_model),
@@ -196,14 +201,15 @@ STAGES: list[StageDef] = [
              run=_run_quantize, preflight=_compute_preflight,
              version=2),  # 2: mixed formats, INT4 and tensor-parallel read-back, HF unified checkpoint
     StageDef("build", "engine / LLM-API options / CPU runtime bundle / vLLM export", needs=("model", "text", "quantize"),
-             sections=("build", "vllm"), run=_run_build, preflight=_build_preflight),
+             sections=("build", *VLLM_ENGINE_FIELDS), run=_run_build, preflight=_build_preflight),
     StageDef("publish", "Triton model repository", needs=("model", "plan", "build"),
              sections=("triton", "sla.p99_itl_ms", "build.target", "build.trtllm_version", "image.base_tag",
                        "image.base_trtllm_version"),
              run=_run_publish),
-    StageDef("verify", "real Triton server checks", needs=("publish",), sections=("triton", "verify"),
+    StageDef("verify", "real Triton server checks", needs=("publish",), sections=("triton", "verify", "vllm.frontends"),
              run=_run_verify),
-    StageDef("bench", "throughput and latency sweep", needs=("text", "build", "publish"), sections=("bench", "sla"),
+    StageDef("bench", "throughput and latency sweep", needs=("text", "build", "publish"),
+             sections=("bench", "sla", "vllm.frontends"),
              external_inputs=_bench_fingerprint, run=_run_bench),
     StageDef("report", "the build report", needs=("verify", "bench"), run=_run_report),
 ]

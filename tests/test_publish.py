@@ -49,6 +49,12 @@ def make_build(work: Path, target: str, tokenizer_dir: Path, **overrides) -> Pat
     elif target == "tensorrt":
         (artifact / "config.json").write_text(json.dumps({"version": "1.2.1", "build_config": {}}))
         (artifact / "rank0.engine").write_bytes(ENGINE_STAND_IN)
+    elif target == "vllm":
+        (artifact / artifacts.VLLM_ENGINE_FILE).write_text(json.dumps({
+            "engine_args": {"max_num_seqs": 4, "served_model_name": "llm"}, "env": {},
+            "server_module": "vllm.entrypoints.launchers.api_server.entry", "server_flags": ["--max-num-seqs", "4"]}))
+        (artifact / "config.json").write_text("{}")
+        (artifact / "model.safetensors").write_bytes(b"\0" * 64)
     else:
         (artifact / artifacts.LLM_API_OPTIONS_FILE).write_text(yaml.safe_dump({
             "max_batch_size": 4, "max_num_tokens": 256, "max_seq_len": 128,
@@ -79,6 +85,7 @@ TARGET_SETS = {
     "cpu": [],
     "tensorrt": ["build.target=tensorrt"],
     "pytorch": ["build.target=pytorch", "quantization.export_hf_checkpoint=true", "quantization.kv_cache=fp8"],
+    "vllm": ["build.target=vllm", "build.cuda_graphs.enabled=false"],
 }
 
 
@@ -213,6 +220,30 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
     prov = json.loads((snap / artifacts.PROVENANCE_FILE).read_text())
     assert prov["build"] == {"target": target, "trtllm_version": "1.2.1", "provenance": {"gpu": "stand-in"},
                              "world_size": 1, "tensorrt_llm_model": names.tensorrt_llm}
+
+
+def test_a_vllm_repository_serves_one_export_to_triton_and_to_vllms_server(setup):
+    """The vllm target publishes every model of the other targets, its tensorrt_llm model being the vLLM
+    Python-backend model (same I/O) over the export, and vLLM's OpenAI server starts from that same folder."""
+    from pipeline.serving import launch
+
+    load, work, run = setup
+    config = load("vllm")
+    summary, snap = run(config)
+    names = pub.model_names("llm")
+    configs = _configs(snap)
+    assert set(configs) == set(names.all())
+    llm = configs[names.tensorrt_llm]
+    settings = json.loads((work / "build" / artifacts.BUILD_SETTINGS_FILE).read_text())
+    cpu_io = _io(pub.build_model_configs(config.triton, {**settings, "target": "cpu"}, names, 1,
+                                         "/models")[names.tensorrt_llm])
+    assert _io(llm) == cpu_io and llm.backend == "python" and _params(llm) == {"model_dir": artifacts.VLLM_MODEL_DIR}
+    v1 = snap / names.tensorrt_llm / "1"
+    assert (v1 / "model.py").read_text() == (pub.TRITON_SOURCE / "tensorrt_llm_vllm" / "model.py").read_text()
+    assert "import vllm" not in (v1 / "model.py").read_text().split("class ")[0]  # imported when the model loads
+    folder, engine = launch.vllm_model(snap)
+    assert folder == v1 / artifacts.VLLM_MODEL_DIR and engine["server_flags"] == ["--max-num-seqs", "4"]
+    assert (folder / "model.safetensors").is_file()
 
 
 def test_adaptive_batch_reaches_the_cpu_model_as_its_step_target(setup):

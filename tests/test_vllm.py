@@ -105,9 +105,10 @@ def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path)
 @pytest.mark.e2e
 @needs_vllm
 def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_root):
-    """`invoke all` with the vllm config: the export passes the accuracy gate in vLLM, verify's checks pass
-    through the openai client on vLLM's server, and bench sweeps it. Where the cpu target's default was
-    published in this session (tests/test_verify.py), bench compares the two engines in one run.
+    """`invoke all` with the vllm config: the export passes the accuracy gate in vLLM; verify's checks pass
+    through the openai client on vLLM's server and through Triton's clients on the vLLM Python-backend model,
+    both giving the offline engine's tokens; bench sweeps both frontends. Where the cpu target's default was
+    published in this session (tests/test_verify.py), bench compares the engines in one run.
 
     The cpu default's model, text and checkpoint are reused where present (copied: the runner reruns what
     depends on build.target and skips what comes out identical)."""
@@ -124,13 +125,20 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     assert check["evaluation_tokens"] > 1000
     verify = json.loads((work / "verify" / "verify_results.json").read_text())
     assert verify["ok"] and verify["target"] == "vllm"
-    assert {c["name"] for c in verify["checks"]} >= {"completions", "completions_stream", "chat_completions",
-                                                     "malformed_requests", "metrics"}
+    names = {c["name"] for c in verify["checks"]}
+    assert names >= {"completions", "completions_stream", "chat_completions", "malformed_requests", "metrics",
+                     "triton_http_infer_ensemble", "triton_grpc_infer_ensemble", "triton_http_generate_stream",
+                     "triton_grpc_stream", "triton_concurrent_16", "triton_malformed_requests"}
     assert all(r["equal"] and r["text_is_decoding"] for r in verify["checks"][0]["results"])
+    by_name = {c["name"]: c for c in verify["checks"]}
+    for name in ("triton_http_infer_ensemble", "triton_grpc_stream"):  # Triton gives the offline engine's tokens
+        assert all(r["equal"] and r["text_equals_decode"] for r in by_name[name]["results"]), by_name[name]
     bench = json.loads((work / "bench" / "bench_results.json").read_text())
-    levels = bench["targets"][0]["levels"]
-    assert [lv["concurrency"] for lv in levels] == [1, 8]
-    assert all(lv["errors"] == 0 and lv["output_tokens"] == 16 * lv["requests"] for lv in levels)
+    assert [t["frontend"] for t in bench["targets"]] == ["openai", "triton"]
+    for t in bench["targets"]:
+        assert [lv["concurrency"] for lv in t["levels"]] == [1, 8]
+        assert all(lv["errors"] == 0 and lv["output_tokens"] == 16 * lv["requests"] for lv in t["levels"])
+    assert [c["concurrency"] for c in bench["frontends"]["levels"]] == [1, 8]
 
     _serve_and_stop(default_work_root, light)
 
@@ -140,7 +148,8 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
                           "--compare-with", str(cpu_repo), *light, timeout=1800)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         both = json.loads((work / "bench" / "bench_results.json").read_text())
-        assert [t["target"] for t in both["targets"]] == ["vllm", "cpu"]
+        assert [(t["target"], t["frontend"]) for t in both["targets"]] == [("vllm", "openai"), ("vllm", "triton"),
+                                                                          ("cpu", "triton")]
         assert [c["concurrency"] for c in both["comparison"]["levels"]] == [1, 8]
         report = run_invoke("report", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root), *light,
                             "--set", f"bench.compare_repository={cpu_repo.resolve()}")  # the same bench: no rerun
@@ -149,6 +158,7 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
         page = (work / "report" / "index.md").read_text()
         assert "Target `vllm`" in page and "top-1 agreement with the original" in page
         assert "vLLM (its CPU build" in page  # the two engines side by side
+        assert "One vLLM build, two frontends" in page
 
 
 def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
@@ -157,9 +167,10 @@ def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
     is refused saying what to rerun."""
     from pipeline.serving import launch
 
-    folder = tmp_path / "repo" / "m" / "3" / "vllm_model"
+    folder = tmp_path / "repo" / "m_tensorrt_llm" / "3" / "vllm_model"
     folder.mkdir(parents=True)
-    (tmp_path / "repo" / "provenance.json").write_text(json.dumps({"model_name": "m", "version": 3}))
+    (tmp_path / "repo" / "provenance.json").write_text(json.dumps({
+        "model_name": "m", "version": 3, "build": {"target": "vllm", "tensorrt_llm_model": "m_tensorrt_llm"}}))
     flags = ea.server_flags({"dtype": "bfloat16", "max_num_seqs": 16, "enforce_eager": True,
                              "enable_prefix_caching": False})
     assert flags == ["--dtype", "bfloat16", "--max-num-seqs", "16", "--enforce-eager", "--no-enable-prefix-caching"]
@@ -223,3 +234,23 @@ def test_a_batched_answer_may_leave_its_solo_one_only_at_a_near_tie():
     far = v.batch_tie("p", solo, [5, 6, 4])  # position 2: a gap of 2.7
     assert not far["ok"] and far["margin"] > BF16_TIE_BOUND
     assert not v.batch_tie("p", solo, [5, 2, 7])["ok"]  # not among the solo run's top 2
+
+
+def test_offline_tokens_judge_triton_answers_with_the_same_near_tie_rule():
+    """Triton's answers on the vllm target: equal to the offline engine's tokens (a longer offline run compared
+    on the prefix), or first different at a near-tie of the OpenAI run's log-probabilities; no answer fails."""
+    from pipeline.serving.verify_vllm import OfflineTokens
+
+    rows = [[{5: -0.1, 9: -3.0}, {6: -0.60, 8: -0.75}, {7: -0.2, 4: -2.9}]]
+    judge = OfflineTokens([[5, 6, 7, 1]], rows).judge
+    assert judge(0, [5, 6, 7])["equal"] and judge(0, [5, 8, 3])["ok"]
+    assert not judge(0, [5, 6, 4])["ok"] and not judge(0, [])["ok"]
+    assert not OfflineTokens([[5, 6, 7]], []).judge(0, [5, 8, 3])["ok"]  # no log-probabilities: equal only
+
+
+def test_the_build_depends_on_every_vllm_field_but_the_frontends():
+    """Choosing what serves the export (vllm.frontends) reruns verify and bench, never the build."""
+    from pipeline.config import VllmSection
+    from pipeline.stages import VLLM_ENGINE_FIELDS
+
+    assert {f"vllm.{k}" for k in VllmSection.model_fields} - set(VLLM_ENGINE_FIELDS) == {"vllm.frontends"}

@@ -10,7 +10,8 @@ works for rank 0. Each rank gets its own Python-backend shared-memory prefix. Or
 (``TRTLLM_ORCHESTRATOR=1``, workers spawned by the backend) is not used, so publish writes none of its keys.
 
 ``launch vllm`` starts vLLM's OpenAI server on a published vllm repository, with the flags the build recorded
-beside the export (``vllm_engine.json``): the vLLM image's entrypoint, and ``VllmServer`` for verify and bench.
+beside the export (``vllm_engine.json``, in the engine model's version folder, which Triton serves too): the
+vLLM image's entrypoint, and ``VllmServer`` for verify and bench.
 
 Used by the GPU image's entrypoint (``python3 -m pipeline.serving.launch tritonserver <flags>``: the world
 size and the engine model's name come from the repository's provenance.json) and by ``server.TritonServer``
@@ -93,7 +94,8 @@ def vllm_model(repository: Path) -> tuple[Path, dict]:
     """(the export folder, its vllm_engine.json) of a published vllm repository; SystemExit saying what to run."""
     try:
         prov = json.loads((repository / PROVENANCE_FILE).read_text())
-        folder = repository / str(prov["model_name"]) / str(int(prov["version"])) / VLLM_MODEL_DIR
+        engine_model = str(prov["build"]["tensorrt_llm_model"])  # the Triton model over the same export
+        folder = repository / engine_model / str(int(prov["version"])) / VLLM_MODEL_DIR
         engine = json.loads((folder / VLLM_ENGINE_FILE).read_text())
         if not isinstance(engine["server_module"], str) or not isinstance(engine["server_flags"], list):
             raise TypeError("server_module / server_flags of the wrong type")

@@ -5,7 +5,8 @@ Models (``M`` = ``triton.model_name``; all share one version number per publish)
 - ``M``                 ensemble: ``text_input`` + ``max_tokens`` (+ optional sampling) -> ``text_output``
 - ``M_preprocessing``   Python: text -> token ids (tokenizer, chat template, stop words)
 - ``M_tensorrt_llm``    the target's engine, one I/O for all targets: ``tensorrtllm`` backend (tensorrt), a
-                        Python model over TensorRT-LLM's LLM API (pytorch), the CPU reference runtime (cpu)
+                        Python model over TensorRT-LLM's LLM API (pytorch), the CPU reference runtime (cpu),
+                        vLLM's async engine (vllm; its export is also what vLLM's own OpenAI server loads)
 - ``M_postprocessing``  Python: token ids -> text (incremental, with the tokens already shown as context)
 - ``M_stream``          Python BLS, decoupled: text in, text out token by token (gRPC streams, generate_stream)
 - ``M_tensorrt_llm_unary`` Python BLS: ``M_tensorrt_llm`` as one request -> one response. Triton counts an
@@ -244,6 +245,9 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
     elif target == "pytorch":
         _params(llm, {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE})
         _instances(llm, 1, "KIND_MODEL")  # the LLM API places itself on the GPUs
+    elif target == "vllm":
+        _params(llm, {"model_dir": artifacts.VLLM_MODEL_DIR})
+        _instances(llm, 1, "KIND_MODEL")  # one engine batches every request and places itself on its devices
     else:
         _params(llm, {"bundle_dir": artifacts.ARTIFACT_DIRS["cpu"], "cpu_threads": triton.cpu_threads,
                       "adaptive_batch_target_ms": adaptive_target_ms or 0})
@@ -483,11 +487,8 @@ def _copy_tokenizer(src_dir: Path, dst: Path) -> list[str]:
 def assemble(config, settings: dict, artifact: Path, tokenizer_dir: Path, names: ModelNames, version: int,
              serving_root: str, repo: Path) -> dict:
     """Write one version of every model into ``repo`` (files first, each config.pbtxt last). Returns {model
-    name: its ModelConfig}; the vllm target's one model has none (vLLM's own server loads the folder)."""
+    name: its ModelConfig}."""
     target = settings["target"]
-    if target == "vllm":
-        _link_tree(artifact, repo / names.ensemble / str(version) / artifacts.ARTIFACT_DIRS["vllm"])
-        return {names.ensemble: None}
     adaptive = config.sla.p99_itl_ms if config.triton.adaptive_batch else None
     configs = build_model_configs(config.triton, settings, names, version, serving_root, adaptive)
     texts = {name: config_text(msg) for name, msg in configs.items()}
@@ -499,6 +500,9 @@ def assemble(config, settings: dict, artifact: Path, tokenizer_dir: Path, names:
     if target == "cpu":
         _copy_sources("tensorrt_llm_cpu", llm_dir)
         _link_tree(artifact, llm_dir / artifacts.ARTIFACT_DIRS["cpu"])
+    elif target == "vllm":  # the export: Triton's model loads it, and so does vLLM's OpenAI server (launch.py)
+        _copy_sources("tensorrt_llm_vllm", llm_dir)
+        _link_tree(artifact, llm_dir / artifacts.ARTIFACT_DIRS["vllm"])
     elif target == "pytorch":
         _copy_sources("tensorrt_llm_pytorch", llm_dir)
         shutil.copy2(artifact / artifacts.LLM_API_OPTIONS_FILE, llm_dir / artifacts.LLM_API_OPTIONS_FILE)
@@ -601,9 +605,8 @@ def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir
                 _link_tree(dest / name / str(v), new / name / str(v))
             _link_tree(snapshot / name / str(version), new / name / str(version))
             kept[name] = old + [version]
-        for name, msg in configs.items():
-            if msg is not None:
-                shutil.copy2(snapshot / name / artifacts.MODEL_CONFIG_FILE, new / name / artifacts.MODEL_CONFIG_FILE)
+        for name in configs:
+            shutil.copy2(snapshot / name / artifacts.MODEL_CONFIG_FILE, new / name / artifacts.MODEL_CONFIG_FILE)
         history = [h for h in prov.get("history", []) if h.get("version") in set(kept[names.ensemble])]
         atomic_write_json(new / artifacts.PROVENANCE_FILE, {
             **provenance, "versions": kept[names.ensemble],
@@ -621,7 +624,7 @@ def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir
     log.info("published %s version %d to %s (versions kept: %s)", names.ensemble, version, dest,
              kept[names.ensemble])
     reload = reload_models(triton.server_url, [n for n in names.all() if n in configs]) \
-        if triton.server_url and settings["target"] != "vllm" else None  # vLLM's server has no model control
+        if triton.server_url else None
     return {"model_name": names.ensemble, "version": version, "models": sorted(configs),
             "repository_dir": str(dest), "versions_kept": kept[names.ensemble], "target": settings["target"],
             "repository_digest": provenance["repository_digest"], "foreign_models_kept": foreign,

@@ -54,6 +54,7 @@ LOOPBACK = "127.0.0.1"
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
 READY_TIMEOUT_S = 120.0
+VLLM_READY_TIMEOUT_S = 600.0  # vLLM's import and engine start: 40-90 s on 2 busy cores
 STOP_GRACE_S = 15.0
 LOG_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
@@ -328,6 +329,7 @@ class TritonServer(ServerProcess):
     load_models: Optional[Sequence[str]] = None
     log_path: Optional[Path] = None  # default: a temporary file, removed on stop (its tail is in any error)
     python_bin_dir: Optional[Path] = None  # the stub's environment; default: this interpreter's bin/
+    environment: Optional[dict] = None  # the server's environment variables; default: this process's
     binary: Optional[Path] = None  # default: the nvidia-pytriton binary
     backend_dir: Optional[Path] = None  # default: prepared for the pytriton binary; with binary=: its own
     log_verbose: int = 0
@@ -396,7 +398,7 @@ class TritonServer(ServerProcess):
         remove_stale_leftovers()
         self._tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
         self.shm_prefix = f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}_"
-        env = dict(os.environ)
+        env = dict(os.environ if self.environment is None else self.environment)
         self._backends = self.backend_dir
         if self.binary is None:
             dist = find_pytriton()
@@ -498,15 +500,28 @@ class TritonServer(ServerProcess):
             raise StageFailed(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
 
 
-def server_for_target(target: str, repository: Path, **kwargs):
-    """The nvidia-pytriton server for the cpu target; the image's ``tritonserver`` for the GPU targets; vLLM's
-    OpenAI server for the vllm target (pipeline.serving.vllm_server)."""
+VLLM_FRONTENDS = ("openai", "triton")
+
+
+def server_for_target(target: str, repository: Path, frontend: Optional[str] = None, **kwargs):
+    """The nvidia-pytriton server for the cpu target; the image's ``tritonserver`` for the GPU targets. The
+    vllm target has two: vLLM's OpenAI server (``frontend="openai"``, the default; pipeline.serving.vllm_server)
+    and the nvidia-pytriton server with its Python models running in vLLM's serving environment
+    (``frontend="triton"``: the vLLM Python-backend model, triton_repo/tensorrt_llm_vllm)."""
     if target == "cpu":
         return TritonServer(repository, **kwargs)
     if target == "vllm":
-        from pipeline.serving.vllm_server import VllmServer
+        if (frontend or "openai") == "openai":
+            from pipeline.serving.vllm_server import VllmServer
 
-        return VllmServer(repository, **kwargs)
+            return VllmServer(repository, **kwargs)
+        if frontend != "triton":
+            raise InputError(f"the vllm target is served by one of {', '.join(VLLM_FRONTENDS)}, not {frontend!r}")
+        from pipeline.engines.vllm import runtime
+
+        python = Path(runtime.serving_python())
+        return TritonServer(repository, python_bin_dir=python.parent, environment=runtime.child_env({}),
+                            **{"ready_timeout_s": VLLM_READY_TIMEOUT_S, **kwargs})
     binary = shutil.which("tritonserver")
     if binary is None:
         raise EnvironmentProblem(
@@ -522,8 +537,9 @@ def server_for_target(target: str, repository: Path, **kwargs):
 
 
 def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                    host: str = LOOPBACK, echo=print) -> None:
-    """Run a server on the work dir's published repository in the foreground until Ctrl-C (or SIGTERM)."""
+                    host: str = LOOPBACK, echo=print, frontend: Optional[str] = None) -> None:
+    """Run a server on the work dir's published repository in the foreground until Ctrl-C (or SIGTERM).
+    ``frontend``: which server a vllm build gets (``vllm.frontends``' first: "openai" or "triton")."""
     from pipeline.serving.publish import model_names
 
     repo = artifacts.published_repository(work_dir)
@@ -534,10 +550,11 @@ def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001
                          f"first") from None
     names = model_names(prov["model_name"])
     target = prov["build"]["target"]
-    log_path = work_dir / "logs" / ("vllm-serve.log" if target == "vllm" else "tritonserver-serve.log")
+    openai = target == "vllm" and (frontend or "openai") == "openai"
+    log_path = work_dir / "logs" / ("vllm-serve.log" if openai else "tritonserver-serve.log")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        with server_for_target(target, repo, http_port=http_port, grpc_port=grpc_port,
+        with server_for_target(target, repo, frontend=frontend, http_port=http_port, grpc_port=grpc_port,
                                metrics_port=metrics_port, host=host, log_path=log_path) as server:
             echo(serve_banner(server, names.ensemble, names.stream if (repo / names.stream).is_dir() else None,
                               prov, repo, log_path))
@@ -555,7 +572,7 @@ def _raise_interrupt(signum, frame):  # SIGTERM: leave the with block (stopping 
 
 def serve_banner(server, ensemble: str, stream: Optional[str], prov: dict, repo: Path, log_path: Path) -> str:
     http = f"http://{server.http_url}"
-    if prov["build"]["target"] == "vllm":  # vLLM's OpenAI server
+    if hasattr(server, "base_url"):  # vLLM's OpenAI server
         body = json.dumps({"model": server.model_name, "prompt": "The capital of France is", "max_tokens": 32})
         chat = json.dumps({"model": server.model_name, "max_tokens": 32,
                            "messages": [{"role": "user", "content": "What is the capital of France?"}]})

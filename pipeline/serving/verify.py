@@ -318,6 +318,27 @@ def _bundle_in(repo: Path, names, version: int) -> Optional[Path]:
     return b if b.is_dir() else None
 
 
+def triton_checks(server: TritonServer, repo: Path, names, tokenizer, prompts: list[str], expected, max_tokens: int,
+                  concurrent: int) -> tuple[Verifier, Optional[int]]:
+    """Start ``server``, run every Triton check, stop it: (the verifier with its checks, the server's exit code
+    if it died during them). ``expected.judge(i, tokens)`` judges each answer to prompt ``i``."""
+    with server:
+        v = Verifier(server, names, tokenizer, prompts, expected, max_tokens)
+        v._guard("http_infer_ensemble", v.http_infer)
+        v._guard("grpc_infer_ensemble", v.grpc_infer)
+        v._guard("http_generate_ensemble", v.http_generate)
+        if (repo / names.stream).is_dir():
+            v._guard("http_generate_stream", v.http_generate_stream)
+            v._guard("grpc_stream", v.grpc_streaming)
+        else:
+            v._record("streaming", True, skipped="triton.decoupled is false: no streaming model was published")
+        v._guard(f"concurrent_{concurrent}", lambda: v.concurrent(concurrent))
+        v._guard("malformed_requests", v.malformed)
+        # a failed check may be a dead server (killed a moment ago: give it 2 s to be reaped)
+        died = server.exit_code_within(2.0) if any(not c.ok for c in v.checks) else None
+    return v, died
+
+
 def latency_summary(latency_ms: dict[str, list[float]]) -> dict:
     """Per kind of request: median, max and count of its latencies (ms)."""
     return {k: {"median_ms": round(float(np.median(x)), 1), "max_ms": round(max(x), 1), "n": len(x)}
@@ -325,7 +346,8 @@ def latency_summary(latency_ms: dict[str, list[float]]) -> dict:
 
 
 def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
-           max_tokens: int = MAX_TOKENS, concurrent: int = CONCURRENT_REQUESTS) -> dict:
+           max_tokens: int = MAX_TOKENS, concurrent: int = CONCURRENT_REQUESTS,
+           vllm_frontends: tuple[str, ...] = ("openai", "triton")) -> dict:
     """The verify stage. Raises StageFailed (after logging every check) when any check fails."""
     from transformers import AutoTokenizer
 
@@ -334,10 +356,10 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         prov = json.loads((repo / artifacts.PROVENANCE_FILE).read_text())
     except (OSError, ValueError):
         raise InputError(f"{repo} has no readable {artifacts.PROVENANCE_FILE}; run `invoke publish` first") from None
-    if prov["build"]["target"] == "vllm":  # vLLM's OpenAI server, not Triton: its own checks
+    if prov["build"]["target"] == "vllm":  # vLLM's OpenAI server and Triton's vLLM model: pipeline.serving.verify_vllm
         from pipeline.serving.verify_vllm import verify_vllm
 
-        return verify_vllm(repo, prov, out_dir, prompts, max_tokens, concurrent)
+        return verify_vllm(repo, prov, out_dir, prompts, max_tokens, concurrent, vllm_frontends)
     names = model_names(prov["model_name"])
     version, target = int(prov["version"]), prov["build"]["target"]
     tokenizer = AutoTokenizer.from_pretrained(str(repo / names.preprocessing / str(version) / artifacts.TOKENIZER_DIR))
@@ -350,21 +372,8 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
     reference_s = time.perf_counter() - t0
 
     server = server_for_target(target, repo, log_path=out_dir / artifacts.SERVER_LOG_FILE)
-    with server:
-        v = Verifier(server, names, tokenizer, list(prompts), expected, max_tokens)
-        v._guard("http_infer_ensemble", v.http_infer)
-        v._guard("grpc_infer_ensemble", v.grpc_infer)
-        v._guard("http_generate_ensemble", v.http_generate)
-        if (repo / names.stream).is_dir():
-            v._guard("http_generate_stream", v.http_generate_stream)
-            v._guard("grpc_stream", v.grpc_streaming)
-        else:
-            v._record("streaming", True, skipped="triton.decoupled is false: no streaming model was published")
-        v._guard(f"concurrent_{concurrent}", lambda: v.concurrent(concurrent))
-        v._guard("malformed_requests", v.malformed)
-        startup_s = server.startup_s
-        # a failed check may be a dead server (killed a moment ago: give it 2 s to be reaped)
-        died = server.exit_code_within(2.0) if any(not c.ok for c in v.checks) else None
+    v, died = triton_checks(server, repo, names, tokenizer, list(prompts), expected, max_tokens, concurrent)
+    startup_s = server.startup_s
     failed = [c.name for c in v.checks if not c.ok]
     latency = latency_summary(v.latency_ms)
     results = {

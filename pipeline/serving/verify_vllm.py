@@ -1,7 +1,6 @@
-"""verify stage, vllm target: vLLM's OpenAI server on the published export, checked with the official client.
+"""verify stage, vllm target: the published export served both ways (``vllm.frontends``), one server at a time.
 
-The server (pipeline.serving.vllm_server) runs on 127.0.0.1 with a free port and is stopped whatever
-happens. Through the ``openai`` client it checks:
+**vLLM's OpenAI server** (pipeline.serving.vllm_server), checked with the official ``openai`` client:
 
 - completions, greedy, with token ids (vLLM's ``return_token_ids``): the tokens the build's check got from
   vLLM's offline engine for the same prompts (``vllm_check.json`` beside the export), and ``text`` equal to
@@ -13,6 +12,14 @@ happens. Through the ``openai`` client it checks:
   log-probabilities (bfloat16: another batch shape rounds differently);
 - malformed requests (negative max_tokens, an unknown model) get a 4xx error and the server keeps answering;
 - ``/metrics`` carries vLLM's queue gauges (what the HPA and the alert rules read).
+
+**Triton** with the vLLM Python-backend model (triton_repo/tensorrt_llm_vllm) behind the same ensemble as
+every target: pipeline.serving.verify's checks (HTTP and gRPC infer, generate, both streams, concurrent,
+malformed), each answer judged against the same offline tokens; a concurrent answer may leave them only at a
+near-tie of the OpenAI run's log-probabilities (Triton's outputs carry none), so with the Triton frontend alone
+concurrent answers must be equal. Its checks are named ``triton_<check>``.
+
+Every server runs on 127.0.0.1 with free ports and is stopped whatever happens.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from pipeline import artifacts
 from pipeline.engines.vllm.target import CHECK_FILE
@@ -37,6 +44,36 @@ REQUEST_TIMEOUT_S = 300.0
 # logprob gap under which a batched answer may leave its solo one: measured on SmolLM2, the unquantized bf16
 # model leaves its own fp32 run at a gap of 0.40; one bf16 rounding step of a logit near 20 is 0.125
 BF16_TIE_BOUND = 0.5
+
+
+def batch_tie(rows: list[dict[int, float]], solo: list[int], got: list[int]) -> dict:
+    """Equal to the solo answer, or first different where the solo run's own top-2 log-probabilities (``rows``:
+    per position {token: logprob}) are within ``BF16_TIE_BOUND``: in bfloat16 a different batch moves logits
+    by rounding steps, which flips a near-tie (the Triton targets' check against an fp32 reference uses 0.1)."""
+    if got == solo:
+        return {"ok": True, "equal": True}
+    at = next((i for i, (a, b) in enumerate(zip(got, solo)) if a != b), min(len(got), len(solo)))
+    row = rows[at] if at < len(rows) else {}
+    if at >= len(got) or at >= len(solo) or got[at] not in row or solo[at] not in row:
+        return {"ok": False, "equal": False, "diverged_at": at, "margin": None}
+    margin = round(row[solo[at]] - row[got[at]], 6)
+    return {"ok": margin <= BF16_TIE_BOUND, "equal": False, "diverged_at": at, "margin": margin}
+
+
+class OfflineTokens:
+    """What Triton's answers are judged against (pipeline.serving.verify.Verifier's ``expected``): the offline
+    engine's greedy tokens per prompt; a different answer passes only at a near-tie of ``rows``."""
+
+    def __init__(self, tokens: list[list[int]], rows: list[list[dict[int, float]]]):
+        self.tokens, self.rows = tokens, rows
+
+    def judge(self, i: int, got: list[int]) -> dict:
+        n = min(len(got), len(self.tokens[i]))  # the build's check may have asked for another length
+        want = self.tokens[i][:n]
+        verdict = batch_tie(self.rows[i] if i < len(self.rows) else [], want, got[:n])
+        if not got:
+            verdict = {"ok": False, "equal": False, "diverged_at": 0, "margin": None}
+        return verdict if verdict["equal"] else {**verdict, "offline_tokens": want, "got_tokens": got}
 
 
 class VllmVerifier:
@@ -77,18 +114,7 @@ class VllmVerifier:
         return list(ids), choice.text, ms
 
     def batch_tie(self, prompt: str, solo: list[int], got: list[int]) -> dict:
-        """Equal to the solo answer, or first different where the solo run's own top-2 log-probabilities are
-        within ``BF16_TIE_BOUND``: in bfloat16 a different batch moves logits by rounding steps, which flips
-        a near-tie (the Triton targets' check against an fp32 reference uses 0.1)."""
-        if got == solo:
-            return {"ok": True, "equal": True}
-        at = next((i for i, (a, b) in enumerate(zip(got, solo)) if a != b), min(len(got), len(solo)))
-        rows = self.top_logprobs.get((prompt, tuple(solo))) or []
-        row = rows[at] if at < len(rows) else {}
-        if at >= len(got) or at >= len(solo) or got[at] not in row or solo[at] not in row:
-            return {"ok": False, "equal": False, "diverged_at": at, "margin": None}
-        margin = round(row[solo[at]] - row[got[at]], 6)
-        return {"ok": margin <= BF16_TIE_BOUND, "equal": False, "diverged_at": at, "margin": margin}
+        return batch_tie(self.top_logprobs.get((prompt, tuple(solo))) or [], solo, got)
 
     def completions(self) -> dict:
         results, ok = [], True
@@ -165,12 +191,13 @@ class VllmVerifier:
 
 
 def verify_vllm(repo: Path, prov: dict, out_dir: Path, prompts: tuple[str, ...], max_tokens: int,
-                concurrent: int) -> dict:
-    """The verify stage on a published vllm repository; StageFailed (after every check ran) when one fails."""
+                concurrent: int, frontends: tuple[str, ...] = ("openai", "triton")) -> dict:
+    """The verify stage on a published vllm repository, each frontend in turn; StageFailed (after every check
+    ran) when one fails."""
     from transformers import AutoTokenizer
 
     from pipeline.serving.verify import latency_summary
-    from pipeline.serving.vllm_server import VllmServer, published_model
+    from pipeline.serving.vllm_server import published_model
 
     folder, _, _ = published_model(repo)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -184,28 +211,71 @@ def verify_vllm(repo: Path, prov: dict, out_dir: Path, prompts: tuple[str, ...],
     if missing:
         raise StageFailed(f"verify: the build's vLLM check has no tokens for {missing}; rebuild with "
                           f"`invoke build --force`")
-    server = VllmServer(repo, log_path=out_dir / artifacts.SERVER_LOG_FILE)
-    with server:
-        v = VllmVerifier(server, tokenizer, list(prompts), [offline[p] for p in prompts], max_tokens)
+    expected = [offline[p] for p in prompts]
+    checks: list[dict] = []
+    latency_ms: dict[str, list[float]] = {}
+    servers: dict[str, dict] = {}
+    rows: list[list[dict[int, float]]] = []
+    logs = {f: artifacts.SERVER_LOG_FILE if i == 0 else f"server_{f}.log" for i, f in enumerate(frontends)}
+    for frontend in frontends:
+        if frontend == "openai":
+            v = _openai_checks(repo, out_dir / logs[frontend], tokenizer, list(prompts), expected, max_tokens,
+                               concurrent)
+            rows = [v.top_logprobs.get((p, tuple(solo))) or [] for p, solo in zip(prompts, v.solo)]
+            checks += [{**c, "frontend": "openai"} for c in v.checks]
+            latency_ms.update({f"openai_{k}": x for k, x in v.latency_ms.items()})
+            servers["openai"] = {"startup_s": v.server.startup_s, "log": logs[frontend],
+                                 "binary": f"vLLM OpenAI server ({check.get('vllm_version')})"}
+        else:
+            startup_s, t_checks, t_latency, died = _triton_checks(repo, prov, out_dir / logs[frontend], tokenizer,
+                                                                  list(prompts), OfflineTokens(expected, rows),
+                                                                  max_tokens, concurrent)
+            checks += [{**c, "name": f"triton_{c['name']}", "frontend": "triton"} for c in t_checks]
+            latency_ms.update({f"triton_{k}": x for k, x in t_latency.items()})
+            servers["triton"] = {"startup_s": startup_s, "log": logs[frontend], "died_with_exit_code": died,
+                                 "binary": "nvidia-pytriton tritonserver, vLLM Python-backend model"}
+    failed = [c["name"] for c in checks if not c["ok"]]
+    latency = latency_summary(latency_ms)
+    results = {"ok": not failed, "model_name": prov["model_name"], "version": prov["version"], "target": "vllm",
+               "frontends": list(frontends), "servers": servers, "server": servers[frontends[0]],
+               "reference": "vLLM's offline engine on the same export, in the build's check (vllm_check.json)",
+               "prompts": list(prompts), "max_tokens": max_tokens, "latency": latency, "checks": checks}
+    (out_dir / artifacts.VERIFY_RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if failed:
+        from pipeline.serving.server import log_tail
+
+        tails = "\n".join(f"{f} ({logs[f]}):\n{log_tail(out_dir / logs[f])}" for f in frontends
+                          if any(c["frontend"] == f and not c["ok"] for c in checks))
+        raise StageFailed(f"verify: {len(failed)} check(s) failed: {', '.join(failed)}. The answers are in "
+                          f"{out_dir / artifacts.VERIFY_RESULTS_FILE}; the servers' logs end:\n{tails}")
+    return {"checks": len(checks), "all_ok": True, "frontends": list(frontends),
+            "server_startup_s": {f: servers[f]["startup_s"] for f in frontends}, "latency": latency}
+
+
+def _openai_checks(repo: Path, log_path: Path, tokenizer, prompts: list[str], expected: list[list[int]],
+                   max_tokens: int, concurrent: int) -> VllmVerifier:
+    from pipeline.serving.vllm_server import VllmServer
+
+    with VllmServer(repo, log_path=log_path) as server:
+        v = VllmVerifier(server, tokenizer, prompts, expected, max_tokens)
         v.guard("completions", v.completions)
         v.guard("completions_stream", v.streaming)
         v.guard("chat_completions", v.chat)
         v.guard(f"concurrent_{concurrent}", lambda: v.concurrent(concurrent))
         v.guard("malformed_requests", v.malformed)
         v.guard("metrics", v.metrics)
-        startup_s = server.startup_s
-    failed = [c["name"] for c in v.checks if not c["ok"]]
-    latency = latency_summary(v.latency_ms)
-    results = {"ok": not failed, "model_name": prov["model_name"], "version": prov["version"], "target": "vllm",
-               "server": {"startup_s": startup_s, "binary": f"vLLM OpenAI server ({check.get('vllm_version')})",
-                          "log": artifacts.SERVER_LOG_FILE},
-               "reference": "vLLM's offline engine on the same export, in the build's check (vllm_check.json)",
-               "prompts": list(prompts), "max_tokens": max_tokens, "latency": latency, "checks": v.checks}
-    (out_dir / artifacts.VERIFY_RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
-    if failed:
-        from pipeline.serving.server import log_tail
+    return v
 
-        raise StageFailed(f"verify: {len(failed)} check(s) failed: {', '.join(failed)}. The answers are in "
-                          f"{out_dir / artifacts.VERIFY_RESULTS_FILE}; the server's log ends:\n"
-                          f"{log_tail(out_dir / artifacts.SERVER_LOG_FILE)}")
-    return {"checks": len(v.checks), "all_ok": True, "server_startup_s": startup_s, "latency": latency}
+
+def _triton_checks(repo: Path, prov: dict, log_path: Path, tokenizer, prompts: list[str], expected: OfflineTokens,
+                   max_tokens: int, concurrent: int) -> tuple[Optional[float], list[dict], dict, Optional[int]]:
+    """Triton's checks (pipeline.serving.verify) on the vllm repository: (startup s, checks, latencies, the
+    server's exit code if it died during them)."""
+    from pipeline.serving.publish import model_names
+    from pipeline.serving.server import server_for_target
+    from pipeline.serving.verify import triton_checks
+
+    server = server_for_target("vllm", repo, frontend="triton", log_path=log_path)
+    v, died = triton_checks(server, repo, model_names(prov["model_name"]), tokenizer, prompts, expected, max_tokens,
+                            concurrent)
+    return server.startup_s, [c.as_dict() for c in v.checks], v.latency_ms, died

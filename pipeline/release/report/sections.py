@@ -368,9 +368,16 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
         if first:
             doc.p("Triton's own time to first response of the streaming model: " +
                   ", ".join(f"{f['first_response_ms']:.0f} ms at concurrency {c}" for c, f in first) + ".")
-    if any(t.get("target") == "vllm" for t in r.get("targets", [])):
-        doc.p("A vllm target is driven through vLLM's OpenAI server (streamed completions, each chunk's token ids "
-              "counted); Triton's counters do not apply to it (vLLM's own are on its /metrics).")
+    if any(t.get("frontend") == "openai" for t in r.get("targets", [])):
+        doc.p("vLLM's OpenAI server is driven with streamed completions (each chunk's token ids counted); Triton's "
+              "counters do not apply to it (vLLM's own are on its /metrics). Through Triton, the vLLM build is "
+              "driven like every target: gRPC streams on the streaming model.")
+    both = r.get("frontends")
+    if both:
+        doc.h(3, f"One vLLM build, two frontends ({both['ratio']})")
+        doc.table(["concurrency", "output tok/s", "req/s", "TTFT P50", "ITL P50", "e2e P50", "e2e P99"],
+                  [[c["concurrency"], c["output_tokens_per_s"], c["requests_per_s"], c["ttft_p50"], c["itl_p50"],
+                    c["e2e_p50"], c["e2e_p99"]] for c in both["levels"]])
     doc.p("Triton's queue and compute times are per request of each model, from its metrics endpoint (the level's "
           "counters after minus before). The generation itself waits in the runtime's own scheduler, which Triton "
           "does not see: the decoupled models return from execute at once, so their compute time is not generation "

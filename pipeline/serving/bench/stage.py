@@ -14,7 +14,9 @@ With an SLA (the ``sla`` section's P99 bounds), each level's goodput against it 
 
 Comparison mode (``bench.compare_repository``): a second published repository gets its own server, and
 the two are swept level by level, alternating which goes first, so drifting machine load hits both alike;
-the results carry this build / baseline ratios.
+the results carry this build / baseline ratios. A vllm build is swept once per ``vllm.frontends`` entry
+(vLLM's OpenAI server, Triton through the vLLM Python-backend model) the same way, with triton / openai
+ratios.
 
 Outputs: ``bench_results.json``, ``throughput_vs_concurrency.png``, ``latency_vs_concurrency.png`` and the
 servers' logs.
@@ -51,6 +53,7 @@ from pipeline.serving.server import log_tail, server_for_target
 log = logging.getLogger(__name__)
 
 BASELINE_SERVER_LOG = "tritonserver_baseline.log"
+THIS, BASELINE = "this build", "baseline"  # target labels
 
 
 def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, build_dir: Optional[Path],
@@ -92,12 +95,15 @@ def _resolve_targets(config: PipelineConfig, publish_dir: Path, build_dir: Optio
     """This build (and the comparison baseline, if configured), checked before any server starts."""
     cfg = config.bench
     repo, prov = read_repository(publish_dir / artifacts.MODEL_REPOSITORY_DIR)
-    targets = [Target("this build", repo, prov, build_settings(build_dir))]
+    settings = build_settings(build_dir)
+    frontends = list(config.vllm.frontends) if prov.build.target == "vllm" else ["triton"]
+    targets = [Target(THIS if len(frontends) == 1 else f"{THIS} ({f})", repo, prov, settings, frontend=f)
+               for f in frontends]
     if cfg.compare_repository is not None:
         targets.append(_baseline(cfg.compare_repository, prov))
     for t in targets:
         check_lengths(cfg, t)
-        if not config.triton.decoupled and t is targets[0] and not t.is_vllm:
+        if not config.triton.decoupled and t.label != BASELINE and not t.openai:
             raise InputError("bench drives the streaming model, which needs triton.decoupled: true")
     return targets
 
@@ -108,7 +114,8 @@ def _baseline(path: Path, this: artifacts.Provenance) -> Target:
     if prov.repository_digest == this.repository_digest:
         raise InputError(f"bench.compare_repository {repo} is this very build (same repository digest); "
                          f"point it at another build's published repository")
-    return Target("baseline", repo, prov, build_settings(build_dir_of(repo)))
+    return Target(BASELINE, repo, prov, build_settings(build_dir_of(repo)),
+                  frontend="openai" if prov.build.target == "vllm" else "triton")
 
 
 def _prompts(cfg: BenchSection, target: Target, samples_file: Path) -> tuple[list[Prompt], list[Prompt]]:
@@ -138,9 +145,11 @@ def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterato
                 t.grpc_url, t.metrics_url = cfg.grpc_url, cfg.metrics_url
                 check_served(t)
                 continue
-            log_name = artifacts.SERVER_LOG_FILE if i == 0 else BASELINE_SERVER_LOG
-            extra = {} if t.is_vllm else {"extra_args": METRICS_ARGS}  # vLLM's metrics are always on
-            server = server_for_target(t.provenance.build.target, t.repository, log_path=out_dir / log_name, **extra)
+            log_name = (artifacts.SERVER_LOG_FILE if i == 0 else BASELINE_SERVER_LOG if t.label == BASELINE
+                        else f"server_{t.frontend}.log")
+            extra = {} if t.openai else {"extra_args": METRICS_ARGS}  # vLLM's metrics are always on
+            server = server_for_target(t.provenance.build.target, t.repository, frontend=t.frontend,
+                                       log_path=out_dir / log_name, **extra)
             server.start()
             started.append(server)
             t.server, t.grpc_url, t.metrics_url = server, server.grpc_url, server.metrics_url
@@ -194,7 +203,7 @@ def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], kn
     results = {
         "format_version": 1,
         "tool": "pipeline.bench: closed loop; tritonclient asyncio gRPC streams (Triton), openai's AsyncOpenAI "
-                "streamed completions (vLLM)" if any(t.is_vllm for t in targets)
+                "streamed completions (vLLM)" if any(t.openai for t in targets)
                 else "pipeline.bench: tritonclient asyncio gRPC streams, closed loop",
         "settings": {**cfg.model_dump(mode="json"), "model": targets[0].names.stream,
                      "end_id": -1 if cfg.ignore_eos else "the model's EOS"},
@@ -218,10 +227,21 @@ def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], kn
                      "knee_sentence": knee_sentence(knees[t.label], t.levels),
                      "sla_choice": choices.get(t.label)} for t in targets],
     }
-    if len(targets) == 2:
+    baseline, by_frontend = _pairs(targets)
+    if baseline is not None:
         results["comparison"] = {"ratio": "this build / baseline", "levels": ratios(targets[0].levels,
-                                                                                     targets[1].levels)}
+                                                                                     baseline.levels)}
+    if by_frontend:
+        results["frontends"] = {"ratio": "Triton (vLLM Python-backend model) / vLLM's OpenAI server",
+                                "levels": ratios(by_frontend["triton"].levels, by_frontend["openai"].levels)}
     return results
+
+
+def _pairs(targets: list[Target]) -> tuple[Optional[Target], dict[str, Target]]:
+    """(the baseline target or None, {frontend: target} where this build is served both ways, else {})."""
+    baseline = next((t for t in targets if t.label == BASELINE), None)
+    mine = {t.frontend: t for t in targets if t.label != BASELINE}
+    return baseline, mine if set(mine) == {"openai", "triton"} else {}
 
 
 def _summary(targets: list[Target], knees: dict[str, dict], choices: dict[str, dict], bench_s: float) -> dict:
@@ -238,10 +258,16 @@ def _summary(targets: list[Target], knees: dict[str, dict], choices: dict[str, d
         "repository_digest": main.provenance.repository_digest,
         "bench_s": round(bench_s, 1),
     }
-    if len(targets) == 2:
-        comp = ratios(main.levels, targets[1].levels)
+    baseline, by_frontend = _pairs(targets)
+    if by_frontend:
+        per = ratios(by_frontend["triton"].levels, by_frontend["openai"].levels)
+        summary["frontends"] = {"triton_over_openai_output_tokens_per_s": [round(x["output_tokens_per_s"], 3)
+                                                                          for x in per],
+                                "triton": [_level_summary(l) for l in by_frontend["triton"].levels]}
+    if baseline is not None:
+        comp = ratios(main.levels, baseline.levels)
         summary["comparison"] = {
-            "baseline": targets[1].describe(),
+            "baseline": baseline.describe(),
             "output_tokens_per_s_ratio": [round(x["output_tokens_per_s"], 3) for x in comp],
             "e2e_p50_ratio": [round(x["e2e_p50"], 3) for x in comp],
         }

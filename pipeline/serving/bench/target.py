@@ -27,10 +27,11 @@ log = logging.getLogger(__name__)
 class Target:
     """A published repository being benchmarked, and the server answering for it."""
 
-    label: str  # "this build" / "baseline"
+    label: str  # "this build" / "baseline" (a vllm build served two ways: "this build (openai)", ...)
     repository: Path
     provenance: artifacts.Provenance
     settings: Optional[dict]  # build_settings.json, when known
+    frontend: str = "triton"  # a vllm build: "openai" (vLLM's own server) or "triton" (its Python-backend model)
     grpc_url: str = ""
     metrics_url: Optional[str] = None
     server: Optional[TritonServer] = None
@@ -41,16 +42,14 @@ class Target:
         return model_names(self.provenance.model_name)
 
     @property
-    def is_vllm(self) -> bool:
-        """Served by vLLM's OpenAI server (the vllm target), not by Triton."""
-        return self.provenance.build.target == "vllm"
+    def openai(self) -> bool:
+        """Served by vLLM's OpenAI server (a vllm build's "openai" frontend), not by Triton."""
+        return self.frontend == "openai"
 
     @property
     def tokenizer_dir(self) -> Path:
-        """The tokenizer the server uses: the preprocessing model's, or the vLLM export's."""
+        """The tokenizer the preprocessing model uses (a vllm build's export carries the same files)."""
         p = self.provenance
-        if self.is_vllm:
-            return self.repository / p.model_name / str(p.version) / artifacts.VLLM_MODEL_DIR
         return self.repository / self.names.preprocessing / str(p.version) / artifacts.TOKENIZER_DIR
 
     def describe(self) -> dict:
@@ -58,7 +57,7 @@ class Target:
         p = self.provenance
         return {"label": self.label, "repository": str(self.repository), "config_name": p.config_name,
                 "model_name": p.model_name, "version": p.version, "quantization": p.quantization.model_dump(),
-                "target": p.build.target, "repository_digest": p.repository_digest,
+                "target": p.build.target, "frontend": self.frontend, "repository_digest": p.repository_digest,
                 "server": "started by bench" if self.server is not None else f"existing server at {self.grpc_url}"}
 
 
@@ -131,7 +130,7 @@ def _send(target: Target, prompts: list[Prompt], concurrency: int,
           cfg: BenchSection) -> tuple[list[RequestRecord], float]:
     """Every prompt to the target's streaming model (vLLM: streamed completions), ``concurrency`` in flight:
     (records, wall seconds)."""
-    if target.is_vllm:
+    if target.openai:
         server: Any = target.server  # a VllmServer: bench starts one for a vllm target
         return drive_openai(server.base_url, server.model_name, prompts, concurrency, cfg.output_tokens,
                             cfg.ignore_eos, cfg.request_timeout_s)

@@ -1,0 +1,132 @@
+"""tensorrt_llm for the ``vllm`` target: vLLM's async engine (``AsyncLLM``) in the Python backend.
+
+What upstream's vllm_backend does, with the ``tensorrtllm`` backend's inputs and outputs (see llm_serving.py),
+so the preprocessing, postprocessing, ensemble and streaming models of the other targets serve a vLLM model
+unchanged. Runs in the vLLM serving environment (vLLM imported when the model loads). The engine is built
+from the export beside this file and the engine arguments the build recorded with it (``vllm_engine.json``:
+the same record vLLM's OpenAI server starts from). Parameters: ``model_dir`` (relative to the version folder).
+
+vLLM's engine is asynchronous: one event loop runs in a thread of its own, every request is a coroutine on
+it, and its tokens reach the request's responder thread through a queue. Token ids go in and out (the
+preprocessing model tokenizes), so vLLM's own tokenizer only detokenizes for its stop strings: turned off.
+"""
+
+import asyncio
+import json
+import os
+import queue
+import sys
+import threading
+import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llm_serving import GenerationModel, Handle  # noqa: E402
+
+ENGINE_FILE = "vllm_engine.json"  # pipeline.artifacts.VLLM_ENGINE_FILE
+SERVER_ONLY = ("served_model_name",)  # engine-record fields for vLLM's server, not its engine
+_END = object()
+
+
+def _utf8_locale():
+    """The stub's embedded Python reads text files in the locale's encoding, and without LANG that is ASCII:
+    torch's inductor templates (imported by vLLM) are UTF-8 and fail to load. Set for this process."""
+    import locale
+
+    if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+        for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):
+            try:
+                locale.setlocale(locale.LC_CTYPE, name)
+                return
+            except locale.Error:
+                continue
+
+
+class _VllmHandle(Handle):
+    def __init__(self, model, request_id, tokens):
+        self.model, self.request_id, self.tokens = model, request_id, tokens
+
+    def stream(self):
+        while True:
+            item = self.tokens.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def cancel(self):
+        self.model.call(self.model.engine.abort(self.request_id))
+
+
+class TritonPythonModel(GenerationModel):
+    def load(self, version_dir, params):
+        folder = version_dir / params["model_dir"]
+        record = json.loads((folder / ENGINE_FILE).read_text())
+        for key, value in record.get("env", {}).items():  # e.g. VLLM_CPU_KVCACHE_SPACE: read by the engine
+            os.environ.setdefault(key, value)
+        # The engine core runs in a child process; "spawn" would start it from sys.executable, which inside
+        # the stub is not a Python. "fork" is vLLM's default on a machine without CUDA; made explicit here.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        _utf8_locale()
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._sampling = SamplingParams
+        args = {k: v for k, v in record["engine_args"].items() if k not in SERVER_ONLY}
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True).start()
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(folder), **args))
+        self._running = 0
+        self._max_seqs = int(args.get("max_num_seqs", 0))
+        self._count = threading.Lock()
+
+    def call(self, coro, timeout_s=60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def submit(self, job):
+        greedy = job.temperature == 0
+        stop_ids = [w[0] for w in job.stop_words if len(w) == 1]
+        params = self._sampling(
+            max_tokens=job.max_new_tokens,
+            temperature=0.0 if greedy else job.temperature,
+            top_k=-1 if greedy or not job.top_k else job.top_k,
+            top_p=1.0 if greedy else job.top_p,
+            seed=job.seed,
+            # end_id replaces the model's EOS as the token that ends a sequence (kept in the output, as both
+            # TensorRT-LLM and vLLM keep a stop token); none given: the model's EOS; negative: none at all
+            stop_token_ids=([job.end_id] if job.end_id is not None and job.end_id >= 0 else []) + stop_ids,
+            ignore_eos=job.end_id is not None,
+            detokenize=False,
+        )
+        request_id = uuid.uuid4().hex
+        tokens = queue.SimpleQueue()
+        asyncio.run_coroutine_threadsafe(self._generate(job.prompt, params, request_id, tokens), self.loop)
+        return _VllmHandle(self, request_id, tokens)
+
+    async def _generate(self, prompt, params, request_id, tokens):
+        with self._count:
+            self._running += 1
+        sent = 0
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": prompt}, params, request_id):
+                ids = output.outputs[0].token_ids  # cumulative: all tokens generated so far
+                for token in ids[sent:]:
+                    tokens.put(int(token))
+                sent = len(ids)
+            tokens.put(_END)
+        except BaseException as e:  # noqa: BLE001 - the responder thread raises it into the request
+            tokens.put(e if isinstance(e, Exception) else RuntimeError(f"vLLM request ended: {e!r}"))
+        finally:
+            with self._count:
+                self._running -= 1
+
+    def stats(self):
+        with self._count:
+            active = self._running
+        return {"requests_active": active, "requests_max": self._max_seqs}
+
+    def close(self):
+        self.engine.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
