@@ -1,7 +1,7 @@
 """The ``tensorrt_llm`` model's request handling for the Python-backend variants (cpu and pytorch targets).
 
 Both variants speak exactly the I/O of the ``tensorrtllm`` backend's model, so everything around them
-(preprocessing, postprocessing, the ensemble, the streaming model) is shared by all three targets:
+(preprocessing, postprocessing, the ensemble, the streaming model) is shared by every target:
 
 inputs (with the batch dimension; one sequence per request): ``input_ids`` INT32 [-1], ``input_lengths``
 INT32 [1], ``request_output_len`` INT32 [1]; optional ``end_id``, ``pad_id`` INT32 [1], ``temperature`` FP32

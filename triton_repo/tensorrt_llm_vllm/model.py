@@ -9,6 +9,8 @@ the same record vLLM's OpenAI server starts from). Parameters: ``model_dir`` (re
 vLLM's engine is asynchronous: one event loop runs in a thread of its own, every request is a coroutine on
 it, and its tokens reach the request's responder thread through a queue. Token ids go in and out (the
 preprocessing model tokenizes), so vLLM's own tokenizer only detokenizes for its stop strings: turned off.
+Triton's metrics get the requests in flight and the engine's limit (the tensorrtllm backend's request family);
+vLLM's KV-cache figures are not exported through Triton (its OpenAI server's /metrics has them).
 """
 
 import asyncio
