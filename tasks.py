@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent
 WORK_ROOT = ROOT / "build"
 
 CONFIG_HELP = {
-    "config": "engine config YAML (default: engine_configs/smollm2-135m-cpu.yaml)",
+    "config": "engine config YAML (default: engine_configs/smollm2-135m-vllm.yaml)",
     "set": "override a config field, e.g. --set build.max_batch_size=16 (repeatable)",
     "work_root": "where work dirs live (default: ./build); artifacts go to <work-root>/<config name>/",
 }

@@ -4,7 +4,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_CONFIGS_DIR = REPO_ROOT / "engine_configs"
-DEFAULT_CONFIG = ENGINE_CONFIGS_DIR / "smollm2-135m-cpu.yaml"
+# The embedded default (SmolLM2-135M, INT8 SmoothQuant) served by vLLM's CPU build; the same plan on the cpu
+# target (Triton + the reference runtime) is smollm2-135m-cpu.yaml, which the other SmolLM2 configs extend.
+DEFAULT_CONFIG = ENGINE_CONFIGS_DIR / "smollm2-135m-vllm.yaml"
 DEFAULT_WORK_ROOT = Path("build")  # relative to the current directory; <work_root>/<config name>/
 
 # Hub

@@ -1,6 +1,6 @@
 """The cpu runtime's adaptive batch limit against static limits, under a step in request rate.
 
-    .venv/bin/invoke build            # once: builds build/smollm2-135m-cpu/build/cpu_bundle
+    .venv/bin/invoke build --config engine_configs/smollm2-135m-cpu.yaml   # once: build/smollm2-135m-cpu/build/cpu_bundle
     .venv/bin/python scripts/bench_adaptive.py [--bundle DIR] [--base-rps 0.25] [--spike-rps 1] [--phase-s 20]
 
 One runtime, one bundle, one run: first the solo step time is measured (one sequence decoding alone); the

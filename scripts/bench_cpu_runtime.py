@@ -1,7 +1,7 @@
 """Benchmark the cpu reference runtime: throughput at concurrency 1 and 8, and KV-cache memory with INT8 vs
 unquantized (fp32) blocks, measured side by side in one run on the same bundle.
 
-    .venv/bin/invoke build            # once: builds build/smollm2-135m-cpu/build/cpu_bundle
+    .venv/bin/invoke build --config engine_configs/smollm2-135m-cpu.yaml   # once: build/smollm2-135m-cpu/build/cpu_bundle
     .venv/bin/python scripts/bench_cpu_runtime.py [--bundle DIR] [--tokens 32] [--rounds 2]
 
 Throughput is generated tokens / wall seconds for N prompts submitted at once (N = concurrency), the runtime

@@ -14,11 +14,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# The embedded default on the cpu target (Triton + the reference runtime): what the end-to-end chain of tests
+# (download -> ... -> verify, default_work_root) builds, and what every other test config extends. The
+# project's own default (pipeline.constants.DEFAULT_CONFIG) serves the same plan through vLLM: tests/test_vllm.py.
 DEFAULT_CONFIG = REPO / "engine_configs" / "smollm2-135m-cpu.yaml"
 
 
 def run_invoke(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path = REPO):
-    """Run `invoke ARGS` as a user would (a fresh process), capturing its output."""
+    """Run `invoke ARGS` as a user would (a fresh process), capturing its output. Without ``--config`` the task
+    gets DEFAULT_CONFIG (the cpu target) named explicitly."""
+    if args and args[0] != "test" and "--config" not in args:
+        args = (args[0], "--config", str(DEFAULT_CONFIG), *args[1:])
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)

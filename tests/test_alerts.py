@@ -1,6 +1,7 @@
-"""The alert rules `invoke deploy-manifests` renders, checked and unit-tested by Prometheus's own promtool:
-each alert fires on the series its exporter writes once its condition has held long enough, not before, and
-not for a healthy pod beside it."""
+"""The alert rules `invoke deploy-manifests` renders (Triton's series, or vLLM's for the vllm target), checked
+and unit-tested by Prometheus's own promtool: each alert fires on the series its exporter writes once its
+condition has held long enough, not before, and not for a healthy pod beside it. That vLLM's real server
+exports every series its rules read is verify's ``metrics`` check (tests/test_vllm.py)."""
 
 from __future__ import annotations
 
@@ -72,26 +73,67 @@ CASES = {
 }
 
 
-def test_every_alert_has_a_case_a_runbook_and_the_hpa_queue_threshold():
-    rules = alerts.rules(AlertsSection(), NAME)
-    assert sorted(r["alert"] for r in rules) == sorted(CASES)
+# the vllm target: vLLM 0.32's series as its OpenAI server exports them (labels engine, model_name; the API's
+# http_requests_total by handler and status class); the target and restart rules read the same series as Triton's
+VLLM = 'namespace="ns",engine="0",model_name="m"'
+VLLM_CASES = {
+    "VllmQueueBacklog": (  # 40 waiting > 32 from t=0, for 5m; 10 waiting stays healthy
+        [(f'vllm:num_requests_waiting{{{VLLM},pod="{BAD}"}}', "40x200"),
+         (f'vllm:num_requests_waiting{{{VLLM},pod="{GOOD}"}}', "10x200")],
+        "15s", "4m", "6m", {"namespace": "ns", "pod": BAD}, ""),
+    "VllmKVCacheNearlyFull": (  # 95 % of the KV cache in use from t=0, for 5m
+        [(f'vllm:kv_cache_usage_perc{{{VLLM},pod="{BAD}"}}', "0.95x200"),
+         (f'vllm:kv_cache_usage_perc{{{VLLM},pod="{GOOD}"}}', "0.5x200")],
+        "15s", "4m", "6m", {"namespace": "ns", "pod": BAD}, ""),
+    "VllmPreempting": (  # preemptions keep coming; a count that stopped growing is no alert
+        [(f'vllm:num_preemptions_total{{{VLLM},pod="{BAD}"}}', "0+3x200"),
+         (f'vllm:num_preemptions_total{{{VLLM},pod="{GOOD}"}}', "7x200")],
+        "15s", "5m", "7m", {"namespace": "ns", "pod": BAD}, ""),
+    "VllmErrorRate": (  # half the API's answers are 5xx; 4xx (bad input) and /metrics scrapes do not count
+        [(f'http_requests_total{{namespace="ns",pod="{BAD}",handler="/v1/completions",method="POST",status="5xx"}}',
+          "0+10x200"),
+         (f'http_requests_total{{namespace="ns",pod="{BAD}",handler="/v1/completions",method="POST",status="2xx"}}',
+          "0+10x200"),
+         (f'http_requests_total{{namespace="ns",pod="{GOOD}",handler="/v1/chat/completions",method="POST",'
+          f'status="4xx"}}', "0+10x200"),
+         (f'http_requests_total{{namespace="ns",pod="{GOOD}",handler="/v1/completions",method="POST",status="2xx"}}',
+          "0+10x200")],
+        "15s", "5m", "7m", {"namespace": "ns", "pod": BAD}, ""),
+    "VllmTargetDown": CASES["TritonTargetDown"],
+    "VllmPodRestarting": CASES["TritonPodRestarting"],
+}
+ENGINES = {"triton": (True, CASES), "vllm-cpu": (False, VLLM_CASES),
+           "vllm-cuda": (True, {**VLLM_CASES, **{k: v for k, v in CASES.items() if k.startswith("Gpu")}})}
+
+
+def _rules(engine: str) -> list[dict]:
+    gpu, _ = ENGINES[engine]
+    return alerts.rules(AlertsSection(), NAME, engine.split("-")[0], gpu)
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_every_alert_has_a_case_a_runbook_and_the_hpa_queue_threshold(engine):
+    rules = _rules(engine)
+    assert sorted(r["alert"] for r in rules) == sorted(ENGINES[engine][1])
     assert all(r["annotations"]["runbook"] for r in rules)
     assert AlertsSection().queue_waiting == deploy.SCALE_OUT_QUEUED_PER_REPLICA
-    doc = alerts.prometheus_rule(AlertsSection(), NAME, {"app": "x"})
+    doc = alerts.prometheus_rule(AlertsSection(), NAME, {"app": "x"}, engine.split("-")[0], ENGINES[engine][0])
     assert doc["kind"] == "PrometheusRule" and doc["spec"]["groups"][0]["rules"] == rules
 
 
 @needs_promtool
-def test_promtool_checks_the_rules_and_each_alert_fires_when_and_only_where_it_should(tmp_path):
-    section = AlertsSection()
-    by_name = {r["alert"]: r for r in alerts.rules(section, NAME)}
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_promtool_checks_the_rules_and_each_alert_fires_when_and_only_where_it_should(tmp_path, engine):
+    gpu, cases = ENGINES[engine]
+    by_name = {r["alert"]: r for r in _rules(engine)}
     rule_path = tmp_path / "alert-rules.yml"
-    rule_path.write_text(yaml.safe_dump(alerts.rule_file(section, NAME), sort_keys=False))
+    rule_path.write_text(yaml.safe_dump(alerts.rule_file(AlertsSection(), NAME, engine.split("-")[0], gpu),
+                                        sort_keys=False))
     checked = subprocess.run([PROMTOOL, "check", "rules", str(rule_path)], capture_output=True, text=True)
-    assert checked.returncode == 0 and f"SUCCESS: {len(CASES)} rules found" in checked.stdout, checked.stdout
+    assert checked.returncode == 0 and f"SUCCESS: {len(cases)} rules found" in checked.stdout, checked.stdout
 
     tests = []
-    for alert, (series, interval, not_yet, fires, labels, value) in CASES.items():
+    for alert, (series, interval, not_yet, fires, labels, value) in cases.items():
         rule = by_name[alert]
         firing = {"exp_labels": {**labels, "severity": rule["labels"]["severity"]},
                   "exp_annotations": {"summary": _summary(rule, labels, value), "runbook": rule["annotations"]["runbook"]}}
@@ -105,3 +147,16 @@ def test_promtool_checks_the_rules_and_each_alert_fires_when_and_only_where_it_s
     run = subprocess.run([PROMTOOL, "test", "rules", str(test_path)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "SUCCESS" in run.stdout
+
+
+def test_the_vllm_rules_read_only_series_verify_finds_on_vllms_real_server():
+    """Every series name in the vllm rules (bar the target and restart ones, Prometheus's and kube-state-metrics')
+    is one verify's metrics check requires on the running vLLM server (engine_args.METRIC_SERIES)."""
+    import re
+
+    from pipeline.engines.vllm.engine_args import METRIC_SERIES
+
+    exprs = [r["expr"] for r in alerts.rules(AlertsSection(), NAME, "vllm", gpu=False) if r["alert"] in VLLM_CASES
+             and r["alert"] not in ("VllmTargetDown", "VllmPodRestarting")]
+    read = {m for e in exprs for m in re.findall(r"([a-z_:]+)\{", e)}
+    assert read and read <= set(METRIC_SERIES), read - set(METRIC_SERIES)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, memory_cgroup, needs_memory_cgroup
+from conftest import DEFAULT_CONFIG, REPO, memory_cgroup, needs_memory_cgroup
 
 from pipeline import compute
 from pipeline.child import run_in_child
@@ -84,7 +84,7 @@ def test_device_cuda_without_a_gpu_stops_before_any_work(tmp_path):
     with pytest.raises(EnvironmentProblem, match="compute.device is cuda, but this machine has no NVIDIA GPU"):
         compute.check_device(ComputeSection(device="cuda"))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "invoke", "sensitivity", "--work-root", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "invoke", "sensitivity", "--config", str(DEFAULT_CONFIG), "--work-root", str(tmp_path),
                            "--set", "compute.device=cuda"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "compute.device is cuda" in proc.stdout + proc.stderr

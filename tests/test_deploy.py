@@ -255,18 +255,18 @@ def test_checkov_finds_nothing_unjustified(rendered_gpu, tmp_path):
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_rendered_vllm_manifests_serve_one_port_and_scale_on_vllms_queue(tmp_path, device):
     """The vllm target: vLLM's image on port 8000 (API, /health, /metrics), the HPA on vLLM's own queue gauge
-    (32 waiting per replica) and on CPU (vllm.device cpu) or the DCGM GPU utilisation (cuda) at 85 %; no alert
-    rules (the shipped ones read Triton's series); valid against the Kubernetes schemas."""
+    (32 waiting per replica) and on CPU (vllm.device cpu) or the DCGM GPU utilisation (cuda) at 85 %; alert
+    rules on vLLM's own series (the GPU ones only on cuda); valid against the Kubernetes schemas."""
     name = "smollm2-135m-vllm"
     make_published(tmp_path, config_name=name, target="vllm")
     extra = ["--set", "build.cuda_graphs.enabled=true"] if device == "cuda" else []
     done = run_invoke("deploy-manifests", "--config", str(REPO / "engine_configs" / f"{name}.yaml"), "--work-root",
                       str(tmp_path), "--set", f"vllm.device={device}", *extra)
     assert done.returncode == 0, done.stderr
-    assert "alert rules: none for the vllm target" in done.stdout
     out = tmp_path / name / deploy.RENDERED_DIR
+    assert f"alert rules: {out / deploy.ALERTS_RESOURCE}" in done.stdout
     docs = docs_in(out)
-    assert validate_offline(docs) == {"Kustomization", "PodMonitor"}
+    assert validate_offline(docs) == {"Kustomization", "PodMonitor", "PrometheusRule"}
     kinds = by_kind(docs)
     (dep,) = kinds["Deployment"]
     (c,) = dep["spec"]["template"]["spec"]["containers"]
@@ -285,4 +285,8 @@ def test_rendered_vllm_manifests_serve_one_port_and_scale_on_vllms_queue(tmp_pat
     assert metrics[deploy.VLLM_QUEUE_METRIC]["pods"]["target"]["averageValue"] == "32"
     util = deploy.VLLM_GPU_METRIC if device == "cuda" else "cpu"
     assert set(metrics) == {deploy.VLLM_QUEUE_METRIC, util}
-    assert not (out / deploy.ALERTS_RESOURCE).exists()
+    (rule,) = kinds["PrometheusRule"]
+    plain = yaml.safe_load((out / deploy.ALERTS_RULE_FILE).read_text())
+    names = [r["alert"] for r in plain["groups"][0]["rules"]]
+    assert rule["spec"] == plain and "VllmQueueBacklog" in names and not any(n.startswith("Triton") for n in names)
+    assert any(n.startswith("Gpu") for n in names) == (device == "cuda")

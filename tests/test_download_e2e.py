@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_invoke
+from conftest import DEFAULT_CONFIG, REPO, run_invoke
 
 pytestmark = pytest.mark.e2e
 NAME = "smollm2-135m-cpu"
@@ -88,7 +88,8 @@ def test_second_run_skips_fast_and_a_calibration_change_reruns_only_text(downloa
 
 def test_kill_9_during_download_then_rerun_gives_identical_result(downloaded, tmp_path):
     work_root = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "invoke", "download", "--work-root", str(work_root)],
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "download", "--config", str(DEFAULT_CONFIG),
+                             "--work-root", str(work_root)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         staging = work_root / NAME / ".staging"

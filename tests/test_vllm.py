@@ -16,6 +16,7 @@ import sys
 import pytest
 from conftest import REPO, read_until, run_invoke
 
+from pipeline import constants
 from pipeline.config import load_config
 from pipeline.engines.vllm import engine_args as ea
 from pipeline.engines.vllm import runtime
@@ -93,13 +94,21 @@ def test_the_server_argv_is_what_vllms_own_parser_reads(vllm_python):
 
 def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path):
     """No vLLM Python, or a Python without vLLM: the build's preflight stops every task that would build,
-    exit 3, saying how the README's set-up installs it; no stage runs."""
+    exit 3, saying how the README's set-up installs it and which config serves without vLLM; no stage runs.
+    The project's default config is the vllm one: `invoke all` without --config stops the same way."""
     for python, says in ((str(tmp_path / "nothing" / "python"), "does not exist"), (sys.executable, "has no vLLM")):
         proc = run_invoke("build", "--config", str(VLLM_CONFIG), "--work-root", str(tmp_path / "work"),
                           env={**os.environ, runtime.ENV_VAR: python})
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert says in proc.stderr and "scripts/setup-env" in proc.stderr
+        assert "--config engine_configs/smollm2-135m-cpu.yaml" in proc.stderr
         assert not (tmp_path / "work" / NAME / "model").exists()
+    assert constants.DEFAULT_CONFIG == VLLM_CONFIG
+    proc = subprocess.run([sys.executable, "-m", "invoke", "all", "--work-root", str(tmp_path / "work")], cwd=REPO,
+                          env={**os.environ, runtime.ENV_VAR: sys.executable}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 3 and "has no vLLM" in proc.stderr, proc.stdout + proc.stderr
+    assert not (tmp_path / "work" / NAME / "model").exists()
 
 
 @pytest.mark.e2e
@@ -123,6 +132,8 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     check = json.loads((work / "build" / "vllm_model" / "vllm_check.json").read_text())
     assert check["perplexity_increase_pct"] < 10 and check["top1_agreement_with_original"] > 0.8
     assert check["evaluation_tokens"] > 1000
+    glance = (work / "report" / "index.md").read_text()
+    assert "in vLLM: perplexity" in glance and "KV cache fp8 in vLLM" in glance  # what served, not only the gate
     verify = json.loads((work / "verify" / "verify_results.json").read_text())
     assert verify["ok"] and verify["target"] == "vllm"
     names = {c["name"] for c in verify["checks"]}

