@@ -37,7 +37,7 @@ def kill_the_starter(code: str, wait_s: float = 30) -> tuple[dict, list[int]]:
     import signal
     import time
 
-    from pipeline.serving.server import group_members
+    from pipeline.procs import group_members
 
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True)
     try:

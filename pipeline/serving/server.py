@@ -46,16 +46,15 @@ from typing import Optional, Sequence
 
 from pipeline import artifacts
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed
+from pipeline.procs import SHM_DIR, stop_process_group
 from pipeline.serving import launch
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 STUB_NAME = "triton_python_backend_stub"
-SHM_DIR = Path("/dev/shm")
 READY_TIMEOUT_S = 120.0
 VLLM_READY_TIMEOUT_S = 600.0  # vLLM's import and engine start: 40-90 s on 2 busy cores
-STOP_GRACE_S = 15.0
 LOG_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
 _NOISE = "CudaDriverHelper has not been initialized"  # logged by every start on a machine without a GPU
@@ -204,49 +203,6 @@ def remove_stale_leftovers() -> list[Path]:
     if removed:
         log.info("removed %d leftover(s) of dead servers: %s", len(removed), ", ".join(p.name for p in removed))
     return removed
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes in a process group, from /proc."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
-
-
-def stop_process_group(proc: Optional[subprocess.Popen], what: str) -> None:
-    """SIGTERM to ``proc`` (started with ``start_new_session``) and its process group, SIGKILL after a grace
-    period; then whatever is left in the group (children of a server that died hard)."""
-    if proc is None:
-        return
-    pid = proc.pid  # with start_new_session the process group id is the server's pid
-    if proc.poll() is None:
-        for send in (lambda: os.kill(pid, signal.SIGTERM), lambda: os.killpg(pid, signal.SIGTERM)):
-            try:
-                send()
-            except ProcessLookupError:
-                pass
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            log.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it", what, pid, STOP_GRACE_S)
-            proc.kill()
-            proc.wait(timeout=30)
-    deadline = time.monotonic() + STOP_GRACE_S
-    while group_members(pid) and time.monotonic() < deadline:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            break
-        time.sleep(0.1)
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -5,7 +5,7 @@ The server is ``python -m vllm.entrypoints.openai.api_server`` of the serving en
 (``vllm_engine.json``), on 127.0.0.1 and a free port unless told otherwise. It answers the OpenAI API under
 ``/v1`` (completions, chat completions, streaming), ``/health`` and Prometheus metrics on ``/metrics``
 (``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ...). It runs in its own session: stopping
-it ends its engine-core and worker processes too (``server.stop_process_group``), and a parent that dies
+it ends its engine-core and worker processes too (``pipeline.procs.stop_process_group``, which also removes the shared memory they leave), and a parent that dies
 takes it along (PDEATHSIG).
 """
 
@@ -21,8 +21,9 @@ from typing import IO, Optional
 
 from pipeline import artifacts
 from pipeline.errors import InputError, StageFailed
+from pipeline.procs import stop_process_group
 from pipeline.serving import launch
-from pipeline.serving.server import LOOPBACK, ServerProcess, _set_pdeathsig, free_port, log_tail, stop_process_group
+from pipeline.serving.server import LOOPBACK, ServerProcess, _set_pdeathsig, free_port, log_tail
 
 log = logging.getLogger(__name__)
 

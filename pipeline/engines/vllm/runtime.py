@@ -12,12 +12,12 @@ import functools
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from pipeline.errors import EnvironmentProblem, StageFailed
+from pipeline.procs import kill_process_group
 
 ENV_VAR = "VLLM_PYTHON"
 VENV_DIR = ".venv-vllm"
@@ -75,27 +75,13 @@ def run_worker(python: str, request: dict, env: dict[str, str], log_path: Path, 
             try:
                 code = proc.wait(timeout=timeout_s)
             except BaseException:
-                _kill_group(proc)
+                kill_process_group(proc, "vLLM worker")
                 raise
-            finally:
-                _kill_group(proc)  # vLLM's engine core and workers are children of it: none may outlive it
+            finally:  # vLLM's engine core and workers are children of it: none may outlive it, nor their memory
+                kill_process_group(proc, "vLLM worker")
         if code or not res.is_file():
             from pipeline.child import log_tail
 
             raise StageFailed(f"vLLM ({python}) failed on {request['model']} (exit {code}, after "
                               f"{time.perf_counter() - t0:.0f} s). Last lines of {log_path}:\n{log_tail(log_path)}")
         return json.loads(res.read_text())
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the process group we started for ``proc`` (its session: vLLM's engine core and workers)."""
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        print(f"vLLM process {proc.pid} did not end", file=sys.stderr)
