@@ -720,8 +720,8 @@ def _check_vllm(cfg: PipelineConfig) -> None:
     if q.weight_format not in servable:
         raise ValueError(
             f"build.target: vllm cannot serve quantization.weight_format {q.weight_format} on vllm.device "
-            f"{v.device}: this pipeline exports {', '.join(servable)} for vLLM there (INT8 W8A8 in "
-            f"compressed-tensors format, or unquantized). Use weight_format int8_sq or none, or build.target "
+            f"{v.device}: this pipeline exports {', '.join(servable)} for vLLM there (INT8 W8A8 or INT4 W4A16 in "
+            f"compressed-tensors format, or unquantized). Use weight_format {', '.join(servable)}, or build.target "
             f"tensorrt / cpu for {q.weight_format}")
     wider = [f for f in (cfg.plan.budget.wider_formats if cfg.plan.budget is not None else ())
              if f not in servable and f != HIGH_PRECISION]
@@ -737,8 +737,8 @@ def _check_vllm(cfg: PipelineConfig) -> None:
         if b.cuda_graphs.enabled:
             raise ValueError("build.cuda_graphs.enabled: there are no CUDA graphs on vllm.device cpu; set it false")
         if q.weight_format != NO_QUANT and v.dtype == "float32":
-            raise ValueError("vllm.dtype float32 with INT8 weights: vLLM's CPU INT8 GEMM takes bfloat16 or float16 "
-                             "activations only; use vllm.dtype bfloat16")
+            raise ValueError(f"vllm.dtype float32 with {q.weight_format} weights: vLLM's CPU INT8 and INT4 GEMMs take "
+                             f"bfloat16 or float16 activations only; use vllm.dtype bfloat16")
 
 
 # ---------------------------------------------------------------- loading

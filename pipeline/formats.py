@@ -63,7 +63,10 @@ KV_CACHE_ALGOS: dict[str, Optional[str]] = {"int8": "INT8", "fp8": "FP8", "none"
 
 # vllm target: weight formats pipeline/engines/vllm/export.py writes -> vllm.device values whose kernels run
 # them (vLLM 0.32: compressed-tensors W8A8 INT8 has a CPU kernel, model_executor/kernels/linear/scaled_mm/cpu.py)
-VLLM_SERVABLE: dict[str, tuple[str, ...]] = {NO_QUANT: ("cpu", "cuda"), "int8_sq": ("cpu", "cuda")}
+# what the vLLM export writes (pipeline/engines/vllm/export.py) and where vLLM 0.32 runs it: INT8 W8A8 (oneDNN on
+# CPUs, CUTLASS on GPUs), INT4 W4A16 (CPUWNA16LinearKernel on CPUs, Marlin on GPUs)
+VLLM_SERVABLE: dict[str, tuple[str, ...]] = {NO_QUANT: ("cpu", "cuda"), "int8_sq": ("cpu", "cuda"),
+                                             "int4_awq": ("cpu", "cuda")}
 VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM 0.32 v1/attention/backends/cpu_attn.py: kernel block sizes MultipleOf(32)
 
 # derived views, for the code that only needs one column

@@ -43,10 +43,10 @@ def vllm_python() -> str:
 
 @pytest.mark.parametrize("override, says", [
     ("quantization.weight_format=fp8", "cannot serve quantization.weight_format fp8 on vllm.device cpu"),
-    ("quantization.weight_format=int4_awq", "cannot serve quantization.weight_format int4_awq"),
+    ("quantization.weight_format=w4a8_awq", "cannot serve quantization.weight_format w4a8_awq"),
     ("build.kv_cache.tokens_per_block=16", "multiple of 32"),
     ("build.cuda_graphs.enabled=true", "no CUDA graphs on vllm.device cpu"),
-    ("vllm.dtype=float32", "takes bfloat16 or float16 activations only"),
+    ("vllm.dtype=float32", "take bfloat16 or float16 activations only"),
     ("build.pipeline_parallel_size=2", "pipeline_parallel_size must be 1"),
 ])
 def test_the_config_refuses_what_vllm_cannot_serve(override, says):

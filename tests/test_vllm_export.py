@@ -1,11 +1,13 @@
 """The vLLM export (pipeline.engines.vllm.export) on real ModelOpt exports of the tiny Llama: what it writes is
-compressed-tensors W8A8 with the plan's kept layers ignored, and it computes what the TensorRT-LLM checkpoint
-computes, with SmoothQuant folded into the norms and rows before each linear.
+compressed-tensors (W8A8 for INT8 SmoothQuant, W4A16 pack-quantized for INT4 AWQ, both for a mixed plan) with
+the plan's kept layers ignored, and it computes what the TensorRT-LLM checkpoint computes, with SmoothQuant's
+and AWQ's pre-quant scales folded into the norms and rows before each linear.
 
 The model built here from the export is this test's own reading of the compressed-tensors format (vLLM 0.32,
 ``compressed_tensors_w8a8_int8.py``: W = code * weight_scale; x quantized with the static input_scale,
-round-to-nearest, clamped to [-128, 127]), not the export's code. vLLM itself loading the export is
-tests/test_vllm.py."""
+round-to-nearest, clamped to [-128, 127]; ``compressed_tensors_wNa16.py`` with compressed-tensors'
+``unpack_from_int32``: eight 4-bit fields per int32 word, lowest first, each code + 8; W = code * the scale
+of its group), not the export's code. vLLM itself loading the export is tests/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -35,7 +37,15 @@ def _model_from_export(folder, model_dir):
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
     weights = {}
     for name, t in state.items():
-        if name.endswith((".weight_scale", ".input_scale")):
+        if name.endswith((".weight_scale", ".input_scale", ".weight_shape")):
+            continue
+        if name.endswith(".weight_packed"):  # INT4: [out, in / 8] int32 words, activations not quantized
+            base = name[:-len(".weight_packed")]
+            out_f, in_f = state[f"{base}.weight_shape"].tolist()
+            fields = [(t >> (4 * j)) & 0xF for j in range(8)]  # [out, in / 8] each: the j-th input of every word
+            codes = torch.stack(fields, dim=2).reshape(out_f, in_f).float() - 8
+            scale = state[f"{base}.weight_scale"].float()
+            weights[f"{base}.weight"] = codes * scale.repeat_interleave(in_f // scale.shape[1], dim=1)
             continue
         base = name[:-len(".weight")]
         if t.dtype == torch.int8:
@@ -60,6 +70,30 @@ def _reference_without_act_quant_on(model, ckpt, names):
         module = model.get_submodule(name)
         module._forward_pre_hooks.clear()
         module.register_forward_pre_hook(lambda m, a, s=s: (a[0] * s,))
+    return model
+
+
+def _reference_with_requantized_up(model, ckpt, names, group):
+    """The rebuilt checkpoint with each of ``names`` (an up_proj) reading gate_proj's AWQ-scaled input: its
+    float weight times s_up / s_gate on the input columns, quantized again to INT4 (groups of ``group``
+    along the input, round to nearest, scale amax / 7), written here independently of the export."""
+    from safetensors import safe_open
+
+    def tensor(key):  # gate and up are column-parallel: every rank holds the same input scale
+        with safe_open(str(ckpt / "rank0.safetensors"), framework="pt") as f:
+            return f.get_tensor(key).float()
+
+    for name in names:
+        i = int(name.split(".")[2])
+        s_gate = tensor(f"transformer.layers.{i}.mlp.fc.prequant_scaling_factor")
+        s_up = tensor(f"transformer.layers.{i}.mlp.gate.prequant_scaling_factor")
+        module = model.get_submodule(name)
+        w = module.weight.detach() * (s_up / s_gate)[None, :]
+        g = w.reshape(w.shape[0], -1, group)
+        scale = g.abs().amax(-1, keepdim=True) / 7
+        module.weight.data = ((g / scale).round().clamp(-8, 7) * scale).reshape(w.shape)
+        module._forward_pre_hooks.clear()
+        module.register_forward_pre_hook(lambda m, a, s=s_gate: (a[0] * s,))
     return model
 
 
@@ -166,3 +200,51 @@ def test_the_build_checks_reference_figures_are_the_same_streamed(exported, tiny
     assert streamed == whole
     assert [len(r) for r in whole["sim_top1"]] == [len(s) - 1 for s in evaluation] == [len(r) for r in whole["original_top1"]]
     assert [len(tokens) for tokens, _ in whole["greedy"]] == [6, 6] or any(2 in t for t, _ in whole["greedy"])
+
+
+@pytest.mark.parametrize("case, tp", [("int4_awq", 1), ("int4_awq", 2), ("int4_awq+int8_sq", 1)])
+def test_int4_awq_exports_as_packed_w4a16_computing_what_the_checkpoint_computes(  # noqa: F811
+        exported, tiny_model_dir, tokens, tmp_path, case, tp):  # noqa: F811
+    """INT4 AWQ (group 32): the checkpoint's codes and group scales packed as compressed-tensors W4A16, AWQ's
+    pre-quant scales folded; joined across 2 ranks the same. With no activation rounding the export computes
+    the rebuilt checkpoint's logits to float rounding. A mixed plan (INT4 with INT8 SmoothQuant in layer 1's
+    q/k/v and down_proj) gets a config group per format, the INT4 layers named in theirs."""
+    from pipeline.engines.vllm.export import export_for_vllm
+
+    e = exported(case)
+    facts = export_for_vllm(e["ckpt"][tp], tiny_model_dir, tmp_path / "vllm", dtype="float32")
+    state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    packed = state["model.layers.0.mlp.gate_proj.weight_packed"]
+    assert packed.dtype == torch.int32 and tuple(packed.shape) == (128, 64 // 8)
+    assert state["model.layers.0.mlp.gate_proj.weight_shape"].tolist() == [128, 64]
+    assert tuple(state["model.layers.0.mlp.gate_proj.weight_scale"].shape) == (128, 64 // 32)
+    q = json.loads((tmp_path / "vllm" / "config.json").read_text())["quantization_config"]
+    int4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False}
+    if case == "int4_awq":
+        assert q["format"] == "pack-quantized" and list(q["config_groups"]) == ["group_0"]
+        group = q["config_groups"]["group_0"]
+        assert group["targets"] == ["Linear"] and group["weights"] == int4 and group["input_activations"] is None
+    else:
+        int8_group, int4_group = q["config_groups"]["group_0"], q["config_groups"]["group_1"]
+        assert q["format"] == "mixed-precision" and int8_group["targets"] == ["Linear"]
+        assert int8_group["format"] == "int-quantized" and int4_group["format"] == "pack-quantized"
+        assert int4_group["weights"] == int4 and "model.layers.0.self_attn.q_proj" in int4_group["targets"]
+        assert "model.layers.1.self_attn.q_proj" not in int4_group["targets"]
+        assert state["model.layers.1.self_attn.q_proj.weight"].dtype == torch.int8
+    unfoldable = facts["dequantized_smoothing_not_foldable"]
+    assert set(q["ignore"]) == {"lm_head", "model.layers.0.mlp.down_proj", *unfoldable}
+
+    # AWQ searched gate's and up's scales apart; vLLM runs them as one GEMM on one input: up takes gate's
+    # scale and is quantized again (INT4 layers only)
+    requantized = facts["int4_requantized_to_share_a_prequant_scale"]
+    assert requantized == [f"model.layers.{i}.mlp.up_proj" for i in (0, 1)]
+
+    want_model, _ = rebuild(e["ckpt"][tp], tiny_model_dir, _kept(e["plan"]))
+    int8_unfoldable = [n for n in unfoldable if case != "int4_awq" and n.startswith("model.layers.1.")]
+    want_model = _reference_without_act_quant_on(want_model, e["ckpt"][1], int8_unfoldable)
+    want_model = _reference_with_requantized_up(want_model, e["ckpt"][tp], requantized, group=32)
+    got_model = _model_from_export(tmp_path / "vllm", tiny_model_dir)
+    with torch.no_grad():
+        want, got = want_model(tokens[1]).logits, got_model(tokens[1]).logits
+    bound = 1e-4 if case == "int4_awq" else 1e-2  # INT8 activations may move one rounding step
+    assert float((got - want).abs().max() / want.abs().max()) < bound

@@ -16,13 +16,25 @@ pre-quant scale ``s`` is applied. TensorRT-LLM multiplies a linear's input by ``
   into its columns (it computes what the gate measured, less its activation rounding), and the export says
   so.
 
-Formats (vLLM 0.32, ``model_executor/layers/quantization/compressed_tensors``): INT8 weights per output
-channel, symmetric, with the checkpoint's static per-tensor INT8 input scale (``CompressedTensorsW8A8Int8``,
-strategy channel / tensor, ``dynamic: false``: its CPU kernel is oneDNN's or the AMX one,
-``kernels/linear/scaled_mm/cpu.py``); tensors ``weight`` (I8 [out, in]), ``weight_scale`` (F32 [out, 1],
-W = code * scale) and ``input_scale`` (F32 [1], x_code = round(x / scale)). Layers the plan keeps in high
-precision are the config's ``ignore`` list (q/k/v and gate/up decide together: vLLM fuses them and
-ModelOpt's plan gives each group one format). Unquantized tensors are written in ``dtype``.
+Formats (vLLM 0.32, ``model_executor/layers/quantization/compressed_tensors``):
+
+- INT8 SmoothQuant (W8A8_SQ_PER_CHANNEL): INT8 weights per output channel, symmetric, with the checkpoint's
+  static per-tensor INT8 input scale (``CompressedTensorsW8A8Int8``, strategy channel / tensor, ``dynamic:
+  false``: its CPU kernel is oneDNN's or the AMX one, ``kernels/linear/scaled_mm/cpu.py``), format
+  ``int-quantized``; tensors ``weight`` (I8 [out, in]), ``weight_scale`` (F32 [out, 1], W = code * scale)
+  and ``input_scale`` (F32 [1], x_code = round(x / scale));
+- INT4 AWQ (W4A16_AWQ): INT4 weights in groups along the input, symmetric, activations in ``dtype``
+  (``CompressedTensorsWNA16``, strategy group; on a CPU its ``CPUWNA16LinearKernel``, on GPUs Marlin),
+  format ``pack-quantized``; tensors ``weight_packed`` (I32 [out, in / 8]: eight codes per word, code + 8 in
+  the 4 bits from bit 4j, j along the input; compressed-tensors' ``pack_to_int32``), ``weight_scale``
+  ([out, in / group] in ``dtype``: W = code * scale of its group) and ``weight_shape`` (I64 [2]: out, in).
+  The codes and group scales are the checkpoint's; AWQ's pre-quant scale is folded like SmoothQuant's.
+
+Quantized layers are one config group per format: with one format its targets are ``Linear``; with two
+(a mixed INT4 + INT8 plan) the INT4 layers are named in their own group, which vLLM matches before the
+class. Layers the plan keeps in high precision are the config's ``ignore`` list (q/k/v and gate/up decide
+together: vLLM fuses them and ModelOpt's plan gives each group one format). Unquantized tensors are written
+in ``dtype``.
 
 Memory: the checkpoint is read a tensor at a time and the export is written as it goes, in safetensors
 shards of at most ``max_shard_bytes`` with an index (``model.safetensors.index.json``, the HF layout vLLM
@@ -42,7 +54,8 @@ from pipeline.errors import InputError, IntegrityError
 from pipeline.fsutil import atomic_write_text, remove_tree
 
 # TensorRT-LLM algos the export writes for vLLM; anything else is refused before export (config check)
-EXPORTABLE_ALGOS = ("W8A8_SQ_PER_CHANNEL",)
+INT8_SQ, INT4_AWQ = "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ"
+EXPORTABLE_ALGOS = (INT8_SQ, INT4_AWQ)
 WEIGHTS_FILE = "model.safetensors"  # one shard; more: model-00001.safetensors ... and the index
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # a shard is written, and its tensors freed, once this much is pending
@@ -53,25 +66,47 @@ W8A8_STATIC_SCHEME = {
     "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
                           "dynamic": False},
 }
+FORMAT_OF = {INT8_SQ: "int-quantized", INT4_AWQ: "pack-quantized"}  # compressed-tensors' format names
+
+
+def w4a16_scheme(group_size: int) -> dict:
+    return {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                        "group_size": group_size, "dynamic": False},
+            "input_activations": None}
+
+
+def pack_int4(codes):
+    """[out, in] signed 4-bit codes (int8) -> [out, in / 8] int32: code + 8 in bits 4j..4j+3 of word
+    i // 8 for input i = 8 * word + j (compressed-tensors' pack_to_int32 with packed_dim 1)."""
+    import torch
+
+    out_f, in_f = codes.shape
+    if in_f % 8:
+        raise IntegrityError(f"INT4 weight of input width {in_f}: not a multiple of 8")
+    u = (codes.to(torch.int32) + 8).reshape(out_f, in_f // 8, 8)
+    shifts = torch.arange(8, dtype=torch.int32) * 4
+    return (u << shifts).sum(dim=2, dtype=torch.int32)
 
 
 @dataclass
 class Linear:
-    """One HF linear on its way out: float weight, or INT8 codes with their scales."""
+    """One HF linear on its way out: float weight, or INT8 / INT4 codes with their scales."""
 
-    weight: Any  # torch tensor: float [out, in], or int8 codes [out, in]
-    weight_scale: Any = None  # fp32 [out] when quantized
-    input_scale: Any = None  # fp32 scalar when quantized
+    weight: Any  # torch tensor: float [out, in], or int8 codes [out, in] (INT4 codes unpacked, in [-8, 7])
+    weight_scale: Any = None  # fp32, when quantized: INT8 [out]; INT4 [out, in / group_size]
+    input_scale: Any = None  # fp32 scalar: INT8 SmoothQuant's static input scale
     prequant: Any = None  # fp32 [in]: the input multiplier still to fold
+    algo: Optional[str] = None  # the checkpoint's quant_algo; None: high precision
+    group_size: Optional[int] = None  # INT4
 
     @property
     def quantized(self) -> bool:
         return self.weight_scale is not None
 
     def scale_rows(self, s) -> None:
-        """Output rows times ``s`` (exact: for INT8 rows, their per-channel scales)."""
+        """Output rows times ``s`` (exact: for quantized rows, their per-channel or per-group scales)."""
         if self.quantized:
-            self.weight_scale = self.weight_scale * s
+            self.weight_scale = self.weight_scale * (s if self.weight_scale.dim() == 1 else s[:, None])
         else:
             self.weight = self.weight * s[:, None]
 
@@ -80,12 +115,28 @@ class Linear:
         assert not self.quantized
         self.weight = self.weight * s[None, :]
 
+    def requantize_int4(self, column_factor) -> None:
+        """INT4 only: the weight with its input columns times ``column_factor``, quantized again to INT4 in the
+        same groups (round to nearest, scale = group amax / 7, as ModelOpt's INT4 quantizer)."""
+        import torch
+
+        out_f, in_f = self.weight.shape
+        g = self.group_size
+        w = self.weight.float() * self.weight_scale.repeat_interleave(g, dim=1) * column_factor[None, :]
+        groups = w.reshape(out_f, in_f // g, g)
+        scale = groups.abs().amax(dim=-1) / 7.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        self.weight = (groups / scale[..., None]).round().clamp(-8, 7).to(torch.int8).reshape(out_f, in_f)
+        self.weight_scale = scale
+
     def dequantize(self) -> None:
-        """INT8 codes -> float weight (the smoothing folded in), the layer then in high precision."""
-        self.weight = self.weight.float() * self.weight_scale[:, None]
+        """Codes -> float weight (the smoothing folded in), the layer then in high precision."""
+        scale = self.weight_scale[:, None] if self.weight_scale.dim() == 1 \
+            else self.weight_scale.repeat_interleave(self.group_size, dim=1)
+        self.weight = self.weight.float() * scale
         if self.prequant is not None:
             self.weight = self.weight * self.prequant[None, :]
-        self.weight_scale = self.input_scale = self.prequant = None
+        self.weight_scale = self.input_scale = self.prequant = self.algo = self.group_size = None
 
 
 @dataclass
@@ -95,11 +146,13 @@ class ExportFacts:
     ignore: list[str] = field(default_factory=list)
     folded: dict[str, int] = field(default_factory=dict)  # where pre-quant scales went -> count
     unfoldable: list[str] = field(default_factory=list)  # quantized in the checkpoint, high precision here
+    requantized: list[str] = field(default_factory=list)  # INT4 requantized to share its fused group's scale
 
     def as_dict(self) -> dict:
         return {"quantized_linears": self.quantized_linears, "high_precision_linears": self.high_precision_linears,
                 "ignore": len(self.ignore), "smoothing_folded_into": self.folded,
-                "dequantized_smoothing_not_foldable": self.unfoldable}
+                "dequantized_smoothing_not_foldable": self.unfoldable,
+                "int4_requantized_to_share_a_prequant_scale": self.requantized}
 
 
 class _Ranks:
@@ -144,11 +197,15 @@ def _cat(parts: list, dim: int):
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def _read_linear(ranks: _Ranks, name: str, algo: Optional[str], kind: str, split: Optional[list[int]] = None) -> list[Linear]:
-    """The checkpoint linear ``name`` joined across ranks: kind column (split on outputs) or row (on inputs);
-    ``split``: the per-rank output widths to cut it into (fused q/k/v), else one Linear."""
+def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optional[list[int]] = None) -> list[Linear]:
+    """The checkpoint linear ``name`` (``fmt``: its quant_algo and group size) joined across ranks: kind column
+    (split on outputs) or row (on inputs); ``split``: the per-rank output widths to cut it into (fused q/k/v),
+    else one Linear."""
     import torch
 
+    from pipeline.quant.checkpoint import unpack_int4
+
+    algo, group_size = fmt
     weights = ranks.each(f"{name}.weight")
     scales: dict[str, Any] = {k: ranks.each(f"{name}.{k}") if ranks.has(f"{name}.{k}") else None
                               for k in ("weights_scaling_factor", "activation_scaling_factor",
@@ -159,11 +216,22 @@ def _read_linear(ranks: _Ranks, name: str, algo: Optional[str], kind: str, split
     elif algo not in EXPORTABLE_ALGOS:
         raise InputError(f"{name}: {algo} cannot be exported for vLLM (exportable: {', '.join(EXPORTABLE_ALGOS)})")
     elif weights[0].dtype != torch.int8 or scales["weights_scaling_factor"] is None \
-            or scales["activation_scaling_factor"] is None:
-        raise IntegrityError(f"{name}: {algo} needs I8 codes, weights_scaling_factor and activation_scaling_factor")
+            or (algo == INT8_SQ and scales["activation_scaling_factor"] is None) \
+            or (algo == INT4_AWQ and (scales["prequant_scaling_factor"] is None or not group_size)):
+        raise IntegrityError(f"{name}: {algo} needs I8 codes and its scales (weights_scaling_factor, and "
+                             f"{'activation' if algo == INT8_SQ else 'prequant'}_scaling_factor)")
+    int4 = algo == INT4_AWQ
+    if int4:
+        weights = [unpack_int4(w) for w in weights]  # [out, in] codes; group scales [out, in / group]
 
     def wsf_of(r: int, rows: int):
-        w = scales["weights_scaling_factor"][r].float().reshape(-1)
+        w = scales["weights_scaling_factor"][r].float()
+        if int4:
+            if tuple(w.shape) != (rows, weights[r].shape[1] // group_size):
+                raise IntegrityError(f"{name}: INT4 group scales of shape {tuple(w.shape)} do not fit a weight of "
+                                     f"{tuple(weights[r].shape)} with group size {group_size}")
+            return w
+        w = w.reshape(-1)
         return w.expand(rows).clone() if w.numel() == 1 else w
 
     pieces = []  # per rank: list of (weight, wsf) per split part
@@ -180,16 +248,18 @@ def _read_linear(ranks: _Ranks, name: str, algo: Optional[str], kind: str, split
         ws = [p[part][0] for p in pieces]
         if kind == "row":
             weight = _cat(ws, 1)
-            wsf = pieces[0][part][1]  # per-channel scales are the same on every rank of a row-parallel linear
+            # per-channel INT8 scales are the same on every rank of a row-parallel linear; INT4 group scales
+            # are split with the input
+            wsf = (_cat([p[part][1] for p in pieces], 1) if int4 else pieces[0][part][1]) if algo else None
         else:
             weight = _cat(ws, 0)
             wsf = _cat([p[part][1] for p in pieces], 0) if algo else None
-        lin = Linear(weight if algo else weight.float(), wsf)
-        if algo:
+        lin = Linear(weight if algo else weight.float(), wsf, algo=algo, group_size=group_size if int4 else None)
+        if algo == INT8_SQ:
             lin.input_scale = scales["activation_scaling_factor"][0].float().reshape(())
-            pqs = scales["prequant_scaling_factor"]
-            if pqs is not None:
-                lin.prequant = _cat([p.float() for p in pqs], 0) if kind == "row" else pqs[0].float()
+        pqs = scales["prequant_scaling_factor"]
+        if algo and pqs is not None:
+            lin.prequant = _cat([p.float() for p in pqs], 0) if kind == "row" else pqs[0].float()
         out.append(lin)
     return out
 
@@ -208,6 +278,13 @@ def _fold_into_norm(norm, linears: dict[str, Linear], where: str, facts: ExportF
     if s is None:
         return norm
     for name, lin in linears.items():
+        if lin.quantized and not _same(lin.prequant, s) and lin.algo == INT4_AWQ and lin.prequant is not None:
+            # AWQ searched a scale per linear, and vLLM fuses gate/up (and q/k/v) into one INT4 GEMM: this
+            # one's weight takes the group's scale and is quantized again, as ModelOpt's own HF export does
+            # for fused layers (the build's vLLM check measures the result against the gate)
+            lin.requantize_int4(lin.prequant / s)
+            lin.prequant = s
+            facts.requantized.append(name)
         if lin.quantized and not _same(lin.prequant, s):
             lin.dequantize()  # its own smoothing goes into its columns; it then takes 1/s below
             facts.unfoldable.append(name)
@@ -281,6 +358,20 @@ class ShardWriter:
         return [shard for shard, _ in self.shards] + [INDEX_FILE]
 
 
+def quantization_config(by_algo: dict[str, list[str]], group_sizes: set[int], ignore: list[str]) -> dict:
+    """config.json's quantization_config: one config group per format written (see the module's docstring)."""
+    if len(group_sizes) > 1:
+        raise IntegrityError(f"INT4 layers with several group sizes {sorted(group_sizes)}: one scheme takes one")
+    schemes = {INT8_SQ: W8A8_STATIC_SCHEME, INT4_AWQ: w4a16_scheme(next(iter(group_sizes), 0))}
+    algos = [a for a in (INT8_SQ, INT4_AWQ) if by_algo.get(a)]
+    groups = {}
+    for i, algo in enumerate(algos):  # one format: Linear; two: INT4's layers by name, matched before the class
+        targets = ["Linear"] if len(algos) == 1 or algo == INT8_SQ else list(by_algo[algo])
+        groups[f"group_{i}"] = {"targets": targets, **schemes[algo], "format": FORMAT_OF[algo]}
+    return {"quant_method": QUANT_METHOD, "format": FORMAT_OF[algos[0]] if len(algos) == 1 else "mixed-precision",
+            "quantization_status": "compressed", "config_groups": groups, "ignore": ignore}
+
+
 def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bfloat16",
                     max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
     """Write ``out_dir`` (a new folder): the weights (one file or shards and an index), config.json with the
@@ -318,14 +409,24 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     torch_dtype = getattr(torch, dtype)
     facts = ExportFacts()
     writer = ShardWriter(out_dir, max_shard_bytes)
+    by_algo: dict[str, list[str]] = {}  # quant_algo -> the HF linears written in it
+    group_sizes: set[int] = set()
 
     def put(hf_name: str, lin: Linear) -> None:
         if lin.prequant is not None:
             raise IntegrityError(f"{hf_name}: a pre-quant scale was left unfolded")  # a bug here, not bad input
-        if lin.quantized:  # own copies: q/k/v are views of one fused tensor, and safetensors refuses shared storage
+        if lin.algo == INT4_AWQ:
+            writer.add(f"{hf_name}.weight_packed", pack_int4(lin.weight))
+            writer.add(f"{hf_name}.weight_scale", lin.weight_scale.to(torch_dtype).contiguous())
+            writer.add(f"{hf_name}.weight_shape", torch.tensor(list(lin.weight.shape), dtype=torch.int64))
+            by_algo.setdefault(INT4_AWQ, []).append(hf_name)
+            group_sizes.add(int(lin.group_size or 0))
+            facts.quantized_linears += 1
+        elif lin.quantized:  # own copies: q/k/v are views of one fused tensor; safetensors refuses shared storage
             writer.add(f"{hf_name}.weight", lin.weight.clone())
             writer.add(f"{hf_name}.weight_scale", lin.weight_scale.float().reshape(-1, 1).clone())
             writer.add(f"{hf_name}.input_scale", lin.input_scale.float().reshape(1).clone())
+            by_algo.setdefault(INT8_SQ, []).append(hf_name)
             facts.quantized_linears += 1
         else:
             writer.add(f"{hf_name}.weight", lin.weight.to(torch_dtype).clone())
@@ -340,11 +441,11 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     final_norm = ranks.one("transformer.ln_f.weight").float()  # written last: lm_head's smoothing may fold into it
     for i in range(hf.num_hidden_layers):
         p, h = f"transformer.layers.{i}", f"model.layers.{i}"
-        q, k, v = _read_linear(ranks, f"{p}.attention.qkv", layer_format(f"{p}.attention.qkv")[0], "qkv", qkv_split)
-        o, = _read_linear(ranks, f"{p}.attention.dense", layer_format(f"{p}.attention.dense")[0], "row")
-        gate, = _read_linear(ranks, f"{p}.mlp.fc", layer_format(f"{p}.mlp.fc")[0], "column")
-        up, = _read_linear(ranks, f"{p}.mlp.gate", layer_format(f"{p}.mlp.gate")[0], "column")
-        down, = _read_linear(ranks, f"{p}.mlp.proj", layer_format(f"{p}.mlp.proj")[0], "row")
+        q, k, v = _read_linear(ranks, f"{p}.attention.qkv", layer_format(f"{p}.attention.qkv"), "qkv", qkv_split)
+        o, = _read_linear(ranks, f"{p}.attention.dense", layer_format(f"{p}.attention.dense"), "row")
+        gate, = _read_linear(ranks, f"{p}.mlp.fc", layer_format(f"{p}.mlp.fc"), "column")
+        up, = _read_linear(ranks, f"{p}.mlp.gate", layer_format(f"{p}.mlp.gate"), "column")
+        down, = _read_linear(ranks, f"{p}.mlp.proj", layer_format(f"{p}.mlp.proj"), "row")
         ln_in = ranks.one(f"{p}.input_layernorm.weight").float()
         ln_post = ranks.one(f"{p}.post_layernorm.weight").float()
         ln_in = _fold_into_norm(ln_in, {f"{h}.self_attn.{m}_proj": l for m, l in zip("qkv", (q, k, v))},
@@ -354,9 +455,9 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
         _fold_into_rows(up, down, f"{h}.mlp.down_proj", "up_proj rows", facts)
         _fold_into_rows(v, o, f"{h}.self_attn.o_proj", "v_proj rows", facts,
                         heads=(n_heads, n_kv, head_dim) if n_kv != n_heads else None)
-        if len({l.quantized for l in (q, k, v)}) != 1 or gate.quantized != up.quantized:
+        if len({l.algo for l in (q, k, v)}) != 1 or gate.algo != up.algo:
             raise IntegrityError(f"{h}: vLLM fuses q/k/v and gate/up, which must share one format "
-                                 f"(q/k/v {[l.quantized for l in (q, k, v)]}, gate/up {[gate.quantized, up.quantized]})")
+                                 f"(q/k/v {[l.algo for l in (q, k, v)]}, gate/up {[gate.algo, up.algo]})")
         writer.add(f"{h}.input_layernorm.weight", ln_in.to(torch_dtype))
         writer.add(f"{h}.post_attention_layernorm.weight", ln_post.to(torch_dtype))
         for name, lin in (("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
@@ -368,7 +469,7 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
                 ranks.read_keys.add(f"{p}.attention.{key}")  # the KV-cache scales: vLLM's own KV dtype decides
     tied = getattr(hf, "tie_word_embeddings", False)
     if ranks.has("lm_head.weight"):
-        head, = _read_linear(ranks, "lm_head", layer_format("lm_head")[0], "column")
+        head, = _read_linear(ranks, "lm_head", layer_format("lm_head"), "column")
         head.weight = head.weight[:hf.vocab_size]
         if head.quantized:
             head.weight_scale = head.weight_scale[:hf.vocab_size]
@@ -392,11 +493,7 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     config.pop("dtype", None)
     config.pop("quantization_config", None)
     if facts.quantized_linears:
-        config["quantization_config"] = {
-            "quant_method": QUANT_METHOD, "format": "int-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], **W8A8_STATIC_SCHEME}},
-            "ignore": facts.ignore,
-        }
+        config["quantization_config"] = quantization_config(by_algo, group_sizes, facts.ignore)
     atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
     return {"dtype": dtype, "weights_bytes": sum((out_dir / f).stat().st_size for f in files), "weight_files": len(files),
             **facts.as_dict()}
