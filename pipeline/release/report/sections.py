@@ -342,6 +342,13 @@ LEVEL_HEADER = ["concurrency", "requests", "output tok/s", "req/s", "TTFT ms P50
                 "post calls per request"]
 
 
+def _ratio_table(doc: Doc, levels: list[dict]) -> None:
+    """Per concurrency, the ratios of two sweeps' figures (bench's ``stats.ratios``)."""
+    doc.table(["concurrency", "output tok/s", "req/s", "TTFT P50", "ITL P50", "e2e P50", "e2e P99"],
+              [[c["concurrency"], c["output_tokens_per_s"], c["requests_per_s"], c["ttft_p50"], c["itl_p50"],
+                c["e2e_p50"], c["e2e_p99"]] for c in levels])
+
+
 def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -> None:
     doc.h(2, "Bench")
     if m is None:
@@ -375,9 +382,7 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
     both = r.get("frontends")
     if both:
         doc.h(3, f"One vLLM build, two frontends ({both['ratio']})")
-        doc.table(["concurrency", "output tok/s", "req/s", "TTFT P50", "ITL P50", "e2e P50", "e2e P99"],
-                  [[c["concurrency"], c["output_tokens_per_s"], c["requests_per_s"], c["ttft_p50"], c["itl_p50"],
-                    c["e2e_p50"], c["e2e_p99"]] for c in both["levels"]])
+        _ratio_table(doc, both["levels"])
     doc.p("Triton's queue and compute times are per request of each model, from its metrics endpoint (the level's "
           "counters after minus before). The generation itself waits in the runtime's own scheduler, which Triton "
           "does not see: the decoupled models return from execute at once, so their compute time is not generation "
@@ -385,9 +390,7 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
     comp = r.get("comparison")
     if comp:
         doc.h(3, f"Comparison ({comp['ratio']})")
-        doc.table(["concurrency", "output tok/s", "req/s", "TTFT P50", "ITL P50", "e2e P50", "e2e P99"],
-                  [[c["concurrency"], c["output_tokens_per_s"], c["requests_per_s"], c["ttft_p50"], c["itl_p50"],
-                    c["e2e_p50"], c["e2e_p99"]] for c in comp["levels"]])
+        _ratio_table(doc, comp["levels"])
         engines = [t.get("target") for t in r.get("targets", [])]
         if "vllm" in engines and "cpu" in engines:
             doc.p("vLLM (its CPU build: bfloat16 compute, oneDNN INT8 GEMMs, its own continuous batching and paged "
