@@ -248,3 +248,24 @@ def test_int4_awq_exports_as_packed_w4a16_computing_what_the_checkpoint_computes
         want, got = want_model(tokens[1]).logits, got_model(tokens[1]).logits
     bound = 1e-4 if case == "int4_awq" else 1e-2  # INT8 activations may move one rounding step
     assert float((got - want).abs().max() / want.abs().max()) < bound
+
+
+def test_a_fused_pair_in_two_formats_is_written_in_high_precision_exactly():
+    """A plan may keep up_proj in high precision and give gate_proj INT4 (TensorRT-LLM runs them apart, vLLM
+    as one GEMM): gate is dequantized, its AWQ scale folded into its columns, and computes what it did."""
+    from pipeline.engines.vllm.export import ExportFacts, Linear, one_format
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-8, 8, (64, 128), generator=g, dtype=torch.int8)
+    scales = torch.rand(64, 128 // 32, generator=g) + 0.1
+    prequant = torch.rand(128, generator=g) + 0.5
+    x = torch.randn(3, 128, generator=g)
+    want = (x * prequant) @ (codes.float() * scales.repeat_interleave(32, dim=1)).T
+    gate = Linear(codes, scales, prequant=prequant, algo="W4A16_AWQ", group_size=32)
+    up = Linear(torch.randn(64, 128, generator=g))
+    facts = ExportFacts()
+    one_format({"gate": gate, "up": up}, facts)
+    assert not gate.quantized and gate.algo is None and gate.prequant is None and facts.unfused == ["gate"]
+    assert torch.allclose(x @ gate.weight.T, want, rtol=1e-5, atol=1e-5)
+    one_format({"gate": gate, "up": up}, facts)  # one format already: nothing to do
+    assert facts.unfused == ["gate"]

@@ -147,12 +147,14 @@ class ExportFacts:
     folded: dict[str, int] = field(default_factory=dict)  # where pre-quant scales went -> count
     unfoldable: list[str] = field(default_factory=list)  # quantized in the checkpoint, high precision here
     requantized: list[str] = field(default_factory=list)  # INT4 requantized to share its fused group's scale
+    unfused: list[str] = field(default_factory=list)  # quantized, but fused in vLLM with a layer in another format
 
     def as_dict(self) -> dict:
         return {"quantized_linears": self.quantized_linears, "high_precision_linears": self.high_precision_linears,
                 "ignore": len(self.ignore), "smoothing_folded_into": self.folded,
                 "dequantized_smoothing_not_foldable": self.unfoldable,
-                "int4_requantized_to_share_a_prequant_scale": self.requantized}
+                "int4_requantized_to_share_a_prequant_scale": self.requantized,
+                "dequantized_fused_with_another_format": self.unfused}
 
 
 class _Ranks:
@@ -268,6 +270,19 @@ def _same(a, b) -> bool:
     import torch
 
     return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+
+
+def one_format(linears: dict[str, Linear], facts: ExportFacts) -> None:
+    """vLLM runs q/k/v and gate/up each as one GEMM in one format; the plan may give gate and up different
+    ones (TensorRT-LLM keeps them apart). Then the quantized members are written in high precision (their
+    weights dequantized, their own pre-quant scales folded into their columns): exact, and the export says so.
+    ``linears``: HF name -> Linear."""
+    if len({lin.algo for lin in linears.values()}) == 1:
+        return
+    for name, lin in linears.items():
+        if lin.quantized:
+            lin.dequantize()
+            facts.unfused.append(name)
 
 
 def _fold_into_norm(norm, linears: dict[str, Linear], where: str, facts: ExportFacts):
@@ -448,6 +463,8 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
         down, = _read_linear(ranks, f"{p}.mlp.proj", layer_format(f"{p}.mlp.proj"), "row")
         ln_in = ranks.one(f"{p}.input_layernorm.weight").float()
         ln_post = ranks.one(f"{p}.post_layernorm.weight").float()
+        one_format({f"{h}.self_attn.{m}_proj": l for m, l in zip("qkv", (q, k, v))}, facts)
+        one_format({f"{h}.mlp.gate_proj": gate, f"{h}.mlp.up_proj": up}, facts)
         ln_in = _fold_into_norm(ln_in, {f"{h}.self_attn.{m}_proj": l for m, l in zip("qkv", (q, k, v))},
                                 "input_layernorm", facts)
         ln_post = _fold_into_norm(ln_post, {f"{h}.mlp.gate_proj": gate, f"{h}.mlp.up_proj": up},
