@@ -20,6 +20,7 @@ fp32 weights do not fit this machine's memory bound (``compute.host_memory_bound
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ from pipeline.constants import CHECK_PROMPTS as PROMPTS
 from pipeline.errors import StageFailed
 
 EXPORT_DIR = artifacts.VLLM_MODEL_DIR
+log = logging.getLogger(__name__)
+
 CHECK_FILE = "vllm_check.json"  # inside the export: publish carries it, verify reads its tokens
 CHECK_TOKENS = 16
 REFERENCE_HEADROOM_BYTES = 1 << 30  # activations and logits of a 256-token forward, besides the fp32 weights
@@ -135,10 +138,15 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
                         f"{gate['perplexity_original']} (bound {bounds.max_perplexity_increase_pct} %)")
     if top1_original < bounds.min_top1_agreement:
         failures.append(f"top-1 agreement with the original {top1_original:.4f} < {bounds.min_top1_agreement}")
-    if failures:
-        raise StageFailed(f"the vLLM export does not pass the accuracy gate: {'; '.join(failures)}. The figures are in "
-                          f"{export_dir / CHECK_FILE}; the simulated checkpoint passed it, so the export or vLLM's "
-                          f"arithmetic lost it (quantization.accuracy in the config sets the bounds)")
+    if failures:  # the build's folder is discarded with the failure: the figures go into the message and the log
+        log.error("the vLLM check's figures: %s", json.dumps({k: v for k, v in check.items() if k != "greedy_tokens"}))
+        raise StageFailed(
+            f"the vLLM export does not pass the accuracy gate: {'; '.join(failures)}. In vLLM: perplexity {ppl:.4f} "
+            f"(+{increase:.2f} %; the simulated checkpoint's {check['perplexity']['simulated']}), top-1 agreement "
+            f"with the original {top1_original:.4f}, with the simulated checkpoint "
+            f"{check['top1_agreement_with_simulated']:.4f}. The simulated checkpoint passed the gate, so the export "
+            f"or vLLM's arithmetic (bfloat16, its KV-cache dtype) lost it; quantization.accuracy in the config sets "
+            f"the bounds, and the stage log has every figure")
 
     ckpt_hash = checkpoint_sha256(ckpt_dir)
     graphs = {"enabled": not args["enforce_eager"], "batch_sizes": [], "enable_padding": False,
