@@ -112,6 +112,7 @@ def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path)
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(3600)  # build, verify and bench through both frontends, serve, a 3-server comparison: ~15 min
 @needs_vllm
 def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_root):
     """`invoke all` with the vllm config: the export passes the accuracy gate in vLLM; verify's checks pass
