@@ -228,6 +228,11 @@ def _serve_and_stop(work_root, light) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+            if server_pid is not None:  # killed hard, `invoke serve` cannot stop vLLM's engine core: end its group
+                try:
+                    os.killpg(server_pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     assert server_pid is not None and not group_members(server_pid)
 
 
