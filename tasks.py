@@ -150,7 +150,7 @@ def test(c, quick=False, heavy=False, k=None, no_lint=False):
         c.run(shlex.join([str(bin_dir / "ruff"), "check", "pipeline", "tests", "tasks.py", "scripts"]), pty=False)
         c.run(shlex.join([str(bin_dir / "lint-imports"), "--no-cache"]), pty=False)
         c.run(shlex.join([str(bin_dir / "mypy")]), pty=False)
-    args = [sys.executable, "-m", "pytest", "-q"]
+    args = [sys.executable, "-m", "pytest", "-q", "--durations=25"]  # the slowest tests named, for CI's time
     if quick:
         args += ["-m", "not e2e and not heavy"]
     elif not heavy:

@@ -548,12 +548,23 @@ class BenchSection(Strict):
     # <work root>/<name>/publish/model_repository, or that work dir), swept in the same run, level by
     # level, alternating with this build; the results carry this/baseline ratios
     compare_repository: Optional[Path] = None
+    # open-loop load after the sweep (pipeline/serving/bench/openloop.py): requests arriving at each of these
+    # rates (requests/s, Poisson arrivals; requests_per_level each), driven by NVIDIA's aiperf from
+    # .venv-aiperf; the highest rate sustained under the SLA. Empty: none.
+    request_rates: tuple[float, ...] = ()
 
     @field_validator("concurrency")
     @classmethod
     def _levels(cls, v: tuple[int, ...]) -> tuple[int, ...]:
         if not v or list(v) != sorted(set(v)) or v[0] < 1:
             raise ValueError("must be positive, unique and ascending, e.g. [1, 2, 4, 8]")
+        return v
+
+    @field_validator("request_rates")
+    @classmethod
+    def _rates(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if v and (list(v) != sorted(set(v)) or v[0] <= 0):
+            raise ValueError("must be positive, unique and ascending requests per second, e.g. [0.5, 1, 2]")
         return v
 
     @field_validator("grpc_url")
@@ -581,6 +592,9 @@ class BenchSection(Strict):
     def _metrics_needs_url(self) -> "BenchSection":
         if self.metrics_url is not None and self.grpc_url is None:
             raise ValueError("metrics_url is only used with grpc_url (a started server's metrics are found by itself)")
+        if self.request_rates and self.grpc_url is not None:
+            raise ValueError("request_rates drives the HTTP endpoint of a server bench starts itself; with grpc_url "
+                             "(a running server) leave request_rates empty")
         return self
 
 

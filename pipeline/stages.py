@@ -115,6 +115,13 @@ def _build_preflight(loaded) -> None:
     preflight(loaded)
 
 
+def _bench_preflight(loaded) -> None:
+    if loaded.config.bench.request_rates:
+        from pipeline.serving.bench.openloop import aiperf_executable  # the open-loop load's driver, or stop here
+
+        aiperf_executable()
+
+
 def _run_publish(ctx: StageContext) -> dict:
     from pipeline.serving.publish import publish
 
@@ -210,7 +217,7 @@ STAGES: list[StageDef] = [
              run=_run_verify),
     StageDef("bench", "throughput and latency sweep", needs=("text", "build", "publish"),
              sections=("bench", "sla", "vllm.frontends"),
-             external_inputs=_bench_fingerprint, run=_run_bench),
+             external_inputs=_bench_fingerprint, run=_run_bench, preflight=_bench_preflight),
     StageDef("report", "the build report", needs=("verify", "bench"), run=_run_report),
 ]
 

@@ -112,13 +112,13 @@ def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path)
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(3600)  # build, verify and bench through both frontends, serve, a 3-server comparison: ~15 min
+@pytest.mark.timeout(3600)  # build, verify through both frontends, bench them and the cpu target, serve: ~15 min
 @needs_vllm
 def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_root):
     """`invoke all` with the vllm config: the export passes the accuracy gate in vLLM; verify's checks pass
     through the openai client on vLLM's server and through Triton's clients on the vLLM Python-backend model,
-    both giving the offline engine's tokens; bench sweeps both frontends. Where the cpu target's default was
-    published in this session (tests/test_verify.py), bench compares the engines in one run.
+    both giving the offline engine's tokens; bench sweeps both frontends and, where the cpu target's default was
+    published in this session (tests/test_verify.py), the cpu target too, in the same run.
 
     The cpu default's model, text and checkpoint are reused where present (copied: the runner reruns what
     depends on build.target and skips what comes out identical)."""
@@ -127,6 +127,10 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
         shutil.copytree(cpu_work, work, symlinks=True,
                         ignore=shutil.ignore_patterns("build", "publish", "verify", "bench", "report", "model_repository"))
     light = ["--set", "bench.concurrency=[1,8]", "--set", "bench.requests_per_level=8"]  # the sweep's wiring, briefly
+    cpu_repo = cpu_work / "publish" / "model_repository"
+    compared = (cpu_repo / "provenance.json").is_file()
+    if compared:  # the engines side by side, in the same bench run: vLLM (both frontends) and the cpu target
+        light += ["--set", f"bench.compare_repository={cpu_repo.resolve()}"]
     proc = run_invoke("all", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root), *light, timeout=3000)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -146,31 +150,20 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     for name in ("triton_http_infer_ensemble", "triton_grpc_stream"):  # Triton gives the offline engine's tokens
         assert all(r["equal"] and r["text_equals_decode"] for r in by_name[name]["results"]), by_name[name]
     bench = json.loads((work / "bench" / "bench_results.json").read_text())
-    assert [t["frontend"] for t in bench["targets"]] == ["openai", "triton"]
+    assert [(t["target"], t["frontend"]) for t in bench["targets"]] == [("vllm", "openai"), ("vllm", "triton")] + (
+        [("cpu", "triton")] if compared else [])
     for t in bench["targets"]:
         assert [lv["concurrency"] for lv in t["levels"]] == [1, 8]
         assert all(lv["errors"] == 0 and lv["output_tokens"] == 16 * lv["requests"] for lv in t["levels"])
     assert [c["concurrency"] for c in bench["frontends"]["levels"]] == [1, 8]
 
-    _serve_and_stop(default_work_root, light)
+    assert "One vLLM build, two frontends" in glance
+    assert "Target `vllm`" in glance and "top-1 agreement with the original" in glance
+    if compared:
+        assert [c["concurrency"] for c in bench["comparison"]["levels"]] == [1, 8]
+        assert "vLLM (its CPU build" in glance  # the two engines side by side
 
-    cpu_repo = cpu_work / "publish" / "model_repository"
-    if (cpu_repo / "provenance.json").is_file():
-        proc = run_invoke("bench", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root),
-                          "--compare-with", str(cpu_repo), *light, timeout=1800)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        both = json.loads((work / "bench" / "bench_results.json").read_text())
-        assert [(t["target"], t["frontend"]) for t in both["targets"]] == [("vllm", "openai"), ("vllm", "triton"),
-                                                                          ("cpu", "triton")]
-        assert [c["concurrency"] for c in both["comparison"]["levels"]] == [1, 8]
-        report = run_invoke("report", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root), *light,
-                            "--set", f"bench.compare_repository={cpu_repo.resolve()}")  # the same bench: no rerun
-        assert "bench: up to date" in report.stdout, report.stdout[-2000:]
-        assert report.returncode == 0, report.stderr[-2000:]
-        page = (work / "report" / "index.md").read_text()
-        assert "Target `vllm`" in page and "top-1 agreement with the original" in page
-        assert "vLLM (its CPU build" in page  # the two engines side by side
-        assert "One vLLM build, two frontends" in page
+    _serve_and_stop(default_work_root, light)
 
 
 def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):

@@ -349,6 +349,21 @@ def _ratio_table(doc: Doc, levels: list[dict]) -> None:
                 c["e2e_p50"], c["e2e_p99"]] for c in levels])
 
 
+def _open_loop_table(doc: Doc, t: dict) -> None:
+    """The open-loop load (bench.request_rates, driven by aiperf): one row per rate, and the sustainable rate."""
+    def ms(d: dict) -> str:
+        return " / ".join("—" if d.get(k) is None else f"{d[k]:.0f}" for k in ("p50", "p90", "p99"))
+
+    doc.p("**Open loop** (Poisson arrivals, aiperf): requests arrive at the rate whether or not earlier ones are "
+          "done, so queueing shows, as it does in production.")
+    doc.table(["rate req/s", "arrived req/s", "completed req/s", "output tok/s", "TTFT ms P50 / P90 / P99",
+               "ITL ms P50 / P90 / P99", "e2e ms P50 / P90 / P99", "goodput req/s", "SLA", "errors"],
+              [[r["request_rate"], r.get("arrived_rps"), r["requests_per_s"], r.get("output_tokens_per_s"),
+                ms(r["ttft_ms"]), ms(r["itl_ms"]), ms(r["e2e_ms"]), dig(r, "sla", "goodput_rps"),
+                mark(dig(r, "sla", "met")) if r.get("sla") else "—", r["errors"]] for r in t["rates"]])
+    doc.p(f"**Sustainable rate**: {t['sustainable_rate']['sentence'].rstrip('.')}.")
+
+
 def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -> None:
     doc.h(2, "Bench")
     if m is None:
@@ -375,6 +390,8 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
         if first:
             doc.p("Triton's own time to first response of the streaming model: " +
                   ", ".join(f"{f['first_response_ms']:.0f} ms at concurrency {c}" for c, f in first) + ".")
+        if t.get("rates"):
+            _open_loop_table(doc, t)
     if any(t.get("frontend") == "openai" for t in r.get("targets", [])):
         doc.p("vLLM's OpenAI server is driven with streamed completions (each chunk's token ids counted); Triton's "
               "counters do not apply to it (vLLM's own are on its /metrics). Through Triton, the vLLM build is "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import urllib.error
 import urllib.request
 from typing import Optional, Sequence
@@ -53,6 +54,32 @@ def scrape_metrics(url: Optional[str]) -> Optional[dict[tuple[str, str], float]]
     except (urllib.error.URLError, OSError) as e:
         log.warning("could not read Triton's metrics at %s: %s", url, e)
         return None
+
+
+def answered(counters: Optional[dict[tuple[str, str], float]], model: str) -> float:
+    """The requests ``model`` has finished (succeeded or failed) by ``counters``."""
+    if counters is None:
+        return 0.0
+    return (counters.get(("nv_inference_request_success", model), 0.0)
+            + counters.get(("nv_inference_request_failure", model), 0.0))
+
+
+def scrape_settled(url: Optional[str], model: str, at_least: float, timeout_s: float = 10.0,
+                   ) -> Optional[dict[tuple[str, str], float]]:
+    """The counters at ``url`` once ``model`` has finished ``at_least`` requests, or as they stand after
+    ``timeout_s`` (a warning). Triton counts a decoupled request when it releases it, which can come after the
+    client has read its final response: a scrape at once may miss the level's last requests."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counters = scrape_metrics(url)
+        if counters is None or answered(counters, model) >= at_least:
+            return counters
+        if time.monotonic() >= deadline:
+            log.warning("Triton's metrics at %s count %d finished request(s) of %s after %.0f s, not %d: the "
+                        "level's server-side figures are short", url, answered(counters, model), model, timeout_s,
+                        at_least)
+            return counters
+        time.sleep(0.05)
 
 
 def metrics_delta(before: Optional[dict], after: Optional[dict], models: Sequence[str]) -> Optional[dict]:

@@ -36,6 +36,7 @@ from pipeline.config import BenchSection, PipelineConfig
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving.bench.load import Prompt, make_prompts
 from pipeline.serving.bench.metrics import METRICS_ARGS
+from pipeline.serving.bench.openloop import aiperf_executable, run_rate, sustainable_rate
 from pipeline.serving.bench.plots import LATENCY_PNG, THROUGHPUT_PNG, plot_latency, plot_throughput
 from pipeline.serving.bench.stats import find_knee, knee_sentence, ratios, sla_choice
 from pipeline.serving.bench.target import (
@@ -53,6 +54,7 @@ from pipeline.serving.server import log_tail, server_for_target
 log = logging.getLogger(__name__)
 
 BASELINE_SERVER_LOG = "tritonserver_baseline.log"
+AIPERF_DIR = "aiperf"  # the open-loop load's runs: one aiperf artifact folder per target and rate
 THIS, BASELINE = "this build", "baseline"  # target labels
 
 
@@ -66,6 +68,8 @@ def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, bui
     t_start = time.perf_counter()
     with _servers(targets, cfg, out_dir):
         _sweep(targets, warm, measured, cfg, sla)
+        if cfg.request_rates:
+            _open_loop(targets, cfg, sla, out_dir / AIPERF_DIR)
     bench_s = time.perf_counter() - t_start
 
     knees = _find_knees(targets, cfg)
@@ -75,9 +79,12 @@ def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, bui
     choices = {t.label: sla_choice(t.levels, sla) for t in targets} if sla else {}
     for label, choice in choices.items():
         log.info("%s: %s", label, choice["sentence"])
+    for t in targets:
+        if t.rates:
+            log.info("%s: %s", t.label, sustainable_rate(t.rates, sla)["sentence"])
     results = _results(cfg, sla, targets, knees, choices, bench_s)
     (out_dir / artifacts.BENCH_RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
-    return _summary(targets, knees, choices, bench_s)
+    return _summary(targets, knees, choices, sla, bench_s)
 
 
 def compare_fingerprint(cfg: BenchSection) -> dict:
@@ -153,6 +160,7 @@ def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterato
             server.start()
             started.append(server)
             t.server, t.grpc_url, t.metrics_url = server, server.grpc_url, server.metrics_url
+            t.http_url = server.http_url
         try:
             yield
         except Exception as e:
@@ -181,6 +189,19 @@ def _sweep(targets: list[Target], warm: list[Prompt], measured: list[Prompt], cf
             t.levels.append(run_level(t, batch, c, cfg, sla))
 
 
+def _open_loop(targets: list[Target], cfg: BenchSection, sla: dict[str, float], out_dir: Path) -> None:
+    """aiperf at every rate of bench.request_rates on every target, alternating which target goes first."""
+    exe = aiperf_executable()
+    for k, rate in enumerate(cfg.request_rates):
+        for t in targets if k % 2 == 0 else list(reversed(targets)):
+            server = t.server
+            model = getattr(server, "model_name", "") if t.openai else t.names.stream
+            folder = out_dir / f"{t.label.replace(' ', '_').replace('(', '').replace(')', '')}_{rate:g}"
+            t.rates.append(run_rate(exe, openai=t.openai, http_url=t.http_url, model=model,
+                                    tokenizer_dir=t.tokenizer_dir, rate=rate, cfg=cfg, sla=sla, out_dir=folder,
+                                    label=t.label))
+
+
 # ---------------------------------------------------------------- after the sweep
 
 
@@ -205,6 +226,7 @@ def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], kn
         "tool": "pipeline.bench: closed loop; tritonclient asyncio gRPC streams (Triton), openai's AsyncOpenAI "
                 "streamed completions (vLLM)" if any(t.openai for t in targets)
                 else "pipeline.bench: tritonclient asyncio gRPC streams, closed loop",
+        **({"open_loop_tool": "aiperf (NVIDIA), Poisson arrivals, streamed"} if cfg.request_rates else {}),
         "settings": {**cfg.model_dump(mode="json"), "model": targets[0].names.stream,
                      "end_id": -1 if cfg.ignore_eos else "the model's EOS"},
         "definitions": {
@@ -220,12 +242,19 @@ def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], kn
             "sla": "P99 bounds in ms (config sla:) for this request mix; a level keeps the SLA when its P99 of each "
                    "bounded latency is within the bound",
             "goodput_rps": "requests per second whose own latencies were all within the SLA's bounds",
+            "rates": "open loop (bench.request_rates): aiperf sends requests_per_level requests with Poisson "
+                     "arrivals at the rate; arrived_rps is the rate they actually arrived at, requests_per_s "
+                     "aiperf's completed requests / run time; goodput is aiperf's, against the same SLA bounds",
+            "sustainable_rate": "the highest rate with no failed request whose P99s kept the SLA (rates judged in "
+                                "ascending order; the first that fails ends the search; none without an SLA)",
         },
         "sla": sla or None,
         "bench_s": bench_s,
         "targets": [{**t.describe(), "levels": t.levels, "knee": knees[t.label],
                      "knee_sentence": knee_sentence(knees[t.label], t.levels),
-                     "sla_choice": choices.get(t.label)} for t in targets],
+                     "sla_choice": choices.get(t.label),
+                     **({"rates": t.rates, "sustainable_rate": sustainable_rate(t.rates, sla)} if t.rates else {})}
+                    for t in targets],
     }
     baseline, by_frontend = _pairs(targets)
     if baseline is not None:
@@ -244,7 +273,8 @@ def _pairs(targets: list[Target]) -> tuple[Optional[Target], dict[str, Target]]:
     return baseline, mine if set(mine) == {"openai", "triton"} else {}
 
 
-def _summary(targets: list[Target], knees: dict[str, dict], choices: dict[str, dict], bench_s: float) -> dict:
+def _summary(targets: list[Target], knees: dict[str, dict], choices: dict[str, dict], sla: dict[str, float],
+             bench_s: float) -> dict:
     """The stage's manifest summary: this build's levels in brief, its peak and knee, and the ratios if compared."""
     main = targets[0]
     top = max(main.levels, key=lambda l: l["output_tokens_per_s"])
@@ -258,6 +288,8 @@ def _summary(targets: list[Target], knees: dict[str, dict], choices: dict[str, d
         "repository_digest": main.provenance.repository_digest,
         "bench_s": round(bench_s, 1),
     }
+    if main.rates:
+        summary["sustainable_rate"] = sustainable_rate(main.rates, sla)
     baseline, by_frontend = _pairs(targets)
     if by_frontend:
         per = ratios(by_frontend["triton"].levels, by_frontend["openai"].levels)

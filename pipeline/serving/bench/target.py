@@ -15,7 +15,7 @@ from pipeline import artifacts
 from pipeline.config import BenchSection
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving.bench.load import Prompt, RequestRecord, drive, drive_openai, level_figures
-from pipeline.serving.bench.metrics import metrics_delta, scrape_metrics
+from pipeline.serving.bench.metrics import answered, metrics_delta, scrape_metrics, scrape_settled
 from pipeline.serving.bench.stats import padding_factor
 from pipeline.serving.publish import ModelNames, model_names
 from pipeline.serving.server import TritonServer
@@ -33,9 +33,11 @@ class Target:
     settings: Optional[dict]  # build_settings.json, when known
     frontend: str = "triton"  # a vllm build: "openai" (vLLM's own server) or "triton" (its Python-backend model)
     grpc_url: str = ""
+    http_url: str = ""  # host:port of the server bench started (the open-loop load's endpoint)
     metrics_url: Optional[str] = None
     server: Optional[TritonServer] = None
     levels: list[dict] = field(default_factory=list)
+    rates: list[dict] = field(default_factory=list)  # the open-loop load's figures, one per request rate
 
     @property
     def names(self) -> ModelNames:
@@ -161,8 +163,12 @@ def run_level(target: Target, prompts: list[Prompt], concurrency: int, cfg: Benc
     models = target.names.all()
     before = scrape_metrics(target.metrics_url)
     records, wall = _send(target, prompts, concurrency, cfg)
-    after = scrape_metrics(target.metrics_url)
     _raise_on_errors(target, records, f"concurrency {concurrency}")
+    if target.openai:  # vLLM's own metrics: none of Triton's counters to read
+        after = scrape_metrics(target.metrics_url)
+    else:
+        stream = target.names.stream
+        after = scrape_settled(target.metrics_url, stream, answered(before, stream) + len(records))
     fig = level_figures(records, wall, concurrency, sla)
     fig["padding_factor"] = padding_factor(target.settings, concurrency)
     fig["triton"] = metrics_delta(before, after, models)
