@@ -72,6 +72,12 @@ def remove_files(paths: Iterable[Path]) -> list[Path]:
     return removed
 
 
+def foreign_python_env() -> dict[str, str]:
+    """This process's environment for a program of another virtual environment (vLLM's, aiperf's): without this
+    venv's Python paths, which would make it import our packages instead of its own."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+
+
 def stop_process_group(proc: Optional[subprocess.Popen], what: str, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to ``proc`` (started with ``start_new_session``) and its process group, SIGKILL after a grace
     period; then whatever is left in the group (children of a server that died hard); then the shared memory

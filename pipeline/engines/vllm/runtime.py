@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from pipeline.errors import EnvironmentProblem, StageFailed
-from pipeline.procs import kill_process_group
+from pipeline.procs import foreign_python_env, kill_process_group
 
 ENV_VAR = "VLLM_PYTHON"
 VENV_DIR = ".venv-vllm"
@@ -56,7 +56,7 @@ def vllm_version(python: str) -> str:
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
     """The environment for a vLLM process: ours without this venv's Python paths, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env = foreign_python_env()
     env.update(extra)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report leaves the machine
     env.setdefault("DO_NOT_TRACK", "1")

@@ -31,7 +31,8 @@ from typing import Optional, Sequence
 
 from pipeline.config import BenchSection
 from pipeline.errors import EnvironmentProblem, StageFailed
-from pipeline.procs import stop_process_group
+from pipeline.procs import foreign_python_env, stop_process_group
+from pipeline.serving.bench.stats import SLA_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +160,7 @@ def sustainable_rate(rates: Sequence[dict], sla: dict[str, float]) -> dict:
 def _why_not(r: dict) -> str:
     if r["errors"]:
         return f"{r['errors']} request(s) failed"
-    names = {"e2e_ms": "end-to-end", "ttft_ms": "TTFT", "itl_ms": "inter-token"}
-    return "; ".join(f"P99 {names[m]} {r['sla']['p99_ms'][m]:.0f} ms over the SLA" for m in r["sla"]["violations"])
+    return "; ".join(f"P99 {SLA_NAMES[m]} {r['sla']['p99_ms'][m]:.0f} ms over the SLA" for m in r["sla"]["violations"])
 
 
 def run_rate(exe: str, *, openai: bool, http_url: str, model: str, tokenizer_dir: Path, rate: float,
@@ -172,9 +172,9 @@ def run_rate(exe: str, *, openai: bool, http_url: str, model: str, tokenizer_dir
     log_path = out_dir / "aiperf.log"
     # the run's own length (requests / rate) plus aiperf's start-up and the slowest request
     timeout_s = cfg.requests_per_level / rate + cfg.request_timeout_s + 300
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     with log_path.open("w") as log_file:
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=foreign_python_env(),
+                                start_new_session=True)
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -79,12 +79,12 @@ def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, bui
     choices = {t.label: sla_choice(t.levels, sla) for t in targets} if sla else {}
     for label, choice in choices.items():
         log.info("%s: %s", label, choice["sentence"])
-    for t in targets:
-        if t.rates:
-            log.info("%s: %s", t.label, sustainable_rate(t.rates, sla)["sentence"])
-    results = _results(cfg, sla, targets, knees, choices, bench_s)
+    sustained = {t.label: sustainable_rate(t.rates, sla) for t in targets if t.rates}
+    for label, rate in sustained.items():
+        log.info("%s: %s", label, rate["sentence"])
+    results = _results(cfg, sla, targets, knees, choices, sustained, bench_s)
     (out_dir / artifacts.BENCH_RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
-    return _summary(targets, knees, choices, sla, bench_s)
+    return _summary(targets, knees, choices, sustained, bench_s)
 
 
 def compare_fingerprint(cfg: BenchSection) -> dict:
@@ -219,7 +219,7 @@ def _write_plots(targets: list[Target], knees: dict[str, dict], out_dir: Path) -
 
 
 def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], knees: dict[str, dict],
-             choices: dict[str, dict], bench_s: float) -> dict:
+             choices: dict[str, dict], sustained: dict[str, dict], bench_s: float) -> dict:
     """bench_results.json: the settings, what each figure means, and every target's levels and knee."""
     results = {
         "format_version": 1,
@@ -253,7 +253,7 @@ def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], kn
         "targets": [{**t.describe(), "levels": t.levels, "knee": knees[t.label],
                      "knee_sentence": knee_sentence(knees[t.label], t.levels),
                      "sla_choice": choices.get(t.label),
-                     **({"rates": t.rates, "sustainable_rate": sustainable_rate(t.rates, sla)} if t.rates else {})}
+                     **({"rates": t.rates, "sustainable_rate": sustained[t.label]} if t.rates else {})}
                     for t in targets],
     }
     baseline, by_frontend = _pairs(targets)
@@ -273,7 +273,7 @@ def _pairs(targets: list[Target]) -> tuple[Optional[Target], dict[str, Target]]:
     return baseline, mine if set(mine) == {"openai", "triton"} else {}
 
 
-def _summary(targets: list[Target], knees: dict[str, dict], choices: dict[str, dict], sla: dict[str, float],
+def _summary(targets: list[Target], knees: dict[str, dict], choices: dict[str, dict], sustained: dict[str, dict],
              bench_s: float) -> dict:
     """The stage's manifest summary: this build's levels in brief, its peak and knee, and the ratios if compared."""
     main = targets[0]
@@ -288,8 +288,8 @@ def _summary(targets: list[Target], knees: dict[str, dict], choices: dict[str, d
         "repository_digest": main.provenance.repository_digest,
         "bench_s": round(bench_s, 1),
     }
-    if main.rates:
-        summary["sustainable_rate"] = sustainable_rate(main.rates, sla)
+    if main.label in sustained:
+        summary["sustainable_rate"] = sustained[main.label]
     baseline, by_frontend = _pairs(targets)
     if by_frontend:
         per = ratios(by_frontend["triton"].levels, by_frontend["openai"].levels)

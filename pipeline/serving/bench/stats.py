@@ -86,6 +86,9 @@ def knee_sentence(knee: dict, levels: list[dict]) -> str:
 # ---------------------------------------------------------------- the SLA
 
 
+SLA_NAMES = {"e2e_ms": "end-to-end", "ttft_ms": "TTFT", "itl_ms": "inter-token"}  # the bounded latencies, in words
+
+
 def goodput(requests: Sequence[dict], wall_s: float, bounds: dict[str, float]) -> dict:
     """One level against the SLA. ``requests``: each successful request's ``e2e_ms``, ``ttft_ms`` and ``itl_ms``
     (None for a one-token answer); ``bounds``: {metric: P99 bound in ms}.
@@ -109,7 +112,7 @@ def goodput(requests: Sequence[dict], wall_s: float, bounds: dict[str, float]) -
 def sla_choice(levels: list[dict], bounds: dict[str, float]) -> dict:
     """The level to run at under the SLA: the highest throughput among the levels that keep it; none keeping
     it, the lowest level with what it missed by. With a sentence for the report."""
-    names = {"e2e_ms": "end-to-end", "ttft_ms": "TTFT", "itl_ms": "inter-token"}
+    names = SLA_NAMES
     sla = ", ".join(f"P99 {names[m]} <= {b:g} ms" for m, b in bounds.items())
     kept = [l for l in levels if l["sla"]["met"]]
     if kept:
