@@ -96,6 +96,15 @@ def clean(c, config=None, set=None, work_root=str(WORK_ROOT)):
         print(f"removed {commands.clean(config, set or [], Path(work_root))}")
 
 
+@task(iterable=["set"], help={**CONFIG_HELP, "verbose": RUN_HELP["verbose"]})
+def tune(c, config=None, set=None, work_root=str(WORK_ROOT), verbose=False):
+    """Measure the cpu target's serving settings (running-sequence limit, adaptive batching) against the SLA on
+    real servers, write the evidence and the chosen settings to <work dir>/tune, and republish with them."""
+    commands.setup_logging(verbose)
+    with commands.user_errors():
+        commands.tune(config, set or [], Path(work_root))
+
+
 @task(iterable=["set"], help={**CONFIG_HELP, "http_port": "HTTP port (default 8000)",
                                "grpc_port": "gRPC port (default 8001)", "metrics_port": "metrics port (default 8002)",
                                "host": "address to bind (default 127.0.0.1: this machine only)"})
@@ -161,4 +170,4 @@ def test(c, quick=False, heavy=False, k=None, no_lint=False):
 
 
 ns = Collection(download, sensitivity, quantize, build, publish, verify, bench, report, all_, explain, plan_alias, clean,
-                serve, image, release, deploy_manifests, test)
+                serve, tune, image, release, deploy_manifests, test)

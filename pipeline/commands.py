@@ -118,6 +118,21 @@ def serve(config: Optional[str], overrides: Sequence[str], work_root: Path, **po
     serve_published(runner.work_dir, frontend=runner.loaded.config.vllm.frontends[0], **ports)
 
 
+def tune(config: Optional[str], overrides: Sequence[str], work_root: Path) -> dict:
+    """Measure serving settings against the SLA (pipeline/serving/tune.py), then republish with the chosen ones."""
+    from pipeline.serving.tune import check_tunable, run_tune  # starts servers: imported when asked for
+
+    runner = open_runner(config, overrides, work_root)
+    print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
+    check_tunable(runner.loaded.config)
+    runner.run(["build", "text"])  # what the settings are measured on, up to date
+    with WorkDirLock(runner.work_dir):
+        results = run_tune(runner.loaded.config, runner.loaded.name, runner.work_dir)
+    print(f"tune: {results['why']}")
+    runner.run(["publish"])  # publish applies the tuned settings file: its content is one of publish's inputs
+    return results
+
+
 def image(config: Optional[str], overrides: Sequence[str], work_root: Path, *, push: bool = False,
           dry_run: bool = False, builder: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
     return build_image(open_runner(config, overrides, work_root), push=push, dry_run=dry_run, builder=builder,

@@ -483,6 +483,9 @@ class TritonSection(Strict):
     # cpu target: the runtime adapts how many sequences run at once to keep its step time (the gap between two
     # tokens of a sequence) at sla.p99_itl_ms (pipeline/engines/cpu_runtime.py AdaptiveBatchLimit)
     adaptive_batch: bool = False
+    # cpu target: at most this many sequences run at once (None: build.max_batch_size, the most it can be); the
+    # KV pool is sized for them. `invoke tune` measures it against the SLA.
+    max_running: Optional[int] = Field(None, ge=1)
 
     @field_validator("repository_dir")
     @classmethod
@@ -598,6 +601,22 @@ class BenchSection(Strict):
         return self
 
 
+class TuneSection(Strict):
+    """`invoke tune` (pipeline/serving/tune.py): the serving settings searched against the SLA on a real server."""
+
+    # the load each setting is measured under, closed loop: this many requests in flight. None: twice the
+    # highest bench.concurrency level, more clients than the server should run at once (where a limit matters)
+    concurrency: Optional[int] = Field(None, ge=1, le=1024)
+    requests: int = Field(32, ge=4)  # measured requests per point (after bench.warmup_requests per server)
+    # a smaller limit is measured next only while the last one raised goodput by at least this fraction, and
+    # a setting replaces the default only if it beats the default's goodput by it (noise is not a gain)
+    min_gain: float = Field(0.05, ge=0, lt=1)
+    # tuned vs default after the search, both servers up, alternating which goes first; the medians over the
+    # rounds must confirm the choice (pipeline/serving/tune.py: confirm)
+    ab_rounds: int = Field(3, ge=1, le=10)
+    apply: bool = True  # publish applies <work dir>/tune/tuned_settings.yaml where tune wrote one
+
+
 _IMAGE_REPO_RE = re.compile(r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
 _IMAGE_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _BASE_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}(@sha256:[0-9a-f]{64})?$")
@@ -680,6 +699,7 @@ class PipelineConfig(Strict):
     verify: VerifySection = VerifySection()
     sla: SlaSection = SlaSection()
     bench: BenchSection = BenchSection()
+    tune: TuneSection = TuneSection()
     alerts: AlertsSection = AlertsSection()
     image: ImageSection = ImageSection()
 
@@ -719,6 +739,12 @@ class PipelineConfig(Strict):
                 "triton.adaptive_batch keeps the cpu runtime's step time at sla.p99_itl_ms: it needs build.target: "
                 f"cpu (not {b.target}) and sla.p99_itl_ms set (now {self.sla.p99_itl_ms})"
             )
+        if self.triton.max_running is not None and (b.target != "cpu" or self.triton.max_running > b.max_batch_size):
+            raise ValueError(
+                f"triton.max_running {self.triton.max_running}: the cpu runtime's limit on sequences run at once, "
+                f"at most build.max_batch_size ({b.max_batch_size}); " + (
+                    f"the {b.target} target's limit is build.max_batch_size itself" if b.target != "cpu"
+                    else "lower it, or raise build.max_batch_size (a rebuild)"))
         if max(self.bench.concurrency) > b.max_batch_size * self.triton.instance_count * 4:
             raise ValueError(
                 f"bench.concurrency goes up to {max(self.bench.concurrency)}, far beyond what "

@@ -85,7 +85,8 @@ class StageDef:
     needs: tuple[str, ...] = ()
     sections: tuple[str, ...] = ()  # config sections (dotted) that are this stage's inputs
     # content fingerprints of outside inputs (files the config points at, a resolved Hub revision)
-    external_inputs: Optional[Callable[[LoadedConfig, HashCache], dict]] = None
+    # (called with the loaded config, the hash cache and the work dir)
+    external_inputs: Optional[Callable[[LoadedConfig, HashCache, Path], dict]] = None
     version: int = 1  # bump when the stage's logic changes in a way that changes its outputs
     # outputs a person may edit by hand (the plan): an edit is validated by accept_edit(stage_dir), which
     # returns summary figures to record, and then used as it is instead of being overwritten
@@ -197,7 +198,7 @@ class Runner:
         for dep in stage.needs:
             m = self.read_manifest(dep)
             upstream[dep] = m["outputs"]["digest"] if m and m.get("status") == "ok" else None
-        external = stage.external_inputs(self.loaded, self.hash_cache) if stage.external_inputs else {}
+        external = stage.external_inputs(self.loaded, self.hash_cache, self.work_dir) if stage.external_inputs else {}
         return {
             "stage": stage.name,
             "stage_version": stage.version,

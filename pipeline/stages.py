@@ -124,11 +124,21 @@ def _bench_preflight(loaded) -> None:
 
 def _run_publish(ctx: StageContext) -> dict:
     from pipeline.serving.publish import publish
+    from pipeline.serving.tuned import apply_tuned
 
+    # the serving settings `invoke tune` chose, where it wrote them (tune.apply; the config's own values win)
+    config, tuned = apply_tuned(ctx.config, ctx.work_dir)
     # the live repository (triton.repository_dir, default <work dir>/model_repository) is outside this
     # stage's folder, which the runner replaces on every run: see pipeline/serving/publish.py
-    return publish(ctx.config, ctx.loaded.name, ctx.work_dir, ctx.upstream("build"),
-                   ctx.upstream("model") / artifacts.MODEL_DIR, ctx.out_dir)
+    summary = publish(config, ctx.loaded.name, ctx.work_dir, ctx.upstream("build"),
+                      ctx.upstream("model") / artifacts.MODEL_DIR, ctx.out_dir)
+    return {**summary, **({"tuned_settings": tuned} if tuned else {})}
+
+
+def _publish_fingerprint(loaded, hash_cache, work_dir):
+    from pipeline.serving.tuned import tuned_fingerprint  # the tuned settings file is an input outside the config
+
+    return tuned_fingerprint(loaded.config, work_dir)
 
 
 def _run_verify(ctx: StageContext) -> dict:
@@ -146,7 +156,7 @@ def _run_bench(ctx: StageContext) -> dict:
                      ctx.upstream("build"), ctx.out_dir)
 
 
-def _bench_fingerprint(loaded, hash_cache):
+def _bench_fingerprint(loaded, hash_cache, work_dir):
     from pipeline.serving.bench.stage import (
         compare_fingerprint,  # the comparison baseline is an input outside this work dir
     )
@@ -172,13 +182,13 @@ def _check_edited_plan(stage_dir) -> dict:
     return {"kept_high_precision": len(kept), "kept_high_precision_layers": kept}
 
 
-def _model_fingerprint(loaded, hash_cache):
+def _model_fingerprint(loaded, hash_cache, work_dir):
     from pipeline.source.download import model_fingerprint
 
     return model_fingerprint(loaded, hash_cache)
 
 
-def _text_fingerprint(loaded, hash_cache):
+def _text_fingerprint(loaded, hash_cache, work_dir):
     from pipeline.source.text import text_fingerprint
 
     return text_fingerprint(loaded, hash_cache)
@@ -210,9 +220,9 @@ STAGES: list[StageDef] = [
     StageDef("build", "engine / LLM-API options / CPU runtime bundle / vLLM export", needs=("model", "text", "quantize"),
              sections=("build", *VLLM_ENGINE_FIELDS), run=_run_build, preflight=_build_preflight),
     StageDef("publish", "Triton model repository", needs=("model", "plan", "build"),
-             sections=("triton", "sla.p99_itl_ms", "build.target", "build.trtllm_version", "image.base_tag",
-                       "image.base_trtllm_version"),
-             run=_run_publish),
+             sections=("triton", "sla", "build.target", "build.trtllm_version", "image.base_tag",
+                       "image.base_trtllm_version", "tune.apply"),
+             external_inputs=_publish_fingerprint, run=_run_publish),
     StageDef("verify", "real Triton server checks", needs=("publish",), sections=("triton", "verify", "vllm.frontends"),
              run=_run_verify),
     StageDef("bench", "throughput and latency sweep", needs=("text", "build", "publish"),

@@ -427,3 +427,42 @@ def test_client_agrees_with_perf_analyzer(published_tiny):
     # the two clients measure the same server within a loose band (2 shared cores: noise is large)
     assert np.median(e2e) == pytest.approx(ours["e2e_ms"]["p50"], rel=0.6)
     assert np.median(ttft) == pytest.approx(ours["ttft_ms"]["p50"], rel=0.6, abs=20)
+
+
+@pytest.mark.e2e
+def test_invoke_tune_measures_settings_on_real_servers_and_republishes_with_the_choice(published_tiny):
+    """An SLA no setting can meet: every limit is measured (4, 2, 1), nothing is applied, the evidence is in
+    tune.failed/. Then a loose SLA: the chosen setting is written with its evidence, publish applies it
+    (the model's max_running parameter) and records it; no server outlives the command."""
+    import psutil
+    import yaml
+
+    from pipeline import commands
+    from pipeline.errors import StageFailed
+    from pipeline.serving.tuned import RESULTS_FILE
+
+    _, runner, cfg, overrides = published_tiny
+    work = runner.work_dir
+    load = ["tune.requests=4", "tune.concurrency=4", "tune.ab_rounds=1"]
+    me = psutil.Process()
+    with pytest.raises(StageFailed, match=r"no measured setting keeps the SLA: the best, .* is bound by P99 "
+                                          r"end-to-end"):
+        commands.tune(str(cfg), [o for o in overrides if not o.startswith("sla.")] + ["sla.p99_e2e_ms=1"] + load,
+                      work.parent)
+    failed = json.loads((work / "tune.failed" / RESULTS_FILE).read_text())
+    assert [p["label"] for p in failed["points"]] == ["default", "max_running=2", "max_running=1"]
+    assert failed["chosen"] is None and not (work / "tune" / "tuned_settings.yaml").exists()
+    assert not [c for c in me.children(recursive=True) if "tritonserver" in c.name()]
+
+    results = commands.tune(str(cfg), overrides + load, work.parent)  # the fixture's SLA: 600 s end-to-end
+    assert results["points"][0]["label"] == "default" and all(p["sla_met"] for p in results["points"])
+    assert [p["label"] for p in results["points"]][:2] == ["default", "max_running=2"] and len(results["points"]) <= 3
+    tuned = yaml.safe_load((work / "tune" / "tuned_settings.yaml").read_text())
+    assert tuned["triton"] == results["chosen"]["settings"] and tuned["sla"] == {"e2e_ms": 600000}
+    assert (work / "tune" / "throughput_vs_p99.png").stat().st_size > 10_000 and not (work / "tune.failed").exists()
+    pbtxt = (work / "publish" / "model_repository" / "tiny_tensorrt_llm" / "config.pbtxt").read_text()
+    want = results["chosen"]["settings"].get("max_running", 0)
+    assert f'key: "max_running"\n  value {{\n    string_value: "{want}"' in pbtxt
+    publish = json.loads((work / "publish" / "manifest.json").read_text())["summary"]
+    assert publish["tuned_settings"]["applied"] == results["chosen"]["settings"]
+    assert not [c for c in me.children(recursive=True) if "tritonserver" in c.name()]

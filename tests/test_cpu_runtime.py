@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -241,3 +242,27 @@ def test_adaptive_runtime_runs_one_sequence_at_a_time_under_an_unreachable_targe
         assert rt.steps["decode_sequences"] - before["decode_sequences"] == decodes  # one sequence a step
     with CpuRuntime.load(bundle / "cpu_bundle") as plain:
         assert got == [plain.generate(p, params) for p in PROMPTS[:3]]
+
+
+def test_max_running_caps_the_sequences_decoded_together_and_sizes_the_pool(bundle, runtime):
+    """triton.max_running 2 on a build for more: no decode step runs more than two sequences, the pool holds
+    two sequences' share of the build's blocks, the tokens are the plain runtime's; above the build's limit
+    it is refused."""
+    params = SamplingParams(max_new_tokens=6, end_id=-1)
+    settings = json.loads((bundle / "cpu_bundle" / "runtime.json").read_text())
+    assert settings["max_batch_size"] > 2
+    with CpuRuntime.load(bundle / "cpu_bundle", max_running=2) as rt:
+        assert rt.stats()["requests_max"] == 2 and rt.stats()["batch_limit"] == 2
+        assert rt.pool.num_blocks == -(-settings["num_blocks"] * 2 // settings["max_batch_size"])
+        seen = []
+        reqs = [rt.submit(p, params) for p in PROMPTS]
+        while not all(r.done for r in reqs):
+            seen.append(len(rt._running))
+            time.sleep(0.005)
+        got = [r.result(timeout=120) for r in reqs]
+        assert max(seen) <= 2 < len(PROMPTS)
+        assert rt.steps["decode_sequences"] <= 2 * rt.steps["decode"]
+        assert rt.steps["decode_sequences"] > rt.steps["decode"]  # two did run together
+    assert got == [runtime.generate(p, params) for p in PROMPTS]
+    with pytest.raises(InputError, match=r"max_running 99 is outside 1\.\.\d+ \(the build's max_batch_size\)"):
+        CpuRuntime.load(bundle / "cpu_bundle", max_running=99)

@@ -151,7 +151,7 @@ def test_cpu_repository_configs_parse_back_and_wire_the_ensemble(setup):
     assert not ens.model_transaction_policy.decoupled
     llm = configs[names.tensorrt_llm]
     assert llm.backend == "python" and _params(llm) == {"bundle_dir": "cpu_bundle", "cpu_threads": "0",
-                                                        "adaptive_batch_target_ms": "0"}
+                                                        "adaptive_batch_target_ms": "0", "max_running": "0"}
     assert _params(configs[names.preprocessing])["max_input_len"] == "64"
     v1 = snap / names.tensorrt_llm / "1"
     assert (v1 / "model.py").read_text() == (pub.TRITON_SOURCE / "tensorrt_llm_cpu" / "model.py").read_text()

@@ -131,7 +131,7 @@ def test_failure_keeps_previous_outputs_and_the_log(tmp_path):
 def test_input_changed_mid_run_is_refused(tmp_path):
     state = {"v": 1}
 
-    def external(loaded, cache):
+    def external(loaded, cache, work_dir):
         return {"v": state["v"]}
 
     def sneaky(ctx):

@@ -263,7 +263,7 @@ class AdaptiveBatchLimit:
     ``alpha`` for the newest). Above ``high`` x target the limit halves; below ``low`` x target, while the
     limit is what holds sequences back (as many running as it allows), it grows by one. After a change the
     average starts again from the next step, so one slow step halves the limit once, not on every step
-    after. Bounds: 1 and the build's max_batch_size; the KV pool's free blocks bound admission besides.
+    after. Bounds: 1 and the runtime's max_running; the KV pool's free blocks bound admission besides.
     """
 
     def __init__(self, target_ms: float, max_batch_size: int, alpha: float = 0.3, high: float = 1.1,
@@ -290,16 +290,17 @@ class AdaptiveBatchLimit:
 class CpuRuntime:
     """Loads a cpu bundle and serves it with continuous batching on a scheduler thread.
 
-    ``adaptive``: an ``AdaptiveBatchLimit`` that sets how many sequences run at once (default: always the
-    build's max_batch_size)."""
+    ``adaptive``: an ``AdaptiveBatchLimit`` that sets how many sequences run at once (default: always
+    ``max_running``, which defaults to the build's max_batch_size)."""
 
     def __init__(self, model, pool: KVBlockPool, settings: dict, eos_token_id: Optional[int],
-                 adaptive: Optional[AdaptiveBatchLimit] = None):
+                 adaptive: Optional[AdaptiveBatchLimit] = None, max_running: Optional[int] = None):
         self.model, self.pool, self.settings = model, pool, settings
         self.eos_token_id = eos_token_id
         self.adaptive = adaptive
         self.layer_streaming = False  # whether the model's decoder layers are streamed (set by load)
-        self.max_batch_size = settings["max_batch_size"]
+        # how many sequences run at once: the serving setting (triton.max_running), within the build's limit
+        self.max_running = running_limit(settings, max_running)
         self.max_input_len = settings["max_input_len"]
         self.max_seq_len = settings["max_seq_len"]
         self.tokens_per_block = settings["tokens_per_block"]
@@ -314,13 +315,16 @@ class CpuRuntime:
 
     @classmethod
     def load(cls, bundle_dir: Path | str, quantize_kv_cache: bool = True, threads: Optional[int] = None,
-             layer_streaming: Optional[str] = None, adaptive_target_ms: Optional[float] = None) -> "CpuRuntime":
+             layer_streaming: Optional[str] = None, adaptive_target_ms: Optional[float] = None,
+             max_running: Optional[int] = None) -> "CpuRuntime":
         """``quantize_kv_cache=False`` keeps the KV cache in fp32 (for comparisons with the unquantized cache).
         ``layer_streaming`` (auto | always | never) overrides the bundle's ``runtime.json``: see
         ``weights_streamed``. ``adaptive_target_ms``: keep the step latency there with an
-        ``AdaptiveBatchLimit`` (None: run up to max_batch_size sequences at once, always)."""
+        ``AdaptiveBatchLimit`` (None: run up to the limit at once, always). ``max_running``: at most this many
+        sequences at once (None: the build's max_batch_size; more is refused); the KV pool is sized for them."""
         bundle = Path(bundle_dir)
         settings = read_settings(bundle)
+        limit = running_limit(settings, max_running)
         if threads:
             torch.set_num_threads(threads)
         ckpt = bundle / artifacts.CPU_CHECKPOINT_SUBDIR
@@ -329,16 +333,18 @@ class CpuRuntime:
         model, facts, streamed, why = bundle_model(bundle, settings, layer_streaming)
         cfg = model.config
         scales = kv_cache_scales(ckpt, cfg.num_hidden_layers) if kv_algo else None
+        # the pool the build sized for max_batch_size sequences of max_seq_len, cut to the running limit's share
+        num_blocks = -(-settings["num_blocks"] * limit // settings["max_batch_size"])
         pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, _head_dim(cfg), settings["tokens_per_block"],
-                           settings["num_blocks"], kv_algo, scales)
+                           num_blocks, kv_algo, scales)
         eos = getattr(model.generation_config, "eos_token_id", None) or cfg.eos_token_id
         if isinstance(eos, (list, tuple)):
             eos = eos[0]
         log.info("cpu runtime: %s weights (%s), KV cache %s in %d blocks of %d tokens (%.1f MB)",
                  facts.get("quant_algo"), why, kv_algo or "fp32", pool.num_blocks, pool.tokens_per_block,
                  pool.bytes / 1e6)
-        adaptive = AdaptiveBatchLimit(adaptive_target_ms, settings["max_batch_size"]) if adaptive_target_ms else None
-        rt = cls(model, pool, settings, eos, adaptive)
+        adaptive = AdaptiveBatchLimit(adaptive_target_ms, limit) if adaptive_target_ms else None
+        rt = cls(model, pool, settings, eos, adaptive, limit)
         rt.layer_streaming = streamed
         return rt
 
@@ -375,7 +381,7 @@ class CpuRuntime:
         return {"kv_max_blocks": self.pool.num_blocks, "kv_free_blocks": free,
                 "kv_used_blocks": self.pool.num_blocks - free, "kv_tokens_per_block": self.pool.tokens_per_block,
                 "requests_active": waiting + running, "requests_scheduled": running, "requests_waiting": waiting,
-                "requests_max": self.max_batch_size, "batch_limit": self._batch_limit()}
+                "requests_max": self.max_running, "batch_limit": self._batch_limit()}
 
     def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> list[int]:
         return self.submit(prompt_ids, params).result()
@@ -429,7 +435,7 @@ class CpuRuntime:
             req._finish("cancelled")
 
     def _batch_limit(self) -> int:
-        return self.adaptive.limit if self.adaptive is not None else self.max_batch_size
+        return self.adaptive.limit if self.adaptive is not None else self.max_running
 
     def _blocks_for(self, positions: int) -> int:
         return -(-positions // self.tokens_per_block)
@@ -502,6 +508,17 @@ class CpuRuntime:
             else:
                 keep.append(s)
         self._running = keep
+
+
+def running_limit(settings: dict, max_running: Optional[int]) -> int:
+    """How many sequences may run at once: ``max_running`` (None: the build's max_batch_size), which the build's
+    limit bounds (the pool and the Triton models are sized for it)."""
+    if max_running is None:
+        return settings["max_batch_size"]
+    if not 1 <= max_running <= settings["max_batch_size"]:
+        raise InputError(f"max_running {max_running} is outside 1..{settings['max_batch_size']} (the build's "
+                         f"max_batch_size); lower triton.max_running or rebuild with a larger build.max_batch_size")
+    return max_running
 
 
 def read_settings(bundle: Path) -> dict:

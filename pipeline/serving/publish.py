@@ -250,7 +250,7 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
         _instances(llm, 1, "KIND_MODEL")  # one engine batches every request and places itself on its devices
     else:
         _params(llm, {"bundle_dir": artifacts.ARTIFACT_DIRS["cpu"], "cpu_threads": triton.cpu_threads,
-                      "adaptive_batch_target_ms": adaptive_target_ms or 0})
+                      "adaptive_batch_target_ms": adaptive_target_ms or 0, "max_running": triton.max_running or 0})
         _instances(llm, 1)  # one runtime batches every request (continuous batching); copies would not share
     out[llm.name] = llm
 
@@ -567,10 +567,7 @@ def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir
 
     ``model_dir``: the HF model folder (its tokenizer); the cpu target uses the copy inside its bundle."""
     triton = config.triton
-    names = model_names(triton.model_name)
-    settings = read_build_settings(build_dir)
-    artifact = check_build(config, settings, build_dir)
-    tokenizer_dir = artifact / "model" if settings["target"] == "cpu" else model_dir
+    names, settings, artifact, tokenizer_dir = _sources(config, build_dir, model_dir)
     dest = destination(config, work_dir)
     serving_root = (triton.serving_repository_path or str(dest.resolve())).rstrip("/")
     with _DestinationLock(dest):
@@ -629,6 +626,23 @@ def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir
             "repository_dir": str(dest), "versions_kept": kept[names.ensemble], "target": settings["target"],
             "repository_digest": provenance["repository_digest"], "foreign_models_kept": foreign,
             "reloaded": reload}
+
+
+def _sources(config, build_dir: Path, model_dir: Path) -> tuple[ModelNames, dict, Path, Path]:
+    """(model names, build settings, the checked build artifact, the tokenizer folder) of what is published."""
+    settings = read_build_settings(build_dir)
+    artifact = check_build(config, settings, build_dir)
+    return (model_names(config.triton.model_name), settings, artifact,
+            artifact / "model" if settings["target"] == "cpu" else model_dir)
+
+
+def write_repository(config, config_name: str, work_dir: Path, build_dir: Path, model_dir: Path, repo: Path) -> None:
+    """A standalone repository at ``repo`` (version 1, its provenance beside it) of this build with ``config``'s
+    serving settings: what `invoke tune` measures a setting on. Not the live repository: no versions, no lock."""
+    names, settings, artifact, tokenizer_dir = _sources(config, build_dir, model_dir)
+    assemble(config, settings, artifact, tokenizer_dir, names, 1, str(repo.resolve()), repo)
+    atomic_write_json(repo / artifacts.PROVENANCE_FILE,
+                      _provenance(config, config_name, settings, names, 1, work_dir, repo))
 
 
 def reload_models(server_url: str, models: list[str], timeout_s: float = 600) -> dict:

@@ -8,6 +8,7 @@ is shown as "not run", never filled in. Plots are copied beside the page (``img/
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -28,6 +29,7 @@ from pipeline.release.report.workdir import (
     published_model_config,
 )
 from pipeline.serving.bench.plots import LATENCY_PNG, THROUGHPUT_PNG
+from pipeline.serving.tuned import PLOT_FILE, RESULTS_FILE, TABLE_FILE, TUNE_DIR
 
 IMG_DIR = "img"
 TOP_LAYERS = 15  # rows of the sensitivity table on the page (the full table is linked)
@@ -47,6 +49,7 @@ def add_sections(doc: Doc, work_dir: Path, out_dir: Path, manifests: dict[str, O
     _section_repository(doc, work_dir, manifests["publish"])
     _section_verify(doc, work_dir, manifests["verify"])
     _section_bench(doc, work_dir, out_dir, manifests["bench"])
+    _section_serving_settings(doc, work_dir, out_dir, manifests["publish"])
     _section_chain(doc, chain, work_dir, manifests)
     _section_runs(doc, manifests)
 
@@ -429,6 +432,48 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
         img = _copy_image(artifacts.stage_dir(work_dir, "bench") / name, out_dir, name)
         if img:
             doc.image(img, alt)
+
+
+def _section_serving_settings(doc: Doc, work_dir: Path, out_dir: Path, publish: Optional[dict]) -> None:
+    """`invoke tune`'s choice against the SLA and its evidence, and what the published repository applies."""
+    doc.h(2, "Serving settings")
+    r = _read_json(work_dir / TUNE_DIR / RESULTS_FILE)
+    if r is None:
+        doc.p(f"Tuned: {NOT_RUN} (`invoke tune`, with an SLA set, measures the serving settings on real servers and "
+              f"republishes with the best one). The published repository uses the config's settings.")
+        return
+    load = r["load"]
+    doc.p(f"`invoke tune`: each setting published and measured on its own server under the same load "
+          f"({load['requests']} requests of {load['prompt_tokens']} + {load['output_tokens']} tokens, "
+          f"{load['concurrency']} in flight, closed loop); chosen: the most goodput among the settings whose P99s "
+          f"keep the SLA ({fmt(r['sla'])} ms), the default unless another beats it by {r['min_gain']:.0%} "
+          f"(`{TUNE_DIR}/{TABLE_FILE}`; the rule: pipeline/serving/tune.py).")
+    doc.table(["setting", "goodput req/s", "output tok/s", "TTFT P99 ms", "ITL P99 ms", "e2e P99 ms", "SLA"],
+              [[p["label"], p["goodput_rps"], p["output_tokens_per_s"], p["ttft_p99_ms"], p["itl_p99_ms"],
+                p["e2e_p99_ms"], "kept" if p["sla_met"] else "missed: " + ", ".join(p["violations"])]
+               for p in r["points"]])
+    doc.p(f"**Chosen**: {r['why']}.")
+    ab = r.get("ab")
+    if ab:
+        doc.p(f"**A/B** (tuned vs default, {ab['rounds']} alternating round(s), medians): goodput "
+              f"{fmt(ab['tuned']['goodput_rps'])} vs {fmt(ab['default']['goodput_rps'])} req/s "
+              f"(ratio {fmt(ab['goodput_ratio'])}); output tokens/s ratio {fmt(ab['output_tokens_per_s_ratio'])}.")
+    tuned = dig(publish or {}, "summary", "tuned_settings") or {}
+    if tuned.get("not_applied"):
+        doc.p(f"Not applied by publish: {tuned['not_applied']}.")
+    elif tuned:
+        doc.p(f"Published with the tuned settings {fmt(tuned.get('applied'))}" +
+              (f"; the config's own {fmt(tuned['config_wins'])} kept" if tuned.get("config_wins") else "") + ".")
+    img = _copy_image(work_dir / TUNE_DIR / PLOT_FILE, out_dir, PLOT_FILE)
+    if img:
+        doc.image(img, "Output tokens/s against each bounded P99, one point per setting")
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _section_chain(doc: Doc, chain: list[dict], work_dir: Path, manifests: dict) -> None:

@@ -1,0 +1,379 @@
+"""`invoke tune`: the serving settings that give the most goodput within the SLA, measured on real servers.
+
+What is searched (the ``cpu`` target; the GPU targets' settings cannot be measured on this machine and are
+refused with that reason): ``triton.max_running``, how many sequences the runtime runs at once (its KV pool
+is sized for them), and, with ``sla.p99_itl_ms`` set, ``triton.adaptive_batch`` (the runtime's EWMA
+controller). Each setting is published into a repository of its own and measured on its own server: the
+``bench.warmup_requests``, then ``tune.requests`` streamed requests of the bench's prompt and output lengths
+with ``tune.concurrency`` in flight (closed loop; default twice the highest bench level, so more clients
+than the server should run at once, which is where the limit matters).
+
+The search: the default first (the config as it is), then ``max_running`` halved, step by step, while the
+SLA is not kept (a smaller batch is what shortens the gap between tokens), or while halving still raises
+goodput by ``tune.min_gain``; the first halving that keeps the SLA and loses goodput ends it (smaller ones
+only lose more throughput). Then the adaptive controller, once. A setting is eligible when its P99s keep
+the SLA; the chosen one is the eligible setting with the most goodput, the default unless another beats it by
+``tune.min_gain`` (noise is not a gain). No eligible setting: nothing is written to apply, and the error names
+the best point and what bounds it.
+
+Then an A/B: the default and the chosen setting, both servers up, ``tune.ab_rounds`` rounds alternating
+which goes first. It must confirm the choice (``confirm``): the chosen setting's median P99s keep the SLA
+(else nothing is applied: the machine's noise is larger than the setting's margin), and where the default's
+medians keep it too with as much goodput, the default stays. Written (the folder replaced only when the
+tune succeeds; a failed tune's evidence goes to ``tune.failed/``): ``tune_results.json``,
+``tuned_settings.yaml`` (``pipeline.serving.tuned``: what publish applies), ``tune.md`` and
+``throughput_vs_p99.png``, and each server's log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+
+from pipeline import artifacts
+from pipeline.config import PipelineConfig
+from pipeline.errors import InputError, StageFailed
+from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
+from pipeline.serving.bench.load import Prompt, make_prompts
+from pipeline.serving.bench.metrics import METRICS_ARGS
+from pipeline.serving.bench.stats import SLA_NAMES
+from pipeline.serving.bench.target import Target, build_settings, read_repository, run_level, warm_up
+from pipeline.serving.publish import write_repository
+from pipeline.serving.server import server_for_target
+from pipeline.serving.tuned import (
+    FAILED_DIR,
+    FORMAT_VERSION,
+    PLOT_FILE,
+    RESULTS_FILE,
+    TABLE_FILE,
+    TUNE_DIR,
+    TUNED_FILE,
+    build_digest,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT = "default"
+
+Measure = Callable[[dict], dict]  # settings (triton keys) -> one measured level (bench.target.run_level's figures)
+
+
+# ---------------------------------------------------------------- the search and the choice (pure)
+
+
+def label_of(settings: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items()) or DEFAULT
+
+
+def _goodput(point: dict) -> float:
+    return point["level"]["sla"]["goodput_rps"]
+
+
+def _met(point: dict) -> bool:
+    return point["level"]["sla"]["met"]
+
+
+def search(measure: Measure, max_batch_size: int, adaptive: bool, min_gain: float) -> list[dict]:
+    """The measured points, in order: {"settings", "label", "level"} (the rule: this module's docstring)."""
+    points = [{"settings": {}, "label": DEFAULT, "level": measure({})}]
+
+    def better(a: dict, b: dict) -> bool:  # keeping the SLA first, then goodput by min_gain
+        if _met(a) != _met(b):
+            return _met(a)
+        return _goodput(a) > 0 and _goodput(a) >= _goodput(b) * (1 + min_gain)
+
+    best, limit = points[0], max_batch_size
+    while limit > 1:
+        limit //= 2
+        settings = {"max_running": limit}
+        point = {"settings": settings, "label": label_of(settings), "level": measure(settings)}
+        points.append(point)
+        if better(point, best):
+            best = point
+        elif _met(best):
+            break  # the SLA is kept at a larger limit and halving did not pay: smaller ones only lose throughput
+    if adaptive:
+        settings = {"adaptive_batch": True}
+        points.append({"settings": settings, "label": label_of(settings), "level": measure(settings)})
+    return points
+
+
+def choose(points: list[dict], min_gain: float) -> tuple[Optional[dict], str]:
+    """(the chosen point or None, why, in a sentence)."""
+    eligible = [p for p in points if _met(p)]
+    if not eligible:
+        best = max(points, key=_goodput)
+        p99 = best["level"]["sla"]["p99_ms"]
+        over = "; ".join(f"P99 {SLA_NAMES[m]} {p99[m]:.0f} ms" for m in best["level"]["sla"]["violations"])
+        return None, (f"no measured setting keeps the SLA: the best, {best['label']} ({_goodput(best):.2f} good "
+                      f"requests/s), is bound by {over}. Relax the SLA, lower tune.concurrency (less load), or "
+                      f"build for less (a smaller model or weight format)")
+    top = max(eligible, key=_goodput)
+    default = points[0]
+    if _met(default) and _goodput(top) < _goodput(default) * (1 + min_gain):
+        others = [p for p in eligible if p is not default]
+        other = max(others, key=_goodput) if others else None
+        return default, (f"the default is already the optimum: it keeps the SLA with {_goodput(default):.2f} good "
+                         f"requests/s and no other setting beat it by {min_gain:.0%} (" +
+                         (f"the best other: {other['label']}, {_goodput(other):.2f}" if other
+                          else "no other kept the SLA") + ")")
+    why = ("the default does not keep the SLA" if not _met(default)
+           else f"{_goodput(top) / _goodput(default):.2f}x the default's goodput")
+    return top, f"{top['label']} keeps the SLA with {_goodput(top):.2f} good requests/s: {why}"
+
+
+def ab_summary(rounds: list[dict], bounds: dict[str, float]) -> dict:
+    """Medians over the A/B rounds ({"default": level, "tuned": level} each) and tuned / default. A side keeps
+    the SLA (``sla_kept``) when its median P99 of each bounded latency is within the bound."""
+    out: dict = {"rounds": len(rounds)}
+    for side in ("default", "tuned"):
+        p99 = {m: statistics.median(r[side]["sla"]["p99_ms"][m] for r in rounds) for m in bounds
+               if all(r[side]["sla"]["p99_ms"].get(m) is not None for r in rounds)}
+        out[side] = {"goodput_rps": statistics.median(r[side]["sla"]["goodput_rps"] for r in rounds),
+                     "output_tokens_per_s": statistics.median(r[side]["output_tokens_per_s"] for r in rounds),
+                     "p99_ms": p99, "sla_kept": all(p99[m] <= b for m, b in bounds.items() if m in p99),
+                     "sla_met_rounds": sum(r[side]["sla"]["met"] for r in rounds)}
+    d, t = out["default"]["goodput_rps"], out["tuned"]["goodput_rps"]
+    out["goodput_ratio"] = t / d if d > 0 else None
+    out["output_tokens_per_s_ratio"] = out["tuned"]["output_tokens_per_s"] / out["default"]["output_tokens_per_s"]
+    return out
+
+
+def confirm(chosen: dict, ab: dict, bounds: dict[str, float]) -> tuple[Optional[dict], Optional[str]]:
+    """The A/B's verdict on a chosen setting other than the default: (the setting to apply or None, why, where
+    the A/B changes the choice). Its medians must keep the SLA; where the default's keep it too with more
+    goodput, the default stays."""
+    tuned, default = ab["tuned"], ab["default"]
+    if not tuned["sla_kept"]:
+        over = "; ".join(f"P99 {SLA_NAMES[m]} {v:.0f} ms > {bounds[m]:g} ms" for m, v in tuned["p99_ms"].items()
+                         if v > bounds[m])
+        return None, (f"the A/B did not confirm {chosen['label']}: over {ab['rounds']} alternating round(s) its "
+                      f"median {over}. The machine's noise is larger than the setting's margin: rerun with more "
+                      f"tune.ab_rounds, or relax the SLA")
+    if default["sla_kept"] and default["goodput_rps"] >= tuned["goodput_rps"]:
+        return {"settings": {}, "label": DEFAULT}, (
+            f"the default stays: in the A/B its median goodput ({default['goodput_rps']:.2f} req/s) kept the SLA "
+            f"and was not below {chosen['label']}'s ({tuned['goodput_rps']:.2f})")
+    return chosen, None
+
+
+# ---------------------------------------------------------------- measuring on real servers
+
+
+class _Servers:
+    """A repository and a server per setting, under ``root``; servers stopped by ``stop``/``stop_all``."""
+
+    def __init__(self, config: PipelineConfig, config_name: str, work_dir: Path, root: Path):
+        self.config, self.config_name, self.work_dir, self.root = config, config_name, work_dir, root
+        self.build_dir = artifacts.stage_dir(work_dir, "build")
+        self.settings = build_settings(self.build_dir)
+        self.running: dict[str, tuple] = {}
+
+    def start(self, settings: dict, warm: list[Prompt], concurrency: int) -> Target:
+        label = label_of(settings)
+        folder = self.root / "settings" / label.replace(", ", "_").replace("=", "-")
+        data = self.config.model_dump()
+        data["triton"].update(settings)
+        variant = PipelineConfig.model_validate(data)
+        repo = folder / artifacts.MODEL_REPOSITORY_DIR
+        write_repository(variant, self.config_name, self.work_dir, self.build_dir,
+                         artifacts.stage_dir(self.work_dir, "model") / artifacts.MODEL_DIR, repo)
+        repo, prov = read_repository(repo)
+        server = server_for_target("cpu", repo, log_path=folder / artifacts.SERVER_LOG_FILE, extra_args=METRICS_ARGS)
+        server.start()
+        target = Target(label, repo, prov, self.settings, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
+                        server=server)
+        self.running[label] = (server, folder)
+        warm_up(target, warm, min(len(warm), concurrency), self.config.bench)
+        return target
+
+    def stop(self, label: str) -> None:
+        server, folder = self.running.pop(label)
+        server.stop()
+        remove_tree(folder / artifacts.MODEL_REPOSITORY_DIR)  # links to the build: the log is what stays
+
+    def stop_all(self) -> None:
+        for label in list(self.running):
+            self.stop(label)
+
+
+def _measure_fn(servers: _Servers, warm: list[Prompt], measured: list[Prompt], concurrency: int,
+                sla: dict[str, float]) -> Measure:
+    def measure(settings: dict) -> dict:
+        target = servers.start(settings, warm, concurrency)
+        try:
+            level = run_level(target, measured, concurrency, servers.config.bench, sla)
+        finally:
+            servers.stop(target.label)
+        log.info("tune %s: goodput %.2f req/s, %.1f tok/s, SLA %s", target.label, level["sla"]["goodput_rps"],
+                 level["output_tokens_per_s"], "kept" if level["sla"]["met"] else
+                 "missed (" + ", ".join(level["sla"]["violations"]) + ")")
+        return level
+    return measure
+
+
+def _ab(servers: _Servers, chosen: dict, warm: list[Prompt], measured: list[Prompt], concurrency: int,
+        sla: dict[str, float], rounds: int) -> list[dict]:
+    """Default and chosen, both up, ``rounds`` rounds alternating which goes first."""
+    sides = {"default": servers.start({}, warm, concurrency), "tuned": servers.start(chosen["settings"], warm,
+                                                                                     concurrency)}
+    out = []
+    for k in range(rounds):
+        order = ["default", "tuned"] if k % 2 == 0 else ["tuned", "default"]
+        out.append({side: run_level(sides[side], measured, concurrency, servers.config.bench, sla) for side in order})
+        log.info("tune A/B round %d: goodput default %.2f, tuned %.2f req/s", k + 1,
+                 out[-1]["default"]["sla"]["goodput_rps"], out[-1]["tuned"]["sla"]["goodput_rps"])
+    return out
+
+
+# ---------------------------------------------------------------- the command
+
+
+def check_tunable(config: PipelineConfig) -> None:
+    """What `invoke tune` needs, refused before any work."""
+    if config.build.target != "cpu":
+        raise InputError(f"invoke tune measures settings on a real server, which this machine can run for the cpu "
+                         f"target only; the {config.build.target} target's settings (build.max_batch_size, "
+                         f"max_num_tokens, CUDA-graph sizes, the KV-cache fraction) are not tuned here")
+    if not config.sla.bounds():
+        raise InputError("invoke tune chooses settings against the SLA: set at least one of sla.p99_e2e_ms, "
+                         "sla.p99_ttft_ms, sla.p99_itl_ms (e.g. --set sla.p99_itl_ms=250)")
+    if not config.triton.decoupled:
+        raise InputError("invoke tune drives the streaming model, which needs triton.decoupled: true")
+
+
+def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
+    """Search, choose, A/B; write the evidence and the tuned settings into <work dir>/tune. Returns the results."""
+    check_tunable(config)
+    cfg, sla = config.tune, config.sla.bounds()
+    concurrency = cfg.concurrency or 2 * max(config.bench.concurrency)
+    staging = work_dir / artifacts.STAGING_DIR / f"tune-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    servers = _Servers(config, config_name, work_dir, staging)
+    if servers.settings is None:
+        raise InputError(f"{servers.build_dir} has no build settings: run `invoke build` first")
+    warm, measured = _prompts(config, work_dir, servers.settings)
+    try:
+        points = search(_measure_fn(servers, warm, measured, concurrency, sla), servers.settings["max_batch_size"],
+                        config.sla.p99_itl_ms is not None, cfg.min_gain)
+        chosen, why = choose(points, cfg.min_gain)
+        rounds = (_ab(servers, chosen, warm, measured, concurrency, sla, cfg.ab_rounds)
+                  if chosen is not None and chosen["settings"] else [])
+    finally:
+        servers.stop_all()
+    ab = ab_summary(rounds, sla) if rounds else None
+    if ab is not None and chosen is not None:
+        chosen, verdict = confirm(chosen, ab, sla)
+        why = f"{why}; {verdict}" if verdict else f"{why}; confirmed by the A/B"
+    results = {
+        "format_version": 1, "sla": sla,
+        "load": {"concurrency": concurrency, "requests": cfg.requests, "prompt_tokens": config.bench.prompt_tokens,
+                 "output_tokens": config.bench.output_tokens, "loop": "closed"},
+        "build_max_batch_size": servers.settings["max_batch_size"], "min_gain": cfg.min_gain,
+        "points": [{"label": p["label"], "settings": p["settings"], **_point_figures(p["level"])} for p in points],
+        "chosen": None if chosen is None else {"label": chosen["label"], "settings": chosen["settings"]},
+        "why": why,
+        "ab": {**ab, "per_round": [{s: _point_figures(r[s]) for s in r} for r in rounds]} if ab else None,
+    }
+    _write_evidence(results, points, staging)
+    if chosen is None:
+        failed = work_dir / FAILED_DIR
+        replace_dir(staging, failed)
+        raise StageFailed(f"tune: {why}. The measurements are in {failed}; nothing was applied (the previous "
+                          f"{TUNE_DIR}/ is kept).")
+    atomic_write_text(staging / TUNED_FILE, yaml.safe_dump({
+        "format_version": FORMAT_VERSION, "triton": chosen["settings"], "sla": sla,
+        "build_digest": build_digest(work_dir), "chosen_by": why}, sort_keys=False))
+    replace_dir(staging, work_dir / TUNE_DIR)
+    remove_tree(work_dir / FAILED_DIR)
+    log.info("tune: %s", why)
+    return results
+
+
+def _prompts(config: PipelineConfig, work_dir: Path, settings: dict) -> tuple[list[Prompt], list[Prompt]]:
+    """(warm-up prompts, measured prompts): the bench's lengths, from the evaluation text."""
+    from transformers import AutoTokenizer  # heavy: imported only when tune runs
+
+    bench = config.bench
+    if bench.prompt_tokens > settings["max_input_len"] or \
+            bench.prompt_tokens + bench.output_tokens > settings["max_seq_len"]:
+        raise InputError(f"bench.prompt_tokens {bench.prompt_tokens} + output_tokens {bench.output_tokens} do not "
+                         f"fit the build (max_input_len {settings['max_input_len']}, max_seq_len "
+                         f"{settings['max_seq_len']}); lower them")
+    bundle = artifacts.stage_dir(work_dir, "build") / artifacts.ARTIFACT_DIRS["cpu"] / "model"
+    tokenizer = AutoTokenizer.from_pretrained(str(bundle))
+    text = artifacts.stage_dir(work_dir, "text") / artifacts.EVALUATION_TEXT_FILE
+    prompts = make_prompts(text, tokenizer, bench.prompt_tokens, bench.warmup_requests + config.tune.requests)
+    return prompts[:bench.warmup_requests], prompts[bench.warmup_requests:]
+
+
+def _point_figures(level: dict) -> dict:
+    s = level["sla"]
+    return {"goodput_rps": s["goodput_rps"], "sla_met": s["met"], "violations": s["violations"],
+            "p99_ms": s["p99_ms"], "output_tokens_per_s": level["output_tokens_per_s"],
+            "requests_per_s": level["requests_per_s"], "e2e_p99_ms": level["e2e_ms"]["p99"],
+            "ttft_p99_ms": level["ttft_ms"]["p99"], "itl_p99_ms": level["itl_ms"].get("p99")}
+
+
+def _write_evidence(results: dict, points: list[dict], folder: Path) -> None:
+    atomic_write_text(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+    atomic_write_text(folder / TABLE_FILE, table_markdown(results))
+    plot_points(results, folder / PLOT_FILE)
+
+
+def table_markdown(results: dict) -> str:
+    """The measured settings as a Markdown table, the choice and the A/B under it."""
+    sla = ", ".join(f"P99 {SLA_NAMES[m]} <= {b:g} ms" for m, b in results["sla"].items())
+    load = results["load"]
+    lines = [f"SLA: {sla}. Load: {load['requests']} requests of {load['prompt_tokens']} + {load['output_tokens']} "
+             f"tokens, {load['concurrency']} in flight (closed loop).", "",
+             "| setting | goodput req/s | output tok/s | TTFT P99 ms | ITL P99 ms | e2e P99 ms | SLA |",
+             "|---|---|---|---|---|---|---|"]
+    for p in results["points"]:
+        itl = f"{p['itl_p99_ms']:.0f}" if p["itl_p99_ms"] is not None else "-"
+        lines.append(f"| {p['label']} | {p['goodput_rps']:.2f} | {p['output_tokens_per_s']:.1f} | "
+                     f"{p['ttft_p99_ms']:.0f} | {itl} | {p['e2e_p99_ms']:.0f} | "
+                     f"{'kept' if p['sla_met'] else 'missed: ' + ', '.join(p['violations'])} |")
+    lines += ["", f"Chosen: {results['why']}."]
+    ab = results.get("ab")
+    if ab:
+        ratio = f"{ab['goodput_ratio']:.2f}x" if ab["goodput_ratio"] is not None else "the default had none good"
+        lines.append(f"A/B over {ab['rounds']} alternating round(s), medians: goodput default "
+                     f"{ab['default']['goodput_rps']:.2f}, tuned {ab['tuned']['goodput_rps']:.2f} req/s ({ratio}); "
+                     f"output tok/s {ab['output_tokens_per_s_ratio']:.2f}x.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_points(results: dict, path: Path) -> None:
+    """Output tokens/s against each bounded P99 (one panel per SLA bound), a point per setting."""
+    import matplotlib  # heavy, and only the plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bounds = results["sla"]
+    fig, axes = plt.subplots(1, len(bounds), figsize=(5.2 * len(bounds), 4.2), squeeze=False)
+    for ax, (metric, bound) in zip(axes[0], bounds.items(), strict=True):
+        for p in results["points"]:
+            x = p["p99_ms"].get(metric)
+            if x is None:
+                continue
+            ax.plot(x, p["output_tokens_per_s"], "o", color="#2ca02c" if p["sla_met"] else "#d62728")
+            ax.annotate(p["label"], (x, p["output_tokens_per_s"]), textcoords="offset points", xytext=(5, 4),
+                        fontsize=8)
+        ax.axvline(bound, color="#7f7f7f", linestyle="--", label=f"SLA {bound:g} ms")
+        ax.set_xlabel(f"P99 {SLA_NAMES[metric]} latency (ms)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"throughput vs P99 {SLA_NAMES[metric]} per setting", fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
