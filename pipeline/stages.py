@@ -220,7 +220,7 @@ STAGES: list[StageDef] = [
     StageDef("build", "engine / LLM-API options / CPU runtime bundle / vLLM export", needs=("model", "text", "quantize"),
              sections=("build", *VLLM_ENGINE_FIELDS), run=_run_build, preflight=_build_preflight),
     StageDef("publish", "Triton model repository", needs=("model", "plan", "build"),
-             sections=("triton", "sla", "build.target", "build.trtllm_version", "image.base_tag",
+             sections=("triton", "sla.p99_itl_ms", "build.target", "build.trtllm_version", "image.base_tag",
                        "image.base_trtllm_version", "tune.apply"),
              external_inputs=_publish_fingerprint, run=_run_publish),
     StageDef("verify", "real Triton server checks", needs=("publish",), sections=("triton", "verify", "vllm.frontends"),

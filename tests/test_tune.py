@@ -152,7 +152,7 @@ def test_publish_applies_the_tuned_settings_the_config_leaves_unset(tmp_path):
     tuned, summary = apply_tuned(own, work)
     assert tuned.triton.max_running == 4 and summary["config_wins"] == {"max_running": 4}
     # the file's content is one of publish's inputs; tune.apply: false ignores it
-    assert tuned_fingerprint(cfg, work)["tuned_settings_sha256"]
+    assert tuned_fingerprint(cfg, work)["tuned_settings_sha256"] and tuned_fingerprint(cfg, work)["tuned_settings_apply"]
     off = load_config(DEFAULT_CPU_CONFIG, ["sla.p99_itl_ms=250", "tune.apply=false"]).config
     assert apply_tuned(off, work) == (off, {}) and tuned_fingerprint(off, work) == {}
 
@@ -162,6 +162,7 @@ def test_tuned_settings_for_another_sla_or_build_are_not_applied(tmp_path):
     other_sla = load_config(DEFAULT_CPU_CONFIG, ["sla.p99_itl_ms=100"]).config
     tuned, summary = apply_tuned(other_sla, work)
     assert tuned.triton.max_running is None and "tuned for the SLA" in summary["not_applied"]
+    assert tuned_fingerprint(other_sla, work)["tuned_settings_apply"] is False  # publish reruns when that changes
     (tmp_path / "build" / "manifest.json").write_text(json.dumps({"outputs": {"digest": "rebuilt"}}))
     cfg = load_config(DEFAULT_CPU_CONFIG, ["sla.p99_itl_ms=250"]).config
     assert "another build" in apply_tuned(cfg, work)[1]["not_applied"]

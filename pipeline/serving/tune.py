@@ -265,6 +265,12 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
         chosen, why = choose(points, cfg.min_gain)
         rounds = (_ab(servers, chosen, warm, measured, concurrency, sla, cfg.ab_rounds)
                   if chosen is not None and chosen["settings"] else [])
+    except Exception:
+        servers.stop_all()
+        replace_dir(staging, work_dir / FAILED_DIR)
+        log.error("tune: the servers' logs of this run are in %s (the previous %s/ is kept)", work_dir / FAILED_DIR,
+                  TUNE_DIR)
+        raise
     finally:
         servers.stop_all()
     ab = ab_summary(rounds, sla) if rounds else None

@@ -72,11 +72,23 @@ def read_tuned(path: Path) -> Optional[dict]:
 
 
 def tuned_fingerprint(config: PipelineConfig, work_dir: Path) -> dict:
-    """publish's outside input: the tuned settings file's content, where there is one and tune.apply holds."""
+    """publish's outside input: the tuned settings file's content and whether it applies (the SLA's bounds are
+    not publish's input otherwise), where there is one and tune.apply holds."""
     path = tuned_path(work_dir)
     if not config.tune.apply or not path.is_file():
         return {}
-    return {"tuned_settings_sha256": sha256_file(path)}
+    doc = read_tuned(path)
+    applies = doc is not None and _why_not(doc, config, work_dir) is None
+    return {"tuned_settings_sha256": sha256_file(path), "tuned_settings_apply": applies}
+
+
+def _why_not(doc: dict, config: PipelineConfig, work_dir: Path) -> Optional[str]:
+    """Why a tuned settings file does not apply to this config and build; None where it does."""
+    if doc["sla"] != config.sla.bounds():
+        return f"it was tuned for the SLA {doc['sla']}, and the config's is {config.sla.bounds()}"
+    if doc.get("build_digest") != build_digest(work_dir):
+        return "it was measured on another build than the current one"
+    return None
 
 
 def apply_tuned(config: PipelineConfig, work_dir: Path) -> tuple[PipelineConfig, dict]:
@@ -86,11 +98,7 @@ def apply_tuned(config: PipelineConfig, work_dir: Path) -> tuple[PipelineConfig,
     if doc is None:
         return config, {}
     where = f"{TUNE_DIR}/{TUNED_FILE}"
-    why_not = None
-    if doc["sla"] != config.sla.bounds():
-        why_not = f"it was tuned for the SLA {doc['sla']}, and the config's is {config.sla.bounds()}"
-    elif doc.get("build_digest") != build_digest(work_dir):
-        why_not = "it was measured on another build than the current one"
+    why_not = _why_not(doc, config, work_dir)
     if why_not:
         log.warning("publish: %s is not applied: %s; run `invoke tune` again", where, why_not)
         return config, {"file": where, "applied": {}, "not_applied": why_not}
