@@ -439,8 +439,11 @@ def _section_serving_settings(doc: Doc, work_dir: Path, out_dir: Path, publish: 
     doc.h(2, "Serving settings")
     r = _read_json(work_dir / TUNE_DIR / RESULTS_FILE)
     if r is None:
-        doc.p(f"Tuned: {NOT_RUN} (`invoke tune`, with an SLA set, measures the serving settings on real servers and "
-              f"republishes with the best one). The published repository uses the config's settings.")
+        target = dig(publish or {}, "summary", "target")
+        how = ("`invoke tune`, with an SLA set, measures the serving settings on real servers and republishes with "
+               "the best one" if target in ("cpu", None) else
+               f"`invoke tune` measures the cpu target's settings; the {target} target's are not tuned by it")
+        doc.p(f"Tuned: {NOT_RUN} ({how}). The published repository uses the config's settings.")
         return
     load = r["load"]
     doc.p(f"`invoke tune`: each setting published and measured on its own server under the same load "
