@@ -466,3 +466,12 @@ def test_invoke_tune_measures_settings_on_real_servers_and_republishes_with_the_
     publish = json.loads((work / "publish" / "manifest.json").read_text())["summary"]
     assert publish["tuned_settings"]["applied"] == results["chosen"]["settings"]
     assert not [c for c in me.children(recursive=True) if "tritonserver" in c.name()]
+
+    from pipeline.release.report.stage import write_report
+
+    (work / "report_check").mkdir()
+    write_report(work, work / "report_check", runner.loaded)  # the report's Serving settings section
+    page = (work / "report_check" / "index.md").read_text()
+    section = page[page.index("## Serving settings"):page.index("## Chain of content hashes")]
+    assert f"**Chosen**: {results['why']}." in section and "| default |" in section
+    assert "img/throughput_vs_p99.png" in section and (work / "report_check" / "img" / "throughput_vs_p99.png").is_file()
