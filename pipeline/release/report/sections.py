@@ -443,7 +443,7 @@ def _section_serving_settings(doc: Doc, work_dir: Path, out_dir: Path, publish: 
         how = ("`invoke tune`, with an SLA set, measures the serving settings on real servers and republishes with "
                "the best one" if target in ("cpu", None) else
                f"`invoke tune` measures the cpu target's settings; the {target} target's are not tuned by it")
-        doc.p(f"Tuned: {NOT_RUN} ({how}). The published repository uses the config's settings.")
+        doc.p(f"Not tuned ({how}): the published repository uses the config's settings.")
         return
     load = r["load"]
     doc.p(f"`invoke tune`: each setting published and measured on its own server under the same load "
