@@ -43,7 +43,14 @@ from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
 from pipeline.serving.bench.load import Prompt, make_prompts
 from pipeline.serving.bench.metrics import METRICS_ARGS
 from pipeline.serving.bench.stats import SLA_NAMES
-from pipeline.serving.bench.target import Target, build_settings, read_repository, run_level, warm_up
+from pipeline.serving.bench.target import (
+    Target,
+    build_settings,
+    check_lengths,
+    read_repository,
+    run_level,
+    warm_up,
+)
 from pipeline.serving.publish import write_repository
 from pipeline.serving.server import server_for_target
 from pipeline.serving.tuned import (
@@ -55,6 +62,7 @@ from pipeline.serving.tuned import (
     TUNE_DIR,
     TUNED_FILE,
     build_digest,
+    with_triton,
 )
 
 log = logging.getLogger(__name__)
@@ -178,11 +186,8 @@ class _Servers:
     def start(self, settings: dict, warm: list[Prompt], concurrency: int) -> Target:
         label = label_of(settings)
         folder = self.root / "settings" / label.replace(", ", "_").replace("=", "-")
-        data = self.config.model_dump()
-        data["triton"].update(settings)
-        variant = PipelineConfig.model_validate(data)
         repo = folder / artifacts.MODEL_REPOSITORY_DIR
-        write_repository(variant, self.config_name, self.work_dir, self.build_dir,
+        write_repository(with_triton(self.config, settings), self.config_name, self.work_dir, self.build_dir,
                          artifacts.stage_dir(self.work_dir, "model") / artifacts.MODEL_DIR, repo)
         repo, prov = read_repository(repo)
         server = server_for_target("cpu", repo, log_path=folder / artifacts.SERVER_LOG_FILE, extra_args=METRICS_ARGS)
@@ -307,11 +312,7 @@ def _prompts(config: PipelineConfig, work_dir: Path, settings: dict) -> tuple[li
     from transformers import AutoTokenizer  # heavy: imported only when tune runs
 
     bench = config.bench
-    if bench.prompt_tokens > settings["max_input_len"] or \
-            bench.prompt_tokens + bench.output_tokens > settings["max_seq_len"]:
-        raise InputError(f"bench.prompt_tokens {bench.prompt_tokens} + output_tokens {bench.output_tokens} do not "
-                         f"fit the build (max_input_len {settings['max_input_len']}, max_seq_len "
-                         f"{settings['max_seq_len']}); lower them")
+    check_lengths(bench, settings, "the build")
     bundle = artifacts.stage_dir(work_dir, "build") / artifacts.ARTIFACT_DIRS["cpu"] / "model"
     tokenizer = AutoTokenizer.from_pretrained(str(bundle))
     text = artifacts.stage_dir(work_dir, "text") / artifacts.EVALUATION_TEXT_FILE

@@ -91,6 +91,13 @@ def _why_not(doc: dict, config: PipelineConfig, work_dir: Path) -> Optional[str]
     return None
 
 
+def with_triton(config: PipelineConfig, settings: dict) -> PipelineConfig:
+    """``config`` with these triton keys set, validated again as a whole (raises pydantic's ValidationError)."""
+    data = config.model_dump()
+    data["triton"].update(settings)
+    return PipelineConfig.model_validate(data)
+
+
 def apply_tuned(config: PipelineConfig, work_dir: Path) -> tuple[PipelineConfig, dict]:
     """(the config with the tuned settings applied, what was applied and what was not, for the summary)."""
     path = tuned_path(work_dir)
@@ -105,10 +112,8 @@ def apply_tuned(config: PipelineConfig, work_dir: Path) -> tuple[PipelineConfig,
     explicit = config.triton.model_fields_set
     applied = {k: v for k, v in doc["triton"].items() if k not in explicit}
     config_wins = {k: getattr(config.triton, k) for k in doc["triton"] if k in explicit}
-    data = config.model_dump()
-    data["triton"].update(applied)
     try:
-        tuned = PipelineConfig.model_validate(data)
+        tuned = with_triton(config, applied)
     except ValidationError as e:
         raise InputError(f"{path}: its settings do not validate with this config ({e.errors()[0]['msg']}); run "
                          f"`invoke tune` again, or set tune.apply: false") from None

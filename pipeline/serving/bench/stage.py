@@ -109,7 +109,7 @@ def _resolve_targets(config: PipelineConfig, publish_dir: Path, build_dir: Optio
     if cfg.compare_repository is not None:
         targets.append(_baseline(cfg.compare_repository, prov))
     for t in targets:
-        check_lengths(cfg, t)
+        check_lengths(cfg, t.settings, t.label)
         if not config.triton.decoupled and t.label != BASELINE and not t.openai:
             raise InputError("bench drives the streaming model, which needs triton.decoupled: true")
     return targets

@@ -112,8 +112,7 @@ def goodput(requests: Sequence[dict], wall_s: float, bounds: dict[str, float]) -
 def sla_choice(levels: list[dict], bounds: dict[str, float]) -> dict:
     """The level to run at under the SLA: the highest throughput among the levels that keep it; none keeping
     it, the lowest level with what it missed by. With a sentence for the report."""
-    names = SLA_NAMES
-    sla = ", ".join(f"P99 {names[m]} <= {b:g} ms" for m, b in bounds.items())
+    sla = ", ".join(f"P99 {SLA_NAMES[m]} <= {b:g} ms" for m, b in bounds.items())
     kept = [l for l in levels if l["sla"]["met"]]
     if kept:
         best = max(kept, key=lambda l: l["output_tokens_per_s"])
@@ -123,7 +122,7 @@ def sla_choice(levels: list[dict], bounds: dict[str, float]) -> dict:
                             f"{best['output_tokens_per_s']:.1f} output tokens/s, goodput "
                             f"{best['sla']['goodput_rps']:.2f} requests/s"}
     low = levels[0]
-    missed = "; ".join(f"P99 {names[m]} {low['sla']['p99_ms'][m]:.0f} ms > {bounds[m]:g} ms"
+    missed = "; ".join(f"P99 {SLA_NAMES[m]} {low['sla']['p99_ms'][m]:.0f} ms > {bounds[m]:g} ms"
                        for m in low["sla"]["violations"])
     return {"met": False, "concurrency": None, "goodput_rps": max(l["sla"]["goodput_rps"] for l in levels),
             "output_tokens_per_s": None,

@@ -93,15 +93,14 @@ def build_settings(build_dir: Optional[Path]) -> Optional[dict]:
 # ---------------------------------------------------------------- checks before any load
 
 
-def check_lengths(cfg: BenchSection, target: Target) -> None:
-    """The prompt and the generated tokens must fit the build's limits, where they are known."""
-    settings = target.settings
+def check_lengths(cfg: BenchSection, settings: Optional[dict], label: str) -> None:
+    """The prompt and the generated tokens must fit the build's limits (``settings``), where they are known."""
     if not settings:
         return
     if cfg.prompt_tokens > settings["max_input_len"] or cfg.prompt_tokens + cfg.output_tokens > settings["max_seq_len"]:
         raise InputError(
             f"bench.prompt_tokens {cfg.prompt_tokens} + output_tokens {cfg.output_tokens} do not fit "
-            f"{target.label}'s limits (max_input_len {settings['max_input_len']}, max_seq_len "
+            f"{label}'s limits (max_input_len {settings['max_input_len']}, max_seq_len "
             f"{settings['max_seq_len']}); lower them"
         )
 
