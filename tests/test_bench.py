@@ -475,3 +475,19 @@ def test_invoke_tune_measures_settings_on_real_servers_and_republishes_with_the_
     section = page[page.index("## Serving settings"):page.index("## Chain of content hashes")]
     assert f"**Chosen**: {results['why']}." in section and "| default |" in section
     assert "img/throughput_vs_p99.png" in section and (work / "report_check" / "img" / "throughput_vs_p99.png").is_file()
+
+
+def test_prompt_and_output_lengths_must_fit_the_build():
+    """bench and tune refuse a request mix the build cannot hold, naming what to lower."""
+    from pipeline.config import BenchSection
+    from pipeline.errors import InputError
+    from pipeline.serving.bench.target import check_lengths
+
+    settings = {"max_input_len": 64, "max_seq_len": 128}
+    check_lengths(BenchSection(prompt_tokens=64, output_tokens=64), settings, "this build")
+    check_lengths(BenchSection(prompt_tokens=4096), None, "a repository without build settings")
+    with pytest.raises(InputError, match=r"prompt_tokens 64 \+ output_tokens 65 do not fit the build's limits "
+                                         r"\(max_input_len 64, max_seq_len 128\)"):
+        check_lengths(BenchSection(prompt_tokens=64, output_tokens=65), settings, "the build")
+    with pytest.raises(InputError, match="do not fit this build's limits"):
+        check_lengths(BenchSection(prompt_tokens=65, output_tokens=1), settings, "this build")
