@@ -96,13 +96,16 @@ def clean(c, config=None, set=None, work_root=str(WORK_ROOT)):
         print(f"removed {commands.clean(config, set or [], Path(work_root))}")
 
 
-@task(iterable=["set"], help={**CONFIG_HELP, "verbose": RUN_HELP["verbose"]})
-def tune(c, config=None, set=None, work_root=str(WORK_ROOT), verbose=False):
-    """Measure the cpu target's serving settings (running-sequence limit, adaptive batching) against the SLA on
-    real servers, write the evidence and the chosen settings to <work dir>/tune, and republish with them."""
+@task(iterable=["set"], help={**CONFIG_HELP, "verbose": RUN_HELP["verbose"],
+                               "results": "choose from points measured elsewhere (a tune_results.json of the GPU "
+                                          "machine's `invoke tune`) instead of measuring"})
+def tune(c, config=None, set=None, work_root=str(WORK_ROOT), verbose=False, results=None):
+    """Measure serving settings against the SLA on real servers (cpu target here; tensorrt/pytorch where the
+    image's tritonserver runs, else write the plan of points to <work dir>/tune_plan.yaml), write the evidence
+    and the chosen settings to <work dir>/tune, and republish with them."""
     commands.setup_logging(verbose)
     with commands.user_errors():
-        commands.tune(config, set or [], Path(work_root))
+        commands.tune(config, set or [], Path(work_root), results=Path(results) if results else None)
 
 
 @task(iterable=["set"], help={**CONFIG_HELP, "http_port": "HTTP port (default 8000)",

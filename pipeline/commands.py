@@ -118,19 +118,42 @@ def serve(config: Optional[str], overrides: Sequence[str], work_root: Path, **po
     serve_published(runner.work_dir, frontend=runner.loaded.config.vllm.frontends[0], **ports)
 
 
-def tune(config: Optional[str], overrides: Sequence[str], work_root: Path) -> dict:
-    """Measure serving settings against the SLA (pipeline/serving/tune.py), then republish with the chosen ones."""
-    from pipeline.serving.tune import check_tunable, run_tune  # starts servers: imported when asked for
+def tune(config: Optional[str], overrides: Sequence[str], work_root: Path, results: Optional[Path] = None) -> dict:
+    """Measure serving settings against the SLA (pipeline/serving/tune.py), then republish with the chosen ones.
+    A GPU target where no tritonserver runs: write the plan of points instead. ``results``: choose from points
+    measured elsewhere."""
+    from pipeline.serving import tune as tuning  # starts servers: imported when asked for
+    from pipeline.serving.server import gpu_server_binary
+    from pipeline.serving.tuned import build_digest
 
     runner = open_runner(config, overrides, work_root)
-    print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
-    check_tunable(runner.loaded.config)
-    runner.run(["build", "text"])  # what the settings are measured on, up to date
-    with WorkDirLock(runner.work_dir):
-        results = run_tune(runner.loaded.config, runner.loaded.name, runner.work_dir)
-    print(f"tune: {results['why']}")
+    cfg, work_dir = runner.loaded.config, runner.work_dir
+    print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {work_dir}")
+    tuning.check_tunable(cfg)
+    if results is not None:
+        with WorkDirLock(work_dir):
+            out = tuning.apply_results(cfg, work_dir, results)
+        print(f"tune: {out['why']}")
+        if out["build_digest"] != build_digest(work_dir):
+            print(f"tune: {tuning.TUNE_DIR}/{tuning.TUNED_FILE} applies to the build it was measured on, which is "
+                  f"not in this work dir: publish applies it where that build is (copy the file into that work "
+                  f"dir's {tuning.TUNE_DIR}/)")
+            return out
+    elif cfg.build.target in tuning.GPU_TARGETS and gpu_server_binary() is None:
+        with WorkDirLock(work_dir):
+            out = tuning.write_plan(cfg, runner.loaded.name, work_dir)
+        print(f"tune: {out['why']}")
+        for point in out["points"]:
+            print(f"  - {point['label']}")
+        print(f"tune: {tuning.PLAN_HOW.format(results=f'{tuning.TUNE_DIR}/{tuning.RESULTS_FILE}')}")
+        return out
+    else:
+        runner.run(["build", "text"])  # what the settings are measured on, up to date
+        with WorkDirLock(work_dir):
+            out = tuning.run_tune(cfg, runner.loaded.name, work_dir)
+        print(f"tune: {out['why']}")
     runner.run(["publish"])  # publish applies the tuned settings file: its content is one of publish's inputs
-    return results
+    return out
 
 
 def image(config: Optional[str], overrides: Sequence[str], work_root: Path, *, push: bool = False,

@@ -480,12 +480,20 @@ class TritonSection(Strict):
     overwrite: bool = False  # replace models in repository_dir that this pipeline did not write
     apply_chat_template: bool = False  # wrap prompts in the tokenizer's chat template unless a request says
     cpu_threads: int = Field(0, ge=0, le=1024)  # cpu target: torch threads in the server (0: torch's default)
-    # cpu target: the runtime adapts how many sequences run at once to keep its step time (the gap between two
-    # tokens of a sequence) at sla.p99_itl_ms (pipeline/engines/cpu_runtime.py AdaptiveBatchLimit)
+    # The batch size adapts at run time. cpu target: the runtime keeps its step time (the gap between two tokens
+    # of a sequence) at sla.p99_itl_ms (pipeline/engines/cpu_runtime.py AdaptiveBatchLimit). pytorch target:
+    # TensorRT-LLM's own tuning (scheduler_config.dynamic_batch_config: batch size and max_num_tokens from
+    # moving averages of the requests' lengths; pipeline/engines/trtllm/targets.py serving_llm_api_options).
     adaptive_batch: bool = False
-    # cpu target: at most this many sequences run at once (None: build.max_batch_size, the most it can be); the
-    # KV pool is sized for them. `invoke tune` measures it against the SLA.
+    # At most this many sequences run at once (None: build.max_batch_size, the most it can be). cpu target: the
+    # runtime's KV pool is sized for them; pytorch target: the LLM API's max_batch_size (CUDA graphs captured up
+    # to it). The tensorrt engine's limit is build.max_batch_size itself. `invoke tune` measures it.
     max_running: Optional[int] = Field(None, ge=1)
+    # GPU targets (tensorrt, pytorch): the executor's capacity scheduler (None: guaranteed_no_evict, the
+    # backend's default). max_utilization packs more sequences and may pause some when the KV cache fills.
+    scheduler_policy: Optional[Literal["guaranteed_no_evict", "max_utilization"]] = None
+    # GPU targets: the share of free GPU memory given to the KV cache at load (None: build.kv_cache's).
+    kv_cache_free_gpu_memory_fraction: Optional[float] = Field(None, gt=0, le=1)
 
     @field_validator("repository_dir")
     @classmethod
@@ -734,23 +742,35 @@ class PipelineConfig(Strict):
                 f"the plan decides {q.weight_format} layers on the sensitivity column {decision}: "
                 f"add {decision} to sensitivity.formats (now {list(self.sensitivity.formats)})"
             )
-        if self.triton.adaptive_batch and (b.target != "cpu" or self.sla.p99_itl_ms is None):
-            raise ValueError(
-                "triton.adaptive_batch keeps the cpu runtime's step time at sla.p99_itl_ms: it needs build.target: "
-                f"cpu (not {b.target}) and sla.p99_itl_ms set (now {self.sla.p99_itl_ms})"
-            )
-        if self.triton.max_running is not None and (b.target != "cpu" or self.triton.max_running > b.max_batch_size):
-            raise ValueError(
-                f"triton.max_running {self.triton.max_running}: the cpu runtime's limit on sequences run at once, "
-                f"at most build.max_batch_size ({b.max_batch_size}); " + (
-                    f"the {b.target} target's limit is build.max_batch_size itself" if b.target != "cpu"
-                    else "lower it, or raise build.max_batch_size (a rebuild)"))
+        _check_serving_keys(self.triton, b, self.sla)
         if max(self.bench.concurrency) > b.max_batch_size * self.triton.instance_count * 4:
             raise ValueError(
                 f"bench.concurrency goes up to {max(self.bench.concurrency)}, far beyond what "
                 f"max_batch_size {b.max_batch_size} x {self.triton.instance_count} instance(s) can serve"
             )
         return self
+
+
+def _check_serving_keys(t: TritonSection, b: BuildSection, sla: SlaSection) -> None:
+    """The triton keys that set how the runtime batches, held to the targets whose runtime has the setting."""
+    if t.adaptive_batch and not (b.target == "pytorch" or (b.target == "cpu" and sla.p99_itl_ms is not None)):
+        raise ValueError(
+            "triton.adaptive_batch: the cpu runtime keeps its step time at sla.p99_itl_ms (build.target: cpu with "
+            "sla.p99_itl_ms set), and the pytorch target turns on TensorRT-LLM's dynamic batch tuning; "
+            + ("sla.p99_itl_ms is not set" if b.target == "cpu" else
+               f"the {b.target} target has no such setting at run time" + (
+                   " (the tensorrtllm backend reads no dynamic-batch parameter: use build.target: pytorch)"
+                   if b.target == "tensorrt" else "")))
+    if t.max_running is not None and (b.target not in ("cpu", "pytorch") or t.max_running > b.max_batch_size):
+        raise ValueError(
+            f"triton.max_running {t.max_running}: the runtime's limit on sequences run at once (cpu and pytorch "
+            f"targets), at most build.max_batch_size ({b.max_batch_size}); " + (
+                f"the {b.target} target's limit is build.max_batch_size itself" if b.target not in ("cpu", "pytorch")
+                else "lower it, or raise build.max_batch_size (a rebuild)"))
+    gpu_only = [k for k in ("scheduler_policy", "kv_cache_free_gpu_memory_fraction") if getattr(t, k) is not None]
+    if gpu_only and b.target not in ("tensorrt", "pytorch"):
+        raise ValueError(f"triton.{gpu_only[0]} sets TensorRT-LLM's executor (build.target: tensorrt or pytorch); "
+                         f"the {b.target} target has no such setting")
 
 
 def _check_vllm(cfg: PipelineConfig) -> None:

@@ -222,6 +222,29 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
                              "world_size": 1, "tensorrt_llm_model": names.tensorrt_llm}
 
 
+def test_the_serving_keys_reach_the_gpu_targets_runtime_without_a_rebuild(setup):
+    """triton.max_running / scheduler_policy / kv_cache_free_gpu_memory_fraction / adaptive_batch (what `invoke
+    tune` chooses on a GPU): written into the published LLM-API options or backend parameters; the build's own
+    files stay as they are."""
+    load, work, run = setup
+    keys = ["triton.scheduler_policy=max_utilization", "triton.kv_cache_free_gpu_memory_fraction=0.95"]
+    _, snap = run(load("pytorch", "triton.max_running=2", "triton.adaptive_batch=true", *keys))
+    names = pub.model_names("llm")
+    built = yaml.safe_load((work / "build" / "llm_api" / artifacts.LLM_API_OPTIONS_FILE).read_text())
+    text = (snap / names.tensorrt_llm / "1" / artifacts.LLM_API_OPTIONS_FILE).read_text()
+    served = yaml.safe_load(text)
+    assert "changed: cuda_graph_config, kv_cache_config, max_batch_size, scheduler_config" in text.splitlines()[0]
+    assert served["max_batch_size"] == 2 and built["max_batch_size"] == 4
+    assert served["cuda_graph_config"]["batch_sizes"] == [1, 2]
+    assert served["kv_cache_config"]["free_gpu_memory_fraction"] == 0.95
+    assert served["scheduler_config"]["capacity_scheduler_policy"] == "MAX_UTILIZATION"
+    assert served["scheduler_config"]["dynamic_batch_config"]["enable_batch_size_tuning"] is True
+    _, snap = run(load("tensorrt", *keys))
+    params = _params(_configs(snap)[names.tensorrt_llm])
+    assert params["batch_scheduler_policy"] == "max_utilization"
+    assert params["kv_cache_free_gpu_mem_fraction"] == "0.95"
+
+
 def test_a_vllm_repository_serves_one_export_to_triton_and_to_vllms_server(setup):
     """The vllm target publishes every model of the other targets, its tensorrt_llm model being the vLLM
     Python-backend model (same I/O) over the export, and vLLM's OpenAI server starts from that same folder."""

@@ -11,10 +11,23 @@ import yaml
 from conftest import DEFAULT_CONFIG as DEFAULT_CPU_CONFIG
 from conftest import REPO
 
+from pipeline import commands
 from pipeline.config import load_config
+from pipeline.engines.trtllm.targets import serving_llm_api_options
 from pipeline.errors import ConfigError, InputError
-from pipeline.serving.tune import ab_summary, check_tunable, choose, confirm, plot_points, search, table_markdown
-from pipeline.serving.tuned import TUNE_DIR, TUNED_FILE, apply_tuned, tuned_fingerprint
+from pipeline.serving.tune import (
+    RESULTS_FILE,
+    ab_summary,
+    apply_results,
+    check_tunable,
+    choose,
+    confirm,
+    gpu_plan,
+    plot_points,
+    search,
+    table_markdown,
+)
+from pipeline.serving.tuned import PLAN_FILE, TUNE_DIR, TUNED_FILE, apply_tuned, tuned_fingerprint, with_triton
 
 ITL = {"itl_ms": 250.0}
 
@@ -109,11 +122,11 @@ def test_the_ab_confirms_a_choice_only_when_its_medians_keep_the_sla():
     assert default["settings"] == {} and why.startswith("the default stays")
 
 
-def test_tune_refuses_a_gpu_target_and_a_missing_sla():
+def test_tune_refuses_the_vllm_target_and_a_missing_sla():
     with pytest.raises(InputError, match="set at least one of sla.p99_e2e_ms"):
         check_tunable(load_config(DEFAULT_CPU_CONFIG).config)
     vllm = load_config(REPO / "engine_configs" / "smollm2-135m-vllm.yaml", ["sla.p99_itl_ms=200"]).config
-    with pytest.raises(InputError, match="the cpu target only; the vllm target's settings"):
+    with pytest.raises(InputError, match="the vllm target's .*are not tuned by it"):
         check_tunable(vllm)
 
 
@@ -174,3 +187,104 @@ def test_a_malformed_tuned_file_is_a_clear_error(tmp_path, text):
     work = work_dir_with(tmp_path, text)
     with pytest.raises(InputError, match="run `invoke tune` again or delete it"):
         apply_tuned(load_config(DEFAULT_CPU_CONFIG, ["sla.p99_itl_ms=250"]).config, work)
+
+
+# ---------------------------------------------------------------- the GPU targets: a plan here, results from the GPU
+
+H100 = REPO / "engine_configs" / "llama-3.1-8b-h100-fp8.yaml"
+PYTORCH = ["build.target=pytorch", "quantization.export_hf_checkpoint=true"]
+
+
+def test_the_gpu_plan_tunes_what_each_targets_runtime_reads_and_leaves_the_configs_own_keys():
+    pytorch = load_config(H100, PYTORCH + ["sla.p99_itl_ms=50"]).config
+    assert gpu_plan(pytorch) == [{}, {"scheduler_policy": "max_utilization"},
+                                 {"kv_cache_free_gpu_memory_fraction": 0.95}, {"max_running": 64},
+                                 {"max_running": 32}, {"adaptive_batch": True}]
+    for settings in gpu_plan(pytorch):
+        with_triton(pytorch, settings)  # every point is a config this target accepts
+    # the tensorrt engine's batch limit is a build setting and its backend reads no dynamic-batch parameter
+    tensorrt = load_config(H100, ["sla.p99_itl_ms=50"]).config
+    assert gpu_plan(tensorrt) == [{}, {"scheduler_policy": "max_utilization"},
+                                  {"kv_cache_free_gpu_memory_fraction": 0.95}]
+    own = load_config(H100, ["sla.p99_itl_ms=50", "triton.scheduler_policy=guaranteed_no_evict"]).config
+    assert {"scheduler_policy": "max_utilization"} not in gpu_plan(own)  # the config's value wins at publish
+
+
+def test_the_serving_keys_are_refused_where_the_targets_runtime_has_no_such_setting():
+    with pytest.raises(ConfigError, match="the tensorrtllm backend reads no dynamic-batch parameter"):
+        load_config(H100, ["triton.adaptive_batch=true"])
+    with pytest.raises(ConfigError, match="the tensorrt target's limit is build.max_batch_size itself"):
+        load_config(H100, ["triton.max_running=8"])
+    with pytest.raises(ConfigError, match="triton.scheduler_policy sets TensorRT-LLM's executor"):
+        load_config(DEFAULT_CPU_CONFIG, ["triton.scheduler_policy=max_utilization"])
+    with pytest.raises(ConfigError, match="triton.kv_cache_free_gpu_memory_fraction"):
+        load_config(DEFAULT_CPU_CONFIG, ["triton.kv_cache_free_gpu_memory_fraction=0.5"])
+    assert load_config(H100, PYTORCH + ["triton.adaptive_batch=true"]).config.triton.adaptive_batch  # no SLA needed
+
+
+def test_invoke_tune_on_a_gpu_target_without_tritonserver_writes_the_plan(tmp_path, capsys):
+    out = commands.tune(str(H100), PYTORCH + ["sla.p99_itl_ms=50"], tmp_path)
+    plan = yaml.safe_load((tmp_path / "llama-3.1-8b-h100-fp8" / PLAN_FILE).read_text())
+    assert [p["settings"] for p in plan["points"]] == [p["settings"] for p in out["points"]]
+    assert plan["target"] == "pytorch" and plan["sla"] == {"itl_ms": 50.0} and plan["build_digest"] is None
+    assert plan["load"]["loop"] == "closed" and "invoke tune --results FILE" in plan["how"]
+    printed = capsys.readouterr().out
+    assert "no tritonserver here" in printed and "- max_running=64" in printed
+
+
+def gpu_results(*measured: tuple[dict, float, float]) -> dict:
+    """A tune_results.json as the GPU machine's `invoke tune` writes it (the fields apply_results reads), from
+    (settings, goodput, ITL P99) per point; every point claims to keep the SLA."""
+    points = []
+    for settings, goodput, itl in measured:
+        points.append({"label": ", ".join(f"{k}={v}" for k, v in settings.items()) or "default",
+                       "settings": settings, "goodput_rps": goodput, "sla_met": True,
+                       "violations": [], "p99_ms": {"itl_ms": itl}, "output_tokens_per_s": 100 * goodput,
+                       "requests_per_s": goodput, "ttft_p99_ms": 80.0, "itl_p99_ms": itl, "e2e_p99_ms": 900.0})
+    return {"format_version": 1, "target": "pytorch", "sla": {"itl_ms": 50.0}, "build_digest": "gpu-build",
+            "load": {"concurrency": 64, "requests": 32, "prompt_tokens": 128, "output_tokens": 64, "loop": "closed"},
+            "points": points}
+
+
+def test_results_measured_on_the_gpu_are_chosen_from_here_and_applied_to_that_build(tmp_path):
+    cfg = load_config(H100, PYTORCH + ["sla.p99_itl_ms=50"]).config
+    # max_running=64 claims the SLA but its P99 is over the bound: judged again here, it is not eligible
+    doc = gpu_results(({}, 4.0, 45.0), ({"max_running": 64}, 9.0, 60.0),
+                      ({"scheduler_policy": "max_utilization"}, 5.0, 48.0))
+    path = tmp_path / RESULTS_FILE
+    path.write_text(json.dumps(doc))
+    work = tmp_path / "work"
+    results = apply_results(cfg, work, path)
+    assert results["chosen"]["settings"] == {"scheduler_policy": "max_utilization"}
+    assert results["points"][1]["sla_met"] is False and results["points"][1]["violations"] == ["itl_ms"]
+    tuned = yaml.safe_load((work / TUNE_DIR / TUNED_FILE).read_text())
+    assert tuned["triton"] == {"scheduler_policy": "max_utilization"} and tuned["build_digest"] == "gpu-build"
+    assert "measured elsewhere" in (work / TUNE_DIR / "tune.md").read_text()
+    # where that build is, publish applies it: the LLM-API options the server loads carry the policy
+    (work / "build").mkdir()
+    (work / "build" / "manifest.json").write_text(json.dumps({"outputs": {"digest": "gpu-build"}}))
+    applied, summary = apply_tuned(cfg, work)
+    assert summary["applied"] == {"scheduler_policy": "max_utilization"}
+    opts = serving_llm_api_options({"max_batch_size": 128, "kv_cache_config": {"free_gpu_memory_fraction": 0.9}},
+                                   applied.triton)
+    assert opts["scheduler_config"] == {"capacity_scheduler_policy": "MAX_UTILIZATION"}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(sla={"itl_ms": 80.0}), "measured against the SLA"),
+    (lambda d: d["points"][1].update(settings={"instance_count": 2}), r"points\[1\]: settings must be a mapping of"),
+    (lambda d: d["points"][1].update(settings={"max_running": 500}), r"points\[1\]: settings .* do not validate"),
+    (lambda d: d["points"][1].pop("goodput_rps"), "missing or not a number: goodput_rps"),
+    (lambda d: d["points"].pop(0), "the first point must be the default"),
+    (lambda d: d.pop("build_digest"), "missing: build_digest"),
+])
+def test_a_results_file_that_does_not_fit_the_config_is_refused_before_anything_is_written(tmp_path, change,
+                                                                                              message):
+    cfg = load_config(H100, PYTORCH + ["sla.p99_itl_ms=50"]).config
+    doc = gpu_results(({}, 4.0, 45.0), ({"max_running": 64}, 5.0, 40.0))
+    change(doc)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=message):
+        apply_results(cfg, tmp_path / "work", path)
+    assert not (tmp_path / "work" / TUNE_DIR).exists()

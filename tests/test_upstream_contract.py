@@ -282,11 +282,17 @@ def test_the_pytorch_targets_llm_api_options_and_sampling_params_are_upstream_fi
     facts = upstream("llm_api_fields.json")
     names = lambda section: {f["name"] for f in facts[section]["fields"]}  # noqa: E731
     top = names("BaseLlmArgs") | names("TorchLlmArgs")
-    nested = {"kv_cache_config": names("KvCacheConfig"), "cuda_graph_config": names("CudaGraphConfig")}
-    for key, kind in options.LLM_API_OPTIONS.items():
-        assert key in top, key
-        if isinstance(kind, dict):
-            assert {k for k in kind if k != "nullable"} <= nested[key], key
+    nested = {"kv_cache_config": names("KvCacheConfig"), "cuda_graph_config": names("CudaGraphConfig"),
+              "scheduler_config": names("SchedulerConfig"), "dynamic_batch_config": names("DynamicBatchConfig")}
+
+    def check(table: dict) -> None:
+        for key, kind in table.items():
+            if isinstance(kind, dict):
+                assert {k for k in kind if k != "nullable"} <= nested[key], key
+                check({k: v for k, v in kind.items() if k != "nullable"})
+
+    assert set(options.LLM_API_OPTIONS) <= top, set(options.LLM_API_OPTIONS) - top
+    check(options.LLM_API_OPTIONS)
     tree = ast.parse((REPO_ROOT / "triton_repo" / "tensorrt_llm_pytorch" / "model.py").read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and n.func.attr == "_sampling"]
@@ -305,3 +311,40 @@ def test_the_hf_unified_checkpoint_names_algos_the_loader_knows():
         assert kv is None or kv in facts["quant_algo_enum"]["KV_CACHE_QUANT_ALGO_LIST"]
     read = {f["json_path"] for f in facts["fields_read"]}
     assert {"quantization.quant_algo", "quantization.kv_cache_quant_algo", "quantization.quantized_layers"} <= read
+
+
+def test_the_serving_keys_reach_the_llm_api_and_the_backend_as_upstream_names_and_values():
+    """triton.max_running / scheduler_policy / kv_cache_free_gpu_memory_fraction / adaptive_batch, as publish
+    hands them to each GPU target: the pytorch target's LLM-API options, the tensorrt target's parameters."""
+    facts = upstream("llm_api_fields.json")
+    fp8 = REPO_ROOT / "engine_configs" / "llama-3.1-8b-h100-fp8.yaml"
+    keys = ["triton.scheduler_policy=max_utilization", "triton.kv_cache_free_gpu_memory_fraction=0.95"]
+    cfg = load_config(fp8, ["build.target=pytorch", "quantization.export_hf_checkpoint=true",
+                            "triton.max_running=48", "triton.adaptive_batch=true", *keys]).config
+    built = targets.llm_api_options(cfg)
+    served = targets.serving_llm_api_options(built, cfg.triton)
+    assert options.check_llm_api_options(served) == []
+    assert served["max_batch_size"] == 48 and built["max_batch_size"] == 128
+    assert served["cuda_graph_config"]["batch_sizes"] == [1, 2, 4, 8, 16, 32, 48]  # none beyond the batch limit
+    assert served["kv_cache_config"]["free_gpu_memory_fraction"] == 0.95
+    policy = next(f for f in facts["SchedulerConfig"]["fields"] if f["name"] == "capacity_scheduler_policy")
+    assert served["scheduler_config"]["capacity_scheduler_policy"] in policy["enum_values"]
+    dynamic = served["scheduler_config"]["dynamic_batch_config"]
+    # DynamicBatchConfig's three fields have no default upstream: all are written
+    assert set(dynamic) == {f["name"] for f in facts["DynamicBatchConfig"]["fields"]}
+    assert dynamic["dynamic_batch_moving_average_window"] == facts["DynamicBatchConfig"]["window_default"]["value"]
+    assert targets.serving_llm_api_options(built, load_config(fp8, ["build.target=pytorch",
+                                           "quantization.export_hf_checkpoint=true"]).config.triton) == built
+    # the tensorrt target: the same keys as the backend's parameters, values it parses
+    cfg = load_config(fp8, keys).config
+    facts = rules.facts_from_config(cfg)
+    settings = build_settings(cfg, "tensorrt", "engine", facts.kv_cache_quant_algo,
+                              rules.cuda_graph_settings(cfg.build), cfg.build.trtllm_version, {}, "ab" * 32,
+                              enable_chunked_context=True)
+    names = pub.model_names(cfg.triton.model_name)
+    params = pub.build_model_configs(cfg.triton, settings, names, 1, "/models")[names.tensorrt_llm].parameters
+    backend = {p["key"]: p for p in upstream("tensorrtllm_backend_parameters.json")["parameters"]}
+    assert params["batch_scheduler_policy"].string_value == "max_utilization"
+    assert "max_utilization" in backend["batch_scheduler_policy"]["note"]  # accepted: max_utilization | ...
+    assert params["kv_cache_free_gpu_mem_fraction"].string_value == "0.95"
+    assert _backend_parses(backend["kv_cache_free_gpu_mem_fraction"]["type"], "0.95")

@@ -46,7 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import yaml
+
 from pipeline import __version__, artifacts, constants
+from pipeline.engines.trtllm.targets import serving_llm_api_options
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed, UserError
 from pipeline.fsutil import (
     atomic_write_json,
@@ -231,9 +234,10 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
             "tokenizer_dir": f"{serving_root}/{names.preprocessing}/{version}/{artifacts.TOKENIZER_DIR}",
             "guided_decoding_backend": "",
             "xgrammar_tokenizer_info_path": "",
-            "batch_scheduler_policy": "guaranteed_no_evict",
+            "batch_scheduler_policy": triton.scheduler_policy or "guaranteed_no_evict",
             "max_beam_width": 1,
-            "kv_cache_free_gpu_mem_fraction": kv["free_gpu_memory_fraction"],
+            "kv_cache_free_gpu_mem_fraction": (triton.kv_cache_free_gpu_memory_fraction
+                                               or kv["free_gpu_memory_fraction"]),
             "enable_kv_cache_reuse": kv["enable_block_reuse"],
             "enable_chunked_context": settings["enable_chunked_context"],
             "cuda_graph_mode": graphs["cuda_graph_mode"],
@@ -505,7 +509,8 @@ def assemble(config, settings: dict, artifact: Path, tokenizer_dir: Path, names:
         _link_tree(artifact, llm_dir / artifacts.ARTIFACT_DIRS["vllm"])
     elif target == "pytorch":
         _copy_sources("tensorrt_llm_pytorch", llm_dir)
-        shutil.copy2(artifact / artifacts.LLM_API_OPTIONS_FILE, llm_dir / artifacts.LLM_API_OPTIONS_FILE)
+        _write_llm_api_options(config.triton, artifact / artifacts.LLM_API_OPTIONS_FILE,
+                               llm_dir / artifacts.LLM_API_OPTIONS_FILE)
         _link_tree(artifact / "checkpoint", llm_dir / "checkpoint")
     else:
         _link_tree(artifact, llm_dir / artifacts.ARTIFACT_DIRS["tensorrt"])
@@ -517,6 +522,20 @@ def assemble(config, settings: dict, artifact: Path, tokenizer_dir: Path, names:
         if name in texts:
             (repo / name / artifacts.MODEL_CONFIG_FILE).write_text(texts[name])
     return configs
+
+
+def _write_llm_api_options(triton, built: Path, dest: Path) -> None:
+    """The pytorch target's LLM-API options: the build's file as it is, or, where the triton section sets a
+    serving key (max_running, scheduler_policy, kv_cache_free_gpu_memory_fraction, adaptive_batch), the
+    build's options with them applied (targets.serving_llm_api_options)."""
+    opts = yaml.safe_load(built.read_text())
+    served = serving_llm_api_options(opts, triton)
+    if served == opts:
+        shutil.copy2(built, dest)
+        return
+    changed = sorted(k for k in served if served[k] != opts.get(k))
+    dest.write_text(f"# The build's {built.name} with the config's triton serving keys applied by publish "
+                    f"(changed: {', '.join(changed)}).\n" + yaml.safe_dump(served, sort_keys=False))
 
 
 def _provenance(config, config_name: str, settings: dict, names: ModelNames, version: int, work_dir: Path,

@@ -459,6 +459,11 @@ class TritonServer(ServerProcess):
 VLLM_FRONTENDS = ("openai", "triton")
 
 
+def gpu_server_binary() -> Optional[str]:
+    """The Triton TensorRT-LLM image's ``tritonserver`` (the GPU targets' server) where it is on PATH."""
+    return shutil.which("tritonserver")
+
+
 def server_for_target(target: str, repository: Path, frontend: Optional[str] = None, **kwargs):
     """The nvidia-pytriton server for the cpu target; the image's ``tritonserver`` for the GPU targets. The
     vllm target has two: vLLM's OpenAI server (``frontend="openai"``, the default; pipeline.serving.vllm_server)
@@ -478,7 +483,7 @@ def server_for_target(target: str, repository: Path, frontend: Optional[str] = N
         python = Path(runtime.serving_python())
         return TritonServer(repository, python_bin_dir=python.parent, environment=runtime.child_env({}),
                             **{"ready_timeout_s": VLLM_READY_TIMEOUT_S, **kwargs})
-    binary = shutil.which("tritonserver")
+    binary = gpu_server_binary()
     if binary is None:
         raise EnvironmentProblem(
             f"serving the {target} target needs the Triton TensorRT-LLM image's tritonserver and a GPU: run this "

@@ -1,9 +1,12 @@
 """`invoke tune`: the serving settings that give the most goodput within the SLA, measured on real servers.
 
-What is searched (the ``cpu`` target; the GPU targets' settings cannot be measured on this machine and are
-refused with that reason): ``triton.max_running``, how many sequences the runtime runs at once (its KV pool
-is sized for them), and, with ``sla.p99_itl_ms`` set, ``triton.adaptive_batch`` (the runtime's EWMA
-controller). Each setting is published into a repository of its own and measured on its own server: the
+What is searched on the ``cpu`` target: ``triton.max_running``, how many sequences the runtime runs at once
+(its KV pool is sized for them), and, with ``sla.p99_itl_ms`` set, ``triton.adaptive_batch`` (the runtime's
+EWMA controller). On the GPU targets (``gpu_plan``): the executor's ``scheduler_policy``, a larger
+``kv_cache_free_gpu_memory_fraction``, and on the pytorch target ``max_running`` halved twice and
+``adaptive_batch`` (TensorRT-LLM's dynamic batch tuning); each point is measured where the image's
+``tritonserver`` is (a GPU machine). Elsewhere ``invoke tune`` writes those points to ``tune_plan.yaml``,
+and ``invoke tune --results FILE`` chooses from the figures measured on the GPU (``apply_results``). Each setting is published into a repository of its own and measured on its own server: the
 ``bench.warmup_requests``, then ``tune.requests`` streamed requests of the bench's prompt and output lengths
 with ``tune.concurrency`` in flight (closed loop; default twice the highest bench level, so more clients
 than the server should run at once, which is where the limit matters).
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import yaml
+from pydantic import ValidationError
 
 from pipeline import artifacts
 from pipeline.config import PipelineConfig
@@ -56,9 +60,11 @@ from pipeline.serving.server import server_for_target
 from pipeline.serving.tuned import (
     FAILED_DIR,
     FORMAT_VERSION,
+    PLAN_FILE,
     PLOT_FILE,
     RESULTS_FILE,
     TABLE_FILE,
+    TUNABLE,
     TUNE_DIR,
     TUNED_FILE,
     build_digest,
@@ -109,6 +115,30 @@ def search(measure: Measure, max_batch_size: int, adaptive: bool, min_gain: floa
     if adaptive:
         settings = {"adaptive_batch": True}
         points.append({"settings": settings, "label": label_of(settings), "level": measure(settings)})
+    return points
+
+
+KV_FRACTION_CEILING = 0.95  # the largest KV-cache share planned: the rest of free memory for what the runtime
+# allocates beside the cache (sampling, CUDA graphs); TensorRT-LLM's own default is 0.9 (KvCacheConfig)
+GPU_TARGETS = ("tensorrt", "pytorch")
+
+
+def gpu_plan(config: PipelineConfig) -> list[dict]:
+    """The GPU targets' points (settings, the default first): each a key of the triton section the config does
+    not set itself (a value the config sets wins at publish, so tuning it would measure what is never applied)."""
+    t, b = config.triton, config.build
+    free = [k for k in ("scheduler_policy", "kv_cache_free_gpu_memory_fraction", "max_running", "adaptive_batch")
+            if k not in t.model_fields_set]
+    points: list[dict] = [{}]
+    if "scheduler_policy" in free:
+        points.append({"scheduler_policy": "max_utilization"})  # more sequences at once; may pause some
+    if "kv_cache_free_gpu_memory_fraction" in free and b.kv_cache.free_gpu_memory_fraction < KV_FRACTION_CEILING:
+        points.append({"kv_cache_free_gpu_memory_fraction": KV_FRACTION_CEILING})  # more blocks: more admitted
+    if b.target == "pytorch":  # the tensorrt engine's batch limit is a build setting; its backend has no tuning
+        if "max_running" in free:
+            points += [{"max_running": b.max_batch_size // k} for k in (2, 4) if b.max_batch_size // k >= 1]
+        if "adaptive_batch" in free:
+            points.append({"adaptive_batch": True})
     return points
 
 
@@ -180,7 +210,10 @@ class _Servers:
     def __init__(self, config: PipelineConfig, config_name: str, work_dir: Path, root: Path):
         self.config, self.config_name, self.work_dir, self.root = config, config_name, work_dir, root
         self.build_dir = artifacts.stage_dir(work_dir, "build")
-        self.settings = build_settings(self.build_dir)
+        settings = build_settings(self.build_dir)
+        if settings is None:
+            raise InputError(f"{self.build_dir} has no build settings: run `invoke build` first")
+        self.settings: dict = settings
         self.running: dict[str, tuple] = {}
 
     def start(self, settings: dict, warm: list[Prompt], concurrency: int) -> Target:
@@ -190,7 +223,8 @@ class _Servers:
         write_repository(with_triton(self.config, settings), self.config_name, self.work_dir, self.build_dir,
                          artifacts.stage_dir(self.work_dir, "model") / artifacts.MODEL_DIR, repo)
         repo, prov = read_repository(repo)
-        server = server_for_target("cpu", repo, log_path=folder / artifacts.SERVER_LOG_FILE, extra_args=METRICS_ARGS)
+        server = server_for_target(self.settings["target"], repo, log_path=folder / artifacts.SERVER_LOG_FILE,
+                                   extra_args=METRICS_ARGS)
         server.start()
         target = Target(label, repo, prov, self.settings, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
                         server=server)
@@ -242,10 +276,10 @@ def _ab(servers: _Servers, chosen: dict, warm: list[Prompt], measured: list[Prom
 
 def check_tunable(config: PipelineConfig) -> None:
     """What `invoke tune` needs, refused before any work."""
-    if config.build.target != "cpu":
-        raise InputError(f"invoke tune measures settings on a real server, which this machine can run for the cpu "
-                         f"target only; the {config.build.target} target's settings (build.max_batch_size, "
-                         f"max_num_tokens, CUDA-graph sizes, the KV-cache fraction) are not tuned here")
+    if config.build.target not in ("cpu", *GPU_TARGETS):
+        raise InputError(f"invoke tune measures the cpu, tensorrt and pytorch targets' serving settings; the "
+                         f"{config.build.target} target's (vLLM's own scheduler: vllm.max_num_seqs and its engine "
+                         f"arguments) are not tuned by it")
     if not config.sla.bounds():
         raise InputError("invoke tune chooses settings against the SLA: set at least one of sla.p99_e2e_ms, "
                          "sla.p99_ttft_ms, sla.p99_itl_ms (e.g. --set sla.p99_itl_ms=250)")
@@ -257,16 +291,18 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
     """Search, choose, A/B; write the evidence and the tuned settings into <work dir>/tune. Returns the results."""
     check_tunable(config)
     cfg, sla = config.tune, config.sla.bounds()
-    concurrency = cfg.concurrency or 2 * max(config.bench.concurrency)
+    concurrency = _load(config)["concurrency"]
     staging = work_dir / artifacts.STAGING_DIR / f"tune-{uuid.uuid4().hex[:8]}"
-    staging.mkdir(parents=True)
     servers = _Servers(config, config_name, work_dir, staging)
-    if servers.settings is None:
-        raise InputError(f"{servers.build_dir} has no build settings: run `invoke build` first")
     warm, measured = _prompts(config, work_dir, servers.settings)
+    staging.mkdir(parents=True)
     try:
-        points = search(_measure_fn(servers, warm, measured, concurrency, sla), servers.settings["max_batch_size"],
-                        config.sla.p99_itl_ms is not None, cfg.min_gain)
+        measure = _measure_fn(servers, warm, measured, concurrency, sla)
+        if config.build.target == "cpu":
+            points = search(measure, servers.settings["max_batch_size"], config.sla.p99_itl_ms is not None,
+                            cfg.min_gain)
+        else:  # the plan's points, each measured: a GPU server's start is minutes, so no step-by-step search
+            points = [{"settings": st, "label": label_of(st), "level": measure(st)} for st in gpu_plan(config)]
         chosen, why = choose(points, cfg.min_gain)
         rounds = (_ab(servers, chosen, warm, measured, concurrency, sla, cfg.ab_rounds)
                   if chosen is not None and chosen["settings"] else [])
@@ -283,28 +319,138 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
         chosen, verdict = confirm(chosen, ab, sla)
         why = f"{why}; {verdict}" if verdict else f"{why}; confirmed by the A/B"
     results = {
-        "format_version": 1, "sla": sla,
-        "load": {"concurrency": concurrency, "requests": cfg.requests, "prompt_tokens": config.bench.prompt_tokens,
-                 "output_tokens": config.bench.output_tokens, "loop": "closed"},
+        "format_version": 1, "target": config.build.target, "sla": sla, "load": _load(config),
+        "build_digest": build_digest(work_dir),
         "build_max_batch_size": servers.settings["max_batch_size"], "min_gain": cfg.min_gain,
         "points": [{"label": p["label"], "settings": p["settings"], **_point_figures(p["level"])} for p in points],
         "chosen": None if chosen is None else {"label": chosen["label"], "settings": chosen["settings"]},
         "why": why,
         "ab": {**ab, "per_round": [{s: _point_figures(r[s]) for s in r} for r in rounds]} if ab else None,
     }
-    _write_evidence(results, points, staging)
+    return _conclude(results, chosen, staging, work_dir)
+
+
+def _load(config: PipelineConfig) -> dict:
+    """The load each point is measured under (closed loop)."""
+    return {"concurrency": config.tune.concurrency or 2 * max(config.bench.concurrency),
+            "requests": config.tune.requests, "warmup_requests": config.bench.warmup_requests,
+            "prompt_tokens": config.bench.prompt_tokens, "output_tokens": config.bench.output_tokens,
+            "loop": "closed"}
+
+
+def _conclude(results: dict, chosen: Optional[dict], staging: Path, work_dir: Path) -> dict:
+    """Write the evidence; with a choice, the tuned settings file too, and make ``staging`` the tune folder.
+    Without one, the evidence goes to tune.failed/ and StageFailed says why."""
+    why = results["why"]
+    _write_evidence(results, staging)
     if chosen is None:
         failed = work_dir / FAILED_DIR
         replace_dir(staging, failed)
         raise StageFailed(f"tune: {why}. The measurements are in {failed}; nothing was applied (the previous "
                           f"{TUNE_DIR}/ is kept).")
     atomic_write_text(staging / TUNED_FILE, yaml.safe_dump({
-        "format_version": FORMAT_VERSION, "triton": chosen["settings"], "sla": sla,
-        "build_digest": build_digest(work_dir), "chosen_by": why}, sort_keys=False))
+        "format_version": FORMAT_VERSION, "triton": chosen["settings"], "sla": results["sla"],
+        "build_digest": results["build_digest"], "chosen_by": why}, sort_keys=False))
     replace_dir(staging, work_dir / TUNE_DIR)
     remove_tree(work_dir / FAILED_DIR)
     log.info("tune: %s", why)
     return results
+
+
+# ---------------------------------------------------------------- GPU targets measured elsewhere
+
+
+PLAN_HOW = (
+    "Measure each point on a GPU machine with the Triton TensorRT-LLM image (tritonserver on PATH): `invoke tune` "
+    "there measures them all on real servers under this load, chooses, and republishes. To choose here from "
+    "figures measured there, pass that run's {results} (or a file of the same shape: format_version, sla, load, "
+    "build_digest, and per point its settings, goodput_rps, output_tokens_per_s, requests_per_s, p99_ms of each "
+    "SLA bound, ttft_p99_ms, itl_p99_ms, e2e_p99_ms) to `invoke tune --results FILE`.")
+
+
+def write_plan(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
+    """<work dir>/tune_plan.yaml: the GPU target's points and the load to measure them under."""
+    plan: dict = {"format_version": FORMAT_VERSION, "config": config_name, "target": config.build.target,
+            "sla": config.sla.bounds(), "load": _load(config), "build_digest": build_digest(work_dir),
+            "points": [{"label": label_of(st), "settings": st} for st in gpu_plan(config)],
+            "how": PLAN_HOW.format(results=f"{TUNE_DIR}/{RESULTS_FILE}")}
+    path = work_dir / PLAN_FILE
+    work_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, yaml.safe_dump(plan, sort_keys=False, width=110))
+    return {"plan": str(path), "points": plan["points"],
+            "why": f"no tritonserver here to serve the {config.build.target} target: wrote the {len(plan['points'])} "
+                   f"points to measure to {path}"}
+
+
+FIGURES = ("goodput_rps", "output_tokens_per_s", "requests_per_s", "ttft_p99_ms", "e2e_p99_ms")
+
+
+def apply_results(config: PipelineConfig, work_dir: Path, path: Path) -> dict:
+    """Choose from points measured elsewhere (``path``: a tune_results.json, or a file of its shape), with the
+    same rule as a measuring run; write the tune folder (the tuned settings file carries the build digest the
+    file names). The file's SLA must be the config's; each point's settings must validate with the config.
+    Whether a point keeps the SLA is judged again here from its P99s."""
+    doc = _read_results(path)
+    bounds = config.sla.bounds()
+    if doc["sla"] != bounds:
+        raise InputError(f"{path} was measured against the SLA {doc['sla']}, and the config's is {bounds}: measure "
+                         f"again with this SLA, or set the config's")
+    points: list[dict] = []
+    for k, raw in enumerate(doc["points"]):
+        where = f"{path}: points[{k}]"
+        settings = raw.get("settings")
+        if not isinstance(settings, dict) or set(settings) - set(TUNABLE):
+            raise InputError(f"{where}: settings must be a mapping of {', '.join(TUNABLE)}")
+        try:
+            with_triton(config, settings)
+        except ValidationError as e:
+            raise InputError(f"{where}: settings {settings} do not validate with this config "
+                             f"({e.errors()[0]['msg']})") from None
+        p99 = raw.get("p99_ms")
+        bad = [f for f in FIGURES if not _number(raw.get(f))]
+        if not isinstance(p99, dict) or any(not _number(p99.get(m)) for m in bounds) or bad:
+            raise InputError(f"{where}: needs {', '.join(FIGURES)} and p99_ms of {', '.join(bounds)} (numbers, "
+                             f"measured){'; missing or not a number: ' + ', '.join(bad) if bad else ''}")
+        violations = [m for m, b in bounds.items() if p99[m] > b]
+        figures = {f: raw[f] for f in FIGURES} | {"itl_p99_ms": raw.get("itl_p99_ms"), "p99_ms": p99,
+                                                   "sla_met": not violations, "violations": violations}
+        points.append({"settings": settings, "label": label_of(settings), "figures": figures,
+                       "level": {"sla": {"goodput_rps": raw["goodput_rps"], "met": not violations,
+                                         "violations": violations, "p99_ms": p99}}})
+    if not points or points[0]["settings"]:
+        raise InputError(f"{path}: the first point must be the default (settings: {{}}): a setting is chosen "
+                         f"against it")
+    chosen, why = choose(points, config.tune.min_gain)
+    results = {"format_version": 1, "target": config.build.target, "sla": bounds, "load": doc["load"],
+               "build_digest": doc["build_digest"], "min_gain": config.tune.min_gain,
+               "measured_elsewhere": path.name,
+               "points": [{"label": p["label"], "settings": p["settings"], **p["figures"]} for p in points],
+               "chosen": None if chosen is None else {"label": chosen["label"], "settings": chosen["settings"]},
+               "why": why, "ab": doc.get("ab")}
+    staging = work_dir / artifacts.STAGING_DIR / f"tune-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    return _conclude(results, chosen, staging, work_dir)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+def _read_results(path: Path) -> dict:
+    try:
+        doc = yaml.safe_load(path.read_text())  # JSON is YAML
+    except (OSError, yaml.YAMLError) as e:
+        raise InputError(f"--results {path} is not readable ({e})") from None
+    missing = ([k for k in ("sla", "load", "build_digest", "points") if k not in doc]
+               if isinstance(doc, dict) else ["all"])
+    if missing or doc.get("format_version") != FORMAT_VERSION or not isinstance(doc["points"], list):
+        raise InputError(f"--results {path} is not a tune results file of format {FORMAT_VERSION} (missing: "
+                         f"{', '.join(missing) or 'none'}). {PLAN_HOW.format(results=RESULTS_FILE)}")
+    load = doc["load"]
+    if not isinstance(load, dict) or not all(k in load for k in ("concurrency", "requests", "prompt_tokens",
+                                                                  "output_tokens")):
+        raise InputError(f"--results {path}: load must say concurrency, requests, prompt_tokens, output_tokens")
+    return doc
 
 
 def _prompts(config: PipelineConfig, work_dir: Path, settings: dict) -> tuple[list[Prompt], list[Prompt]]:
@@ -313,8 +459,7 @@ def _prompts(config: PipelineConfig, work_dir: Path, settings: dict) -> tuple[li
 
     bench = config.bench
     check_lengths(bench, settings, "the build")
-    bundle = artifacts.stage_dir(work_dir, "build") / artifacts.ARTIFACT_DIRS["cpu"] / "model"
-    tokenizer = AutoTokenizer.from_pretrained(str(bundle))
+    tokenizer = AutoTokenizer.from_pretrained(str(artifacts.stage_dir(work_dir, "model") / artifacts.MODEL_DIR))
     text = artifacts.stage_dir(work_dir, "text") / artifacts.EVALUATION_TEXT_FILE
     prompts = make_prompts(text, tokenizer, bench.prompt_tokens, bench.warmup_requests + config.tune.requests)
     return prompts[:bench.warmup_requests], prompts[bench.warmup_requests:]
@@ -328,7 +473,7 @@ def _point_figures(level: dict) -> dict:
             "ttft_p99_ms": level["ttft_ms"]["p99"], "itl_p99_ms": level["itl_ms"].get("p99")}
 
 
-def _write_evidence(results: dict, points: list[dict], folder: Path) -> None:
+def _write_evidence(results: dict, folder: Path) -> None:
     atomic_write_text(folder / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     atomic_write_text(folder / TABLE_FILE, table_markdown(results))
     plot_points(results, folder / PLOT_FILE)
@@ -348,6 +493,9 @@ def table_markdown(results: dict) -> str:
                      f"{p['ttft_p99_ms']:.0f} | {itl} | {p['e2e_p99_ms']:.0f} | "
                      f"{'kept' if p['sla_met'] else 'missed: ' + ', '.join(p['violations'])} |")
     lines += ["", f"Chosen: {results['why']}."]
+    if results.get("measured_elsewhere"):
+        lines.append(f"The figures were measured elsewhere ({results['measured_elsewhere']}); the choice was made "
+                     f"here, with the same rule.")
     ab = results.get("ab")
     if ab:
         ratio = f"{ab['goodput_ratio']:.2f}x" if ab["goodput_ratio"] is not None else "the default had none good"

@@ -114,7 +114,20 @@ LLM_API_OPTIONS: dict[str, Any] = {
         "batch_sizes": "int_list",
         "enable_padding": "bool",
     },
+    "scheduler_config": {  # SchedulerConfig (written only where the config sets a serving key: publish)
+        # CapacitySchedulerPolicy values (a StrEnum: the YAML string is the value); STATIC_BATCH is not used
+        "capacity_scheduler_policy": ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION"),
+        "dynamic_batch_config": {  # DynamicBatchConfig: its three fields have no default upstream
+            "nullable": True,
+            "enable_batch_size_tuning": "bool",
+            "enable_max_num_tokens_tuning": "bool",
+            "dynamic_batch_moving_average_window": "int",
+        },
+    },
 }
+# DynamicBatchConfig's window when triton.adaptive_batch turns it on: the executor's own default
+# (cpp/include/tensorrt_llm/executor/executor.h: kDefaultDynamicBatchMovingAverageWindow = 128).
+DYNAMIC_BATCH_WINDOW = 128
 
 # Runtime parameters of the Triton `tensorrtllm` model that the build decides (publish writes them).
 # ExtendedRuntimePerfKnobConfig in llm_args.py: cuda_graph_mode (bool), cuda_graph_cache_size (int, "number

@@ -11,6 +11,7 @@ Both targets first check the machine, the checkpoint and the rules (``preflight.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -26,7 +27,12 @@ import yaml
 from pipeline import artifacts
 from pipeline.child import log_tail
 from pipeline.engines.build import build_settings, checkpoint_sha256
-from pipeline.engines.trtllm.options import check_llm_api_options, check_trtllm_build_argv, trtllm_build_parser
+from pipeline.engines.trtllm.options import (
+    DYNAMIC_BATCH_WINDOW,
+    check_llm_api_options,
+    check_trtllm_build_argv,
+    trtllm_build_parser,
+)
 from pipeline.engines.trtllm.preflight import (
     GPU,
     Environment,
@@ -265,6 +271,36 @@ def llm_api_options(cfg) -> dict:
     if problems:
         raise StageFailed("internal: generated LLM-API options break the option table: " + "; ".join(problems))
     return opts
+
+
+def serving_llm_api_options(opts: dict, triton) -> dict:
+    """The build's LLM-API options with the config's serving keys applied (publish writes them into the
+    repository; ``opts`` unchanged where the triton section sets none): ``max_running`` caps max_batch_size and
+    the CUDA-graph batch sizes (the cap itself captured too), ``scheduler_policy`` and ``adaptive_batch`` set
+    scheduler_config (TensorRT-LLM's dynamic batch tuning: batch size and max_num_tokens from moving averages
+    of the requests' lengths), ``kv_cache_free_gpu_memory_fraction`` the KV cache's share."""
+    out = copy.deepcopy(opts)
+    if triton.max_running is not None:
+        out["max_batch_size"] = min(out["max_batch_size"], triton.max_running)
+        graphs = out.get("cuda_graph_config")
+        if graphs:
+            sizes = [s for s in graphs["batch_sizes"] if s < out["max_batch_size"]] + [out["max_batch_size"]]
+            graphs["batch_sizes"] = sizes
+    if triton.kv_cache_free_gpu_memory_fraction is not None:
+        out["kv_cache_config"]["free_gpu_memory_fraction"] = triton.kv_cache_free_gpu_memory_fraction
+    scheduler = {}
+    if triton.scheduler_policy is not None:
+        scheduler["capacity_scheduler_policy"] = triton.scheduler_policy.upper()
+    if triton.adaptive_batch:
+        scheduler["dynamic_batch_config"] = {"enable_batch_size_tuning": True, "enable_max_num_tokens_tuning": True,
+                                             "dynamic_batch_moving_average_window": DYNAMIC_BATCH_WINDOW}
+    if scheduler:
+        out["scheduler_config"] = scheduler
+    problems = check_llm_api_options(out)
+    if problems:
+        raise ConfigError("the serving settings (triton section) make LLM-API options TensorRT-LLM would refuse: "
+                          + "; ".join(problems))
+    return out
 
 
 def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:

@@ -29,7 +29,7 @@ from pipeline.release.report.workdir import (
     published_model_config,
 )
 from pipeline.serving.bench.plots import LATENCY_PNG, THROUGHPUT_PNG
-from pipeline.serving.tuned import PLOT_FILE, RESULTS_FILE, TABLE_FILE, TUNE_DIR
+from pipeline.serving.tuned import PLAN_FILE, PLOT_FILE, RESULTS_FILE, TABLE_FILE, TUNE_DIR
 
 IMG_DIR = "img"
 TOP_LAYERS = 15  # rows of the sensitivity table on the page (the full table is linked)
@@ -441,16 +441,20 @@ def _section_serving_settings(doc: Doc, work_dir: Path, out_dir: Path, publish: 
     if r is None:
         target = dig(publish or {}, "summary", "target")
         how = ("`invoke tune`, with an SLA set, measures the serving settings on real servers and republishes with "
-               "the best one" if target in ("cpu", None) else
-               f"`invoke tune` measures the cpu target's settings; the {target} target's are not tuned by it")
+               "the best one" if target != "vllm" else "`invoke tune` does not tune the vllm target's settings")
+        if target in ("tensorrt", "pytorch"):
+            how += (f"; where no tritonserver runs it writes the plan of points to measure ({PLAN_FILE}) and "
+                    f"`invoke tune --results FILE` chooses from figures measured on the GPU")
         doc.p(f"Not tuned ({how}): the published repository uses the config's settings.")
         return
     load = r["load"]
+    elsewhere = (f" Measured elsewhere: the figures are {r['measured_elsewhere']}'s, the choice was made here."
+                 if r.get("measured_elsewhere") else "")
     doc.p(f"`invoke tune`: each setting published and measured on its own server under the same load "
           f"({load['requests']} requests of {load['prompt_tokens']} + {load['output_tokens']} tokens, "
           f"{load['concurrency']} in flight, closed loop); chosen: the most goodput among the settings whose P99s "
           f"keep the SLA ({fmt(r['sla'])} ms), the default unless another beats it by {r['min_gain']:.0%} "
-          f"(`{TUNE_DIR}/{TABLE_FILE}`; the rule: pipeline/serving/tune.py).")
+          f"(`{TUNE_DIR}/{TABLE_FILE}`; the rule: pipeline/serving/tune.py).{elsewhere}")
     doc.table(["setting", "goodput req/s", "output tok/s", "TTFT P99 ms", "ITL P99 ms", "e2e P99 ms", "SLA"],
               [[p["label"], p["goodput_rps"], p["output_tokens_per_s"], p["ttft_p99_ms"], p["itl_p99_ms"],
                 p["e2e_p99_ms"], "kept" if p["sla_met"] else "missed: " + ", ".join(p["violations"])]
