@@ -489,6 +489,10 @@ class TritonSection(Strict):
     # runtime's KV pool is sized for them; pytorch target: the LLM API's max_batch_size (CUDA graphs captured up
     # to it). The tensorrt engine's limit is build.max_batch_size itself. `invoke tune` measures it.
     max_running: Optional[int] = Field(None, ge=1)
+    # cpu target: prompt tokens the runtime prefills per scheduler step, between decode steps (chunked prefill,
+    # as TensorRT-LLM's chunked context): a running sequence waits for one chunk between two of its tokens, not
+    # for every newly admitted prompt whole (None: whole prompts)
+    prefill_chunk_tokens: Optional[int] = Field(None, ge=1)
     # GPU targets (tensorrt, pytorch): the executor's capacity scheduler (None: guaranteed_no_evict, the
     # backend's default). max_utilization packs more sequences and may pause some when the KV cache fills.
     scheduler_policy: Optional[Literal["guaranteed_no_evict", "max_utilization"]] = None
@@ -767,6 +771,10 @@ def _check_serving_keys(t: TritonSection, b: BuildSection, sla: SlaSection) -> N
             f"targets), at most build.max_batch_size ({b.max_batch_size}); " + (
                 f"the {b.target} target's limit is build.max_batch_size itself" if b.target not in ("cpu", "pytorch")
                 else "lower it, or raise build.max_batch_size (a rebuild)"))
+    if t.prefill_chunk_tokens is not None and b.target != "cpu":
+        raise ValueError(f"triton.prefill_chunk_tokens is the cpu runtime's chunked prefill; the {b.target} target "
+                         f"does not read it" + (" (TensorRT-LLM's is build.chunked_context with build.max_num_tokens)"
+                                                if b.target in ("tensorrt", "pytorch") else ""))
     gpu_only = [k for k in ("scheduler_policy", "kv_cache_free_gpu_memory_fraction") if getattr(t, k) is not None]
     if gpu_only and b.target not in ("tensorrt", "pytorch"):
         raise ValueError(f"triton.{gpu_only[0]} sets TensorRT-LLM's executor (build.target: tensorrt or pytorch); "

@@ -8,8 +8,10 @@ inter-token SLA is ``--sla-factor`` times it. Then each arm serves the same open
 arrivals drawn from one seed: ``--base-rps`` for a phase, ``--spike-rps`` for a phase, ``--base-rps`` again;
 every request ``--prompt-tokens`` prompt tokens of real text and exactly ``--output-tokens`` new ones):
 static limits of 1, 2, 4 and max_batch_size sequences at once, and the adaptive limit (AdaptiveBatchLimit,
-target = the SLA). The arms run one after the other on the same warm runtime; the static limit is set on
-that runtime's scheduler directly (what max_batch_size would be).
+target = the SLA); then the default static limit and the adaptive one again with chunked prefill
+(``--prefill-chunk`` prompt tokens per scheduler step: triton.prefill_chunk_tokens). The arms run one after the
+other on the same warm runtime; the limit and the chunk are set on that runtime's scheduler directly (what
+triton.max_running and triton.prefill_chunk_tokens set).
 
 Per arm it prints, over the requests that arrived during the spike: P99 of the gaps between a request's
 tokens (what the SLA bounds), P99 time to first token, the requests that met the SLA on every gap of theirs
@@ -97,6 +99,7 @@ def main() -> int:
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--sla-factor", type=float, default=2.0, help="the ITL SLA in solo step times")
     ap.add_argument("--ttft-factor", type=float, default=20.0, help="the TTFT SLA in solo step times")
+    ap.add_argument("--prefill-chunk", type=int, default=16, help="prompt tokens per step in the chunked arms")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
 
@@ -116,29 +119,34 @@ def main() -> int:
             solo.append(statistics.median(b - x for x, b in zip(times, times[1:])) * 1e3)
         step_ms = statistics.median(solo)
         sla_ms, ttft_ms = a.sla_factor * step_ms, a.ttft_factor * step_ms
-        top = rt.max_batch_size
+        top = rt.max_running
         print(f"solo decode step {step_ms:.0f} ms; SLA: inter-token gaps <= {sla_ms:.0f} ms, TTFT <= {ttft_ms:.0f} ms; "
               f"{len(schedule)} requests: {a.base_rps:g} req/s, {a.spike_rps:g} req/s for {a.phase_s:g} s, "
               f"{a.base_rps:g} req/s; {a.prompt_tokens} prompt + {a.output_tokens} output tokens each\n")
-        arms = [(f"static {n}", n, None) for n in sorted({1, 2, 4, top})] + [("adaptive", top, sla_ms)]
-        print(f"{'arm':12} {'spike reqs':>10} {'ITL P50':>9} {'ITL P99':>9} {'P99 / SLA':>10} {'TTFT P99':>10} "
+        chunk = a.prefill_chunk
+        arms = ([(f"static {n}", n, None, None) for n in sorted({1, 2, 4, top})] + [("adaptive", top, sla_ms, None)]
+                + [(f"static {top}+c{chunk}", top, None, chunk), (f"adaptive+c{chunk}", top, sla_ms, chunk)])
+        print(f"{'arm':16} {'spike reqs':>10} {'ITL P50':>9} {'ITL P99':>9} {'P99 / SLA':>10} {'TTFT P99':>10} "
               f"{'goodput':>12} {'changes':>8}")
         results = {}
-        for name, limit, target in arms:
-            rt.max_batch_size = limit
+        for name, limit, target, prefill_chunk in arms:
+            rt.max_running, rt.prefill_chunk = limit, prefill_chunk
             rt.adaptive = AdaptiveBatchLimit(target, top) if target else None
             f = figures(serve(rt, schedule, prompt_ids, a.output_tokens), sla_ms, ttft_ms)
             results[name] = f
             changes = rt.adaptive.changes if rt.adaptive else "-"
-            print(f"{name:12} {f['requests']:>10} {f['itl_p50']:>7.0f}ms {f['itl_p99']:>7.0f}ms "
+            print(f"{name:16} {f['requests']:>10} {f['itl_p50']:>7.0f}ms {f['itl_p99']:>7.0f}ms "
                   f"{f['itl_p99'] / sla_ms:>10.2f} {f['ttft_p99']:>8.0f}ms {f['goodput']:>8.2f} r/s {changes:>8}")
-    static = {k: v for k, v in results.items() if k != "adaptive"}
+    static = {k: v for k, v in results.items() if k.startswith("static")}
     best = max(static, key=lambda k: static[k]["goodput"])
     ad = results["adaptive"]
     print(f"\nbest static limit by goodput: {best} ({static[best]['goodput']:.2f} req/s, ITL P99 "
           f"{static[best]['itl_p99'] / sla_ms:.2f}x the SLA); adaptive: {ad['goodput']:.2f} req/s, ITL P99 "
           f"{ad['itl_p99'] / sla_ms:.2f}x the SLA; default (static {top}): ITL P99 "
-          f"{results[f'static {top}']['itl_p99'] / sla_ms:.2f}x the SLA")
+          f"{results[f'static {top}']['itl_p99'] / sla_ms:.2f}x the SLA; with {chunk}-token prefill chunks: static "
+          f"{top} {results[f'static {top}+c{chunk}']['itl_p99'] / sla_ms:.2f}x, adaptive "
+          f"{results[f'adaptive+c{chunk}']['itl_p99'] / sla_ms:.2f}x the SLA "
+          f"({results[f'adaptive+c{chunk}']['goodput']:.2f} req/s)")
     return 0
 
 

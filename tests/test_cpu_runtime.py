@@ -266,3 +266,33 @@ def test_max_running_caps_the_sequences_decoded_together_and_sizes_the_pool(bund
     assert got == [runtime.generate(p, params) for p in PROMPTS]
     with pytest.raises(InputError, match=r"max_running 99 is outside 1\.\.\d+ \(the build's max_batch_size\)"):
         CpuRuntime.load(bundle / "cpu_bundle", max_running=99)
+
+
+def test_chunked_prefill_gives_the_whole_prompts_tokens_and_interleaves_with_decoding(bundle, runtime, ref):
+    """prefill_chunk 3: a prompt goes through the model 3 tokens a step, each chunk attending to the pool's K/V
+    of the positions before it. With an fp32 cache the greedy tokens are the whole-prompt prefill's; with the
+    INT8 cache they agree with the reference as the whole-prompt runtime does. A sequence already decoding gets
+    a token in every step the new prompt's chunks take."""
+    model, algo, scales = ref
+    params = SamplingParams(max_new_tokens=8, end_id=-1)
+    with CpuRuntime.load(bundle / "cpu_bundle", quantize_kv_cache=False) as whole, \
+            CpuRuntime.load(bundle / "cpu_bundle", quantize_kv_cache=False, prefill_chunk=3) as chunked:
+        assert [chunked.generate(p, params) for p in PROMPTS] == [whole.generate(p, params) for p in PROMPTS]
+        assert chunked.steps["prefill_chunks"] == sum(-(-len(p) // 3) for p in PROMPTS)
+        assert whole.steps["prefill_chunks"] == len(PROMPTS)
+    with CpuRuntime.load(bundle / "cpu_bundle", prefill_chunk=3) as rt:
+        for p in PROMPTS:
+            check = reference.compare(rt.generate(p, params), reference.greedy(model, p, 8, algo, scales))
+            assert check["ok"], (p, check)
+        long = rt.submit(PROMPTS[0], SamplingParams(max_new_tokens=100, end_id=-1))
+        stream = long.stream()
+        next(stream)
+        before = len(long.output_ids)
+        new = rt.submit(PROMPTS[2], params)  # 11 tokens: four chunks, four steps
+        next(new.stream())
+        assert len(long.output_ids) - before >= 3
+        long.cancel()
+        assert len(new.result(timeout=120)) == 8
+        assert rt.pool.free_blocks == rt.pool.num_blocks
+    with pytest.raises(InputError, match="prefill_chunk must be a positive number"):
+        CpuRuntime.load(bundle / "cpu_bundle", prefill_chunk=0)

@@ -151,7 +151,8 @@ def test_cpu_repository_configs_parse_back_and_wire_the_ensemble(setup):
     assert not ens.model_transaction_policy.decoupled
     llm = configs[names.tensorrt_llm]
     assert llm.backend == "python" and _params(llm) == {"bundle_dir": "cpu_bundle", "cpu_threads": "0",
-                                                        "adaptive_batch_target_ms": "0", "max_running": "0"}
+                                                        "adaptive_batch_target_ms": "0", "max_running": "0",
+                                                        "prefill_chunk_tokens": "0"}
     assert _params(configs[names.preprocessing])["max_input_len"] == "64"
     v1 = snap / names.tensorrt_llm / "1"
     assert (v1 / "model.py").read_text() == (pub.TRITON_SOURCE / "tensorrt_llm_cpu" / "model.py").read_text()
@@ -274,8 +275,9 @@ def test_adaptive_batch_reaches_the_cpu_model_as_its_step_target(setup):
     names = pub.model_names("llm")
     _, snap = run(load("cpu"))
     assert _params(_configs(snap)[names.tensorrt_llm])["adaptive_batch_target_ms"] == "0"  # off by default
-    _, snap = run(load("cpu", "sla.p99_itl_ms=150", "triton.adaptive_batch=true"))
+    _, snap = run(load("cpu", "sla.p99_itl_ms=150", "triton.adaptive_batch=true", "triton.prefill_chunk_tokens=16"))
     assert _params(_configs(snap)[names.tensorrt_llm])["adaptive_batch_target_ms"] == "150.0"
+    assert _params(_configs(snap)[names.tensorrt_llm])["prefill_chunk_tokens"] == "16"
 
 
 def setup_yaml(work: Path) -> Path:

@@ -217,6 +217,8 @@ def test_the_serving_keys_are_refused_where_the_targets_runtime_has_no_such_sett
         load_config(H100, ["triton.max_running=8"])
     with pytest.raises(ConfigError, match="triton.scheduler_policy sets TensorRT-LLM's executor"):
         load_config(DEFAULT_CPU_CONFIG, ["triton.scheduler_policy=max_utilization"])
+    with pytest.raises(ConfigError, match="triton.prefill_chunk_tokens is the cpu runtime's chunked prefill"):
+        load_config(H100, ["triton.prefill_chunk_tokens=64"])
     with pytest.raises(ConfigError, match="triton.kv_cache_free_gpu_memory_fraction"):
         load_config(DEFAULT_CPU_CONFIG, ["triton.kv_cache_free_gpu_memory_fraction=0.5"])
     assert load_config(H100, PYTORCH + ["triton.adaptive_batch=true"]).config.triton.adaptive_batch  # no SLA needed

@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -157,12 +158,13 @@ class _StepCache:
     """The cache object transformers' attention calls for one forward over a batch of sequences.
 
     ``update`` stores each sequence's new K/V in its blocks and returns what attention should see: in a
-    prefill (one sequence, empty history) its own unquantized K/V; in a decode step every sequence's
-    dequantized history including the new token, right-padded to the longest (the 4-D mask hides padding).
+    prefill (one sequence) its own unquantized K/V, after the dequantized history where the prompt is prefilled
+    in chunks (``start`` > 0: the positions before the chunk); in a decode step every sequence's dequantized
+    history including the new token, right-padded to the longest (the 4-D mask hides padding).
     """
 
-    def __init__(self, pool: KVBlockPool, seqs: list["_Sequence"], prefill: bool):
-        self.pool, self.seqs, self.prefill = pool, seqs, prefill
+    def __init__(self, pool: KVBlockPool, seqs: list["_Sequence"], prefill: bool, start: int = 0):
+        self.pool, self.seqs, self.prefill, self.start = pool, seqs, prefill, start
         self.is_compileable = False
         if not prefill:  # the same rows for every layer: computed once per step
             longest = max(s.cached + 1 for s in seqs)
@@ -174,10 +176,14 @@ class _StepCache:
                 for s in seqs])
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        if self.prefill:
+        if self.prefill:  # positions start.. of one sequence; the ones before it are in the pool already
             s = self.seqs[0]
-            self.pool.write(layer_idx, s.blocks, 0, key_states[0], value_states[0])
-            return key_states, value_states
+            self.pool.write(layer_idx, s.blocks, self.start, key_states[0], value_states[0])
+            if self.start == 0:
+                return key_states, value_states
+            keys, values = self.pool.read(layer_idx, s.blocks, self.start)
+            return (torch.cat([keys[None].to(key_states.dtype), key_states], dim=2),
+                    torch.cat([values[None].to(value_states.dtype), value_states], dim=2))
         # key_states: [B, kv_heads, 1, head_dim], the new token of each sequence
         self.pool.write_rows(layer_idx, self.new_rows, key_states[:, :, 0], value_states[:, :, 0])
         keys, values = self.pool.gather(layer_idx, self.read_rows)
@@ -291,13 +297,20 @@ class CpuRuntime:
     """Loads a cpu bundle and serves it with continuous batching on a scheduler thread.
 
     ``adaptive``: an ``AdaptiveBatchLimit`` that sets how many sequences run at once (default: always
-    ``max_running``, which defaults to the build's max_batch_size)."""
+    ``max_running``, which defaults to the build's max_batch_size). ``prefill_chunk``: prompt tokens prefilled
+    per scheduler step, between decode steps (chunked prefill, as TensorRT-LLM's chunked context: a running
+    sequence then waits for one chunk between two of its tokens, not for every admitted prompt whole); None:
+    each admitted prompt is prefilled whole in the step that admits it."""
 
     def __init__(self, model, pool: KVBlockPool, settings: dict, eos_token_id: Optional[int],
-                 adaptive: Optional[AdaptiveBatchLimit] = None, max_running: Optional[int] = None):
+                 adaptive: Optional[AdaptiveBatchLimit] = None, max_running: Optional[int] = None,
+                 prefill_chunk: Optional[int] = None):
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise InputError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
         self.model, self.pool, self.settings = model, pool, settings
         self.eos_token_id = eos_token_id
         self.adaptive = adaptive
+        self.prefill_chunk = prefill_chunk
         self.layer_streaming = False  # whether the model's decoder layers are streamed (set by load)
         # how many sequences run at once: the serving setting (triton.max_running), within the build's limit
         self.max_running = running_limit(settings, max_running)
@@ -305,23 +318,25 @@ class CpuRuntime:
         self.max_seq_len = settings["max_seq_len"]
         self.tokens_per_block = settings["tokens_per_block"]
         self._waiting: list[Request] = []
+        self._prefilling: list[_Sequence] = []  # admitted; their prompts partly in the pool (chunked prefill)
         self._running: list[_Sequence] = []
         self._lock = threading.Condition()
         self._closed = False
         self._next_id = 0
-        self.steps = {"prefill": 0, "decode": 0, "decode_sequences": 0}
+        self.steps = {"prefill": 0, "prefill_chunks": 0, "decode": 0, "decode_sequences": 0}
         self._thread = threading.Thread(target=self._loop, name="cpu-runtime-scheduler", daemon=True)
         self._thread.start()
 
     @classmethod
     def load(cls, bundle_dir: Path | str, quantize_kv_cache: bool = True, threads: Optional[int] = None,
              layer_streaming: Optional[str] = None, adaptive_target_ms: Optional[float] = None,
-             max_running: Optional[int] = None) -> "CpuRuntime":
+             max_running: Optional[int] = None, prefill_chunk: Optional[int] = None) -> "CpuRuntime":
         """``quantize_kv_cache=False`` keeps the KV cache in fp32 (for comparisons with the unquantized cache).
         ``layer_streaming`` (auto | always | never) overrides the bundle's ``runtime.json``: see
         ``weights_streamed``. ``adaptive_target_ms``: keep the step latency there with an
         ``AdaptiveBatchLimit`` (None: run up to the limit at once, always). ``max_running``: at most this many
-        sequences at once (None: the build's max_batch_size; more is refused); the KV pool is sized for them."""
+        sequences at once (None: the build's max_batch_size; more is refused); the KV pool is sized for them.
+        ``prefill_chunk``: prompt tokens prefilled per step (None: whole prompts)."""
         bundle = Path(bundle_dir)
         settings = read_settings(bundle)
         limit = running_limit(settings, max_running)
@@ -344,7 +359,7 @@ class CpuRuntime:
                  facts.get("quant_algo"), why, kv_algo or "fp32", pool.num_blocks, pool.tokens_per_block,
                  pool.bytes / 1e6)
         adaptive = AdaptiveBatchLimit(adaptive_target_ms, limit) if adaptive_target_ms else None
-        rt = cls(model, pool, settings, eos, adaptive, limit)
+        rt = cls(model, pool, settings, eos, adaptive, limit, prefill_chunk)
         rt.layer_streaming = streamed
         return rt
 
@@ -377,7 +392,8 @@ class CpuRuntime:
     def stats(self) -> dict[str, int]:
         """The KV pool and the request queue now, in the vocabulary of the tensorrtllm backend's metrics."""
         with self._lock:
-            free, waiting, running = self.pool.free_blocks, len(self._waiting), len(self._running)
+            free, waiting = self.pool.free_blocks, len(self._waiting)
+            running = len(self._prefilling) + len(self._running)
         return {"kv_max_blocks": self.pool.num_blocks, "kv_free_blocks": free,
                 "kv_used_blocks": self.pool.num_blocks - free, "kv_tokens_per_block": self.pool.tokens_per_block,
                 "requests_active": waiting + running, "requests_scheduled": running, "requests_waiting": waiting,
@@ -404,20 +420,21 @@ class CpuRuntime:
         torch.set_grad_enabled(False)
         while True:
             with self._lock:
-                while not self._closed and not self._waiting and not self._running:
+                while not self._closed and not self._waiting and not self._prefilling and not self._running:
                     self._lock.wait()
                 if self._closed:
-                    pending = self._waiting + [s.request for s in self._running]
+                    pending = self._waiting + [s.request for s in self._prefilling + self._running]
                     self._waiting = []
                     break
                 admit = []
-                while self._waiting and len(self._running) + len(admit) < self._batch_limit() and \
-                        self._blocks_for(len(self._waiting[0].prompt_ids) + 1) <= self._spare_blocks(admit):
+                while self._waiting and len(self._prefilling) + len(self._running) + len(admit) < self._batch_limit() \
+                        and self._blocks_for(len(self._waiting[0].prompt_ids) + 1) <= self._spare_blocks(admit):
                     admit.append(self._waiting.pop(0))
             try:
                 t0 = time.perf_counter()
                 for req in admit:
-                    self._prefill(req)
+                    self._admit(req)
+                self._prefill_step()
                 self._drop_finished()
                 if self._running:
                     running = len(self._running)
@@ -427,10 +444,10 @@ class CpuRuntime:
                         self.adaptive.observe((time.perf_counter() - t0) * 1e3, running)
             except Exception as e:  # noqa: BLE001 - a crash ends the requests in flight with its message
                 log.exception("cpu runtime step failed")
-                for s in self._running:
+                for s in self._prefilling + self._running:
                     s.request._finish("error", f"{type(e).__name__}: {e}")
                     self.pool.release(s.blocks)
-                self._running = []
+                self._prefilling, self._running = [], []
         for req in pending:
             req._finish("cancelled")
 
@@ -441,29 +458,59 @@ class CpuRuntime:
         return -(-positions // self.tokens_per_block)
 
     def _spare_blocks(self, admitting: list[Request]) -> int:
-        """Free blocks not promised to running sequences (each may grow to its full length)."""
+        """Free blocks not promised to admitted sequences (each may grow to its full length)."""
         promised = sum(self._blocks_for(len(s.request.prompt_ids) + s.request.params.max_new_tokens) - len(s.blocks)
-                       for s in self._running)
+                       for s in self._prefilling + self._running)
         promised += sum(self._blocks_for(len(r.prompt_ids) + r.params.max_new_tokens) for r in admitting)
         return self.pool.free_blocks - promised
 
-    def _prefill(self, req: Request) -> None:
+    def _admit(self, req: Request) -> None:
+        """A sequence for the request, its prompt's blocks taken; its prefill runs in ``_prefill_step``."""
         if req._cancelled.is_set():
             req._finish("cancelled")
             return
-        n = len(req.prompt_ids)
         gen = None
         if req.params.temperature > 0:
             gen = torch.Generator().manual_seed(req.params.seed if req.params.seed is not None else req.id)
-        seq = _Sequence(req, blocks=self.pool.allocate(self._blocks_for(n)), generator=gen)
-        ids = torch.tensor([req.prompt_ids])
-        out = self.model(input_ids=ids, position_ids=torch.arange(n)[None], attention_mask=None,
-                         past_key_values=_StepCache(self.pool, [seq], prefill=True), use_cache=True,
-                         cache_position=torch.arange(n), logits_to_keep=1)
-        seq.cached = n
-        self.steps["prefill"] += 1
-        self._running.append(seq)
-        self._accept(seq, out.logits[0, -1])
+        self._prefilling.append(_Sequence(req, blocks=self.pool.allocate(self._blocks_for(len(req.prompt_ids))),
+                                          generator=gen))
+
+    def _prefill_step(self) -> None:
+        """Prefill admitted prompts, in order: whole, or at most ``prefill_chunk`` tokens in all this step. A
+        sequence whose prompt is all in the pool takes its first token and runs."""
+        budget = self.prefill_chunk or sys.maxsize
+        while self._prefilling and budget > 0:
+            seq = self._prefilling[0]
+            if seq.request._cancelled.is_set():
+                self._prefilling.pop(0)
+                self.pool.release(seq.blocks)
+                seq.request._finish("cancelled")
+                continue
+            n = min(budget, len(seq.request.prompt_ids) - seq.cached)
+            logits = self._prefill_chunk(seq, n)
+            budget -= n
+            if seq.cached == len(seq.request.prompt_ids):
+                self._prefilling.pop(0)
+                self.steps["prefill"] += 1
+                self._running.append(seq)
+                self._accept(seq, logits)
+
+    def _prefill_chunk(self, seq: _Sequence, n: int) -> torch.Tensor:
+        """Positions seq.cached .. +n of the prompt through the model, K/V into the pool; the last one's logits.
+        A chunk after the first attends to the pool's (dequantized) K/V of the positions before it."""
+        start = seq.cached
+        positions = torch.arange(start, start + n)
+        mask = None
+        if start:  # causal over the chunk, everything before it visible
+            mask = torch.zeros(1, 1, n, start + n)
+            mask.masked_fill_(torch.arange(start + n)[None, :] > positions[:, None], torch.finfo(torch.float32).min)
+        out = self.model(input_ids=torch.tensor([seq.request.prompt_ids[start:start + n]]),
+                         position_ids=positions[None], attention_mask=mask,
+                         past_key_values=_StepCache(self.pool, [seq], prefill=True, start=start), use_cache=True,
+                         cache_position=positions, logits_to_keep=1)
+        seq.cached = start + n
+        self.steps["prefill_chunks"] += 1
+        return out.logits[0, -1]
 
     def _decode_step(self) -> None:
         seqs = self._running

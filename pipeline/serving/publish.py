@@ -254,7 +254,8 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
         _instances(llm, 1, "KIND_MODEL")  # one engine batches every request and places itself on its devices
     else:
         _params(llm, {"bundle_dir": artifacts.ARTIFACT_DIRS["cpu"], "cpu_threads": triton.cpu_threads,
-                      "adaptive_batch_target_ms": adaptive_target_ms or 0, "max_running": triton.max_running or 0})
+                      "adaptive_batch_target_ms": adaptive_target_ms or 0, "max_running": triton.max_running or 0,
+                      "prefill_chunk_tokens": triton.prefill_chunk_tokens or 0})
         _instances(llm, 1)  # one runtime batches every request (continuous batching); copies would not share
     out[llm.name] = llm
 

@@ -4,7 +4,8 @@ A reference for correctness and wiring, not TensorRT: it runs the exported quant
 paged INT8/FP8 KV cache and continuous batching. Same inputs and outputs as the ``tensorrtllm`` backend's
 model (see llm_serving.py). Parameters: ``bundle_dir`` (relative to the version folder), ``cpu_threads``
 (torch threads; 0: torch's default), ``adaptive_batch_target_ms`` (0: off; else the step latency the
-runtime's adaptive batch limit keeps), ``max_running`` (sequences run at once; 0: the build's max_batch_size).
+runtime's adaptive batch limit keeps), ``max_running`` (sequences run at once; 0: the build's max_batch_size),
+``prefill_chunk_tokens`` (prompt tokens prefilled per scheduler step; 0: whole prompts).
 """
 
 import os
@@ -33,8 +34,10 @@ class TritonPythonModel(GenerationModel):
         threads = int(params.get("cpu_threads", "0") or 0)
         target_ms = float(params.get("adaptive_batch_target_ms", "0") or 0)
         max_running = int(params.get("max_running", "0") or 0)
+        chunk = int(params.get("prefill_chunk_tokens", "0") or 0)
         self.runtime = CpuRuntime.load(version_dir / params["bundle_dir"], threads=threads or None,
-                                       adaptive_target_ms=target_ms or None, max_running=max_running or None)
+                                       adaptive_target_ms=target_ms or None, max_running=max_running or None,
+                                       prefill_chunk=chunk or None)
 
     def submit(self, job):
         params = self._sampling(max_new_tokens=job.max_new_tokens, temperature=job.temperature, top_k=job.top_k,
