@@ -269,17 +269,19 @@ def test_max_running_caps_the_sequences_decoded_together_and_sizes_the_pool(bund
 
 
 def test_chunked_prefill_gives_the_whole_prompts_tokens_and_interleaves_with_decoding(bundle, runtime, ref):
-    """prefill_chunk 3: a prompt goes through the model 3 tokens a step, each chunk attending to the pool's K/V
-    of the positions before it. With an fp32 cache the greedy tokens are the whole-prompt prefill's; with the
-    INT8 cache they agree with the reference as the whole-prompt runtime does. A sequence already decoding gets
-    a token in every step the new prompt's chunks take."""
+    """prefill_chunk 3: a prompt goes through the model 3 tokens a step, packed into one forward with the
+    running sequences' next tokens, each token attending to its own sequence's K/V in the pool. With an fp32
+    cache the greedy tokens are the whole-prompt prefill's; with the INT8 cache they agree with the reference as
+    the whole-prompt runtime does. A sequence already decoding gets a token in every step the new prompt's
+    chunks take, and those steps are one forward each."""
     model, algo, scales = ref
     params = SamplingParams(max_new_tokens=8, end_id=-1)
     with CpuRuntime.load(bundle / "cpu_bundle", quantize_kv_cache=False) as whole, \
             CpuRuntime.load(bundle / "cpu_bundle", quantize_kv_cache=False, prefill_chunk=3) as chunked:
         assert [chunked.generate(p, params) for p in PROMPTS] == [whole.generate(p, params) for p in PROMPTS]
         assert chunked.steps["prefill_chunks"] == sum(-(-len(p) // 3) for p in PROMPTS)
-        assert whole.steps["prefill_chunks"] == len(PROMPTS)
+        assert whole.steps["prefill"] == chunked.steps["prefill"] == len(PROMPTS)
+        assert whole.steps["packed"] == 0 and whole.steps["prefill_chunks"] == 0
     with CpuRuntime.load(bundle / "cpu_bundle", prefill_chunk=3) as rt:
         for p in PROMPTS:
             check = reference.compare(rt.generate(p, params), reference.greedy(model, p, 8, algo, scales))
@@ -287,10 +289,13 @@ def test_chunked_prefill_gives_the_whole_prompts_tokens_and_interleaves_with_dec
         long = rt.submit(PROMPTS[0], SamplingParams(max_new_tokens=100, end_id=-1))
         stream = long.stream()
         next(stream)
-        before = len(long.output_ids)
+        before, steps = len(long.output_ids), dict(rt.steps)
         new = rt.submit(PROMPTS[2], params)  # 11 tokens: four chunks, four steps
         next(new.stream())
         assert len(long.output_ids) - before >= 3
+        assert rt.steps["prefill_chunks"] - steps["prefill_chunks"] == 4
+        # every forward since is a packed one: no prefill forward of its own stalled the long sequence
+        assert rt.steps["decode"] - steps["decode"] <= rt.steps["packed"] - steps["packed"]
         long.cancel()
         assert len(new.result(timeout=120)) == 8
         assert rt.pool.free_blocks == rt.pool.num_blocks

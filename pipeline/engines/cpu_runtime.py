@@ -32,7 +32,6 @@ import json
 import logging
 import math
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -158,15 +157,20 @@ class _StepCache:
     """The cache object transformers' attention calls for one forward over a batch of sequences.
 
     ``update`` stores each sequence's new K/V in its blocks and returns what attention should see: in a
-    prefill (one sequence) its own unquantized K/V, after the dequantized history where the prompt is prefilled
-    in chunks (``start`` > 0: the positions before the chunk); in a decode step every sequence's dequantized
-    history including the new token, right-padded to the longest (the 4-D mask hides padding).
+    prefill (one sequence, empty history) its own unquantized K/V; in a decode step every sequence's
+    dequantized history including the new token, right-padded to the longest (the 4-D mask hides padding).
+    ``packed``: one row holding several sequences' new tokens (``rows``: their pool rows, in order) and the
+    keys ``read_rows`` (every sequence's positions up to its newest, one after the other, dequantized); the
+    4-D mask keeps each token to its own sequence's keys, causally.
     """
 
-    def __init__(self, pool: KVBlockPool, seqs: list["_Sequence"], prefill: bool, start: int = 0):
-        self.pool, self.seqs, self.prefill, self.start = pool, seqs, prefill, start
+    def __init__(self, pool: KVBlockPool, seqs: list["_Sequence"], prefill: bool,
+                 packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        self.pool, self.seqs, self.prefill = pool, seqs, prefill
         self.is_compileable = False
-        if not prefill:  # the same rows for every layer: computed once per step
+        if packed is not None:
+            self.new_rows, self.read_rows = packed[0], packed[1][None]
+        elif not prefill:  # the same rows for every layer: computed once per step
             longest = max(s.cached + 1 for s in seqs)
             self.new_rows = torch.cat([pool.slots(s.blocks, s.cached, s.cached + 1) for s in seqs])
             # padding points at the sequence's own first row: finite values, hidden by the mask
@@ -176,16 +180,14 @@ class _StepCache:
                 for s in seqs])
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        if self.prefill:  # positions start.. of one sequence; the ones before it are in the pool already
+        if self.prefill:
             s = self.seqs[0]
-            self.pool.write(layer_idx, s.blocks, self.start, key_states[0], value_states[0])
-            if self.start == 0:
-                return key_states, value_states
-            keys, values = self.pool.read(layer_idx, s.blocks, self.start)
-            return (torch.cat([keys[None].to(key_states.dtype), key_states], dim=2),
-                    torch.cat([values[None].to(value_states.dtype), value_states], dim=2))
-        # key_states: [B, kv_heads, 1, head_dim], the new token of each sequence
-        self.pool.write_rows(layer_idx, self.new_rows, key_states[:, :, 0], value_states[:, :, 0])
+            self.pool.write(layer_idx, s.blocks, 0, key_states[0], value_states[0])
+            return key_states, value_states
+        # decode: [B, kv_heads, 1, head_dim], the new token of each sequence; packed: [1, kv_heads, T, head_dim]
+        # -> one [N, kv_heads, head_dim] row per new token, in new_rows' order
+        new_k, new_v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (key_states, value_states))
+        self.pool.write_rows(layer_idx, self.new_rows, new_k, new_v)
         keys, values = self.pool.gather(layer_idx, self.read_rows)
         return keys.to(key_states.dtype), values.to(value_states.dtype)
 
@@ -298,9 +300,10 @@ class CpuRuntime:
 
     ``adaptive``: an ``AdaptiveBatchLimit`` that sets how many sequences run at once (default: always
     ``max_running``, which defaults to the build's max_batch_size). ``prefill_chunk``: prompt tokens prefilled
-    per scheduler step, between decode steps (chunked prefill, as TensorRT-LLM's chunked context: a running
-    sequence then waits for one chunk between two of its tokens, not for every admitted prompt whole); None:
-    each admitted prompt is prefilled whole in the step that admits it."""
+    per scheduler step, in the same forward as the running sequences' next tokens (chunked prefill, as
+    TensorRT-LLM's chunked context: a running sequence then waits for one chunk's compute between two of its
+    tokens, not for every admitted prompt whole); None: each admitted prompt is prefilled whole, in a forward
+    of its own, in the step that admits it."""
 
     def __init__(self, model, pool: KVBlockPool, settings: dict, eos_token_id: Optional[int],
                  adaptive: Optional[AdaptiveBatchLimit] = None, max_running: Optional[int] = None,
@@ -323,7 +326,8 @@ class CpuRuntime:
         self._lock = threading.Condition()
         self._closed = False
         self._next_id = 0
-        self.steps = {"prefill": 0, "prefill_chunks": 0, "decode": 0, "decode_sequences": 0}
+        # forwards: prefill (whole prompts), decode, packed (chunked prefill: decode tokens and a prompt chunk)
+        self.steps = {"prefill": 0, "prefill_chunks": 0, "decode": 0, "decode_sequences": 0, "packed": 0}
         self._thread = threading.Thread(target=self._loop, name="cpu-runtime-scheduler", daemon=True)
         self._thread.start()
 
@@ -432,16 +436,19 @@ class CpuRuntime:
                     admit.append(self._waiting.pop(0))
             try:
                 t0 = time.perf_counter()
+                admitted = len(self._prefilling) + len(self._running) + len(admit)
                 for req in admit:
                     self._admit(req)
-                self._prefill_step()
-                self._drop_finished()
-                if self._running:
-                    running = len(self._running)
-                    self._decode_step()
+                if self.prefill_chunk is None:
+                    self._prefill_whole()
                     self._drop_finished()
-                    if self.adaptive is not None:
-                        self.adaptive.observe((time.perf_counter() - t0) * 1e3, running)
+                    if self._running:
+                        self._decode_step()
+                elif self._drop_cancelled_prefills() or self._running:
+                    self._packed_step()
+                self._drop_finished()
+                if self.adaptive is not None and admitted:
+                    self.adaptive.observe((time.perf_counter() - t0) * 1e3, admitted)
             except Exception as e:  # noqa: BLE001 - a crash ends the requests in flight with its message
                 log.exception("cpu runtime step failed")
                 for s in self._prefilling + self._running:
@@ -475,42 +482,82 @@ class CpuRuntime:
         self._prefilling.append(_Sequence(req, blocks=self.pool.allocate(self._blocks_for(len(req.prompt_ids))),
                                           generator=gen))
 
-    def _prefill_step(self) -> None:
-        """Prefill admitted prompts, in order: whole, or at most ``prefill_chunk`` tokens in all this step. A
-        sequence whose prompt is all in the pool takes its first token and runs."""
-        budget = self.prefill_chunk or sys.maxsize
-        while self._prefilling and budget > 0:
-            seq = self._prefilling[0]
+    def _prefill_whole(self) -> None:
+        """Each admitted prompt through the model whole; its first token, and it runs."""
+        while self._prefilling:
+            seq = self._prefilling.pop(0)
             if seq.request._cancelled.is_set():
-                self._prefilling.pop(0)
                 self.pool.release(seq.blocks)
                 seq.request._finish("cancelled")
                 continue
-            n = min(budget, len(seq.request.prompt_ids) - seq.cached)
-            logits = self._prefill_chunk(seq, n)
-            budget -= n
-            if seq.cached == len(seq.request.prompt_ids):
+            n = len(seq.request.prompt_ids)
+            out = self.model(input_ids=torch.tensor([seq.request.prompt_ids]), position_ids=torch.arange(n)[None],
+                             attention_mask=None, past_key_values=_StepCache(self.pool, [seq], prefill=True),
+                             use_cache=True, cache_position=torch.arange(n), logits_to_keep=1)
+            seq.cached = n
+            self.steps["prefill"] += 1
+            self._running.append(seq)
+            self._accept(seq, out.logits[0, -1])
+
+    def _drop_cancelled_prefills(self) -> bool:
+        """Release cancelled sequences not yet running; whether any prefill is left."""
+        keep = []
+        for seq in self._prefilling:
+            if seq.request._cancelled.is_set():
+                self.pool.release(seq.blocks)
+                seq.request._finish("cancelled")
+            else:
+                keep.append(seq)
+        self._prefilling = keep
+        return bool(keep)
+
+    def _packed_step(self) -> None:
+        """Chunked prefill: one forward over one packed row, the running sequences' next tokens and at most
+        ``prefill_chunk`` prompt tokens of the first sequence still prefilling (as TensorRT-LLM batches context
+        chunks with generation tokens), so a chunk costs the running sequences its tokens' compute, not a
+        forward of its own. Each token attends to its own sequence's keys in the pool (dequantized), causally."""
+        decode = self._running
+        for s in decode:  # a block for the position this step writes
+            if s.cached // self.tokens_per_block >= len(s.blocks):
+                s.blocks += self.pool.allocate(1)
+        chunk = self._prefilling[0] if self._prefilling else None
+        spans = [(s, s.cached, 1) for s in decode]  # (sequence, first new position, new tokens)
+        ids = [s.last_token for s in decode]
+        if chunk is not None:
+            n = min(self.prefill_chunk or 0, len(chunk.request.prompt_ids) - chunk.cached)
+            spans.append((chunk, chunk.cached, n))
+            ids += chunk.request.prompt_ids[chunk.cached:chunk.cached + n]
+        new_rows, read_rows, positions, query_seq, key_seq, key_pos = [], [], [], [], [], []
+        for i, (s, start, n) in enumerate(spans):
+            new_rows.append(self.pool.slots(s.blocks, start, start + n))
+            read_rows.append(self.pool.slots(s.blocks, 0, start + n))
+            positions.append(torch.arange(start, start + n))
+            query_seq += [i] * n
+            key_seq += [i] * (start + n)
+            key_pos.append(torch.arange(start + n))
+        pos, kpos = torch.cat(positions), torch.cat(key_pos)
+        allowed = (torch.tensor(key_seq)[None, :] == torch.tensor(query_seq)[:, None]) & (kpos[None, :] <= pos[:, None])
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+        keep = list(range(len(decode))) + ([len(ids) - 1] if chunk is not None else [])
+        out = self.model(input_ids=torch.tensor([ids]), position_ids=pos[None], attention_mask=mask,
+                         past_key_values=_StepCache(self.pool, decode + ([chunk] if chunk else []), prefill=False,
+                                                    packed=(torch.cat(new_rows), torch.cat(read_rows))),
+                         use_cache=True, cache_position=pos, logits_to_keep=torch.tensor(keep))
+        self.steps["packed"] += 1
+        if decode:
+            self.steps["decode"] += 1
+            self.steps["decode_sequences"] += len(decode)
+        for i, s in enumerate(decode):
+            s.cached += 1
+            self._accept(s, out.logits[0, i])
+        if chunk is not None:
+            chunk.cached += spans[-1][2]
+            self.steps["prefill_chunks"] += 1
+            if chunk.cached == len(chunk.request.prompt_ids):
                 self._prefilling.pop(0)
                 self.steps["prefill"] += 1
-                self._running.append(seq)
-                self._accept(seq, logits)
-
-    def _prefill_chunk(self, seq: _Sequence, n: int) -> torch.Tensor:
-        """Positions seq.cached .. +n of the prompt through the model, K/V into the pool; the last one's logits.
-        A chunk after the first attends to the pool's (dequantized) K/V of the positions before it."""
-        start = seq.cached
-        positions = torch.arange(start, start + n)
-        mask = None
-        if start:  # causal over the chunk, everything before it visible
-            mask = torch.zeros(1, 1, n, start + n)
-            mask.masked_fill_(torch.arange(start + n)[None, :] > positions[:, None], torch.finfo(torch.float32).min)
-        out = self.model(input_ids=torch.tensor([seq.request.prompt_ids[start:start + n]]),
-                         position_ids=positions[None], attention_mask=mask,
-                         past_key_values=_StepCache(self.pool, [seq], prefill=True, start=start), use_cache=True,
-                         cache_position=positions, logits_to_keep=1)
-        seq.cached = start + n
-        self.steps["prefill_chunks"] += 1
-        return out.logits[0, -1]
+                self._running.append(chunk)
+                self._accept(chunk, out.logits[0, -1])
 
     def _decode_step(self) -> None:
         seqs = self._running
