@@ -626,6 +626,10 @@ class TuneSection(Strict):
     # tuned vs default after the search, both servers up, alternating which goes first; the medians over the
     # rounds must confirm the choice (pipeline/serving/tune.py: confirm)
     ab_rounds: int = Field(3, ge=1, le=10)
+    # cpu target, with sla.p99_itl_ms set: the chunked prefill (triton.prefill_chunk_tokens) the search tries,
+    # alone and with the adaptive limit (null: not tried). 8 held SmolLM2's inter-token P99 within its bound
+    # on 2 cores (README: scripts/bench_adaptive.py), at the cost of time to first token
+    prefill_chunk_tokens: Optional[int] = Field(8, ge=1)
     apply: bool = True  # publish applies <work dir>/tune/tuned_settings.yaml where tune wrote one
 
 

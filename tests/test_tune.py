@@ -61,6 +61,21 @@ def test_search_halves_until_the_sla_holds_then_stops_where_halving_stops_paying
     assert chosen["settings"] == {"max_running": 2} and "the default does not keep the SLA" in why
 
 
+def test_with_an_itl_bound_the_search_tries_chunked_prefill_alone_and_with_the_adaptive_limit():
+    table = {"default": level(0.0, False), "max_running=4": level(0.1, False), "max_running=2": level(0.2, False),
+             "max_running=1": level(0.1, True), "adaptive_batch=True": level(0.2, False),
+             "prefill_chunk_tokens=8": level(0.4, True),
+             "adaptive_batch=True, prefill_chunk_tokens=8": level(0.5, True)}
+    asked, measure = curve(table)
+    points = search(measure, 8, adaptive=True, min_gain=0.05, chunk=8)
+    assert asked[-3:] == ["adaptive_batch=True", "prefill_chunk_tokens=8", "adaptive_batch=True, prefill_chunk_tokens=8"]
+    chosen, _ = choose(points, 0.05)
+    assert chosen["settings"] == {"adaptive_batch": True, "prefill_chunk_tokens": 8}
+    asked, measure = curve(table)
+    search(measure, 8, adaptive=False, min_gain=0.05, chunk=8)  # no ITL bound: what chunking buys is not asked for
+    assert not any("prefill_chunk" in a for a in asked)
+
+
 def test_search_stops_after_one_halving_when_the_default_keeps_the_sla_and_wins():
     asked, measure = curve({"default": level(1.0, True), "max_running=4": level(0.9, True)})
     points = search(measure, 8, adaptive=False, min_gain=0.05)

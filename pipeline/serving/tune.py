@@ -2,7 +2,7 @@
 
 What is searched on the ``cpu`` target: ``triton.max_running``, how many sequences the runtime runs at once
 (its KV pool is sized for them), and, with ``sla.p99_itl_ms`` set, ``triton.adaptive_batch`` (the runtime's
-EWMA controller). On the GPU targets (``gpu_plan``): the executor's ``scheduler_policy``, a larger
+EWMA controller) and ``triton.prefill_chunk_tokens`` (chunked prefill). On the GPU targets (``gpu_plan``): the executor's ``scheduler_policy``, a larger
 ``kv_cache_free_gpu_memory_fraction``, and on the pytorch target ``max_running`` halved twice and
 ``adaptive_batch`` (TensorRT-LLM's dynamic batch tuning); each point is measured where the image's
 ``tritonserver`` is (a GPU machine). Elsewhere ``invoke tune`` writes those points to ``tune_plan.yaml``,
@@ -14,7 +14,8 @@ than the server should run at once, which is where the limit matters).
 The search: the default first (the config as it is), then ``max_running`` halved, step by step, while the
 SLA is not kept (a smaller batch is what shortens the gap between tokens), or while halving still raises
 goodput by ``tune.min_gain``; the first halving that keeps the SLA and loses goodput ends it (smaller ones
-only lose more throughput). Then the adaptive controller, once. A setting is eligible when its P99s keep
+only lose more throughput). Then, with an ITL bound, the adaptive controller once, and chunked prefill
+(``tune.prefill_chunk_tokens`` prompt tokens a step) alone and with the controller. A setting is eligible when its P99s keep
 the SLA; the chosen one is the eligible setting with the most goodput, the default unless another beats it by
 ``tune.min_gain`` (noise is not a gain). No eligible setting: nothing is written to apply, and the error names
 the best point and what bounds it.
@@ -93,8 +94,11 @@ def _met(point: dict) -> bool:
     return point["level"]["sla"]["met"]
 
 
-def search(measure: Measure, max_batch_size: int, adaptive: bool, min_gain: float) -> list[dict]:
-    """The measured points, in order: {"settings", "label", "level"} (the rule: this module's docstring)."""
+def search(measure: Measure, max_batch_size: int, adaptive: bool, min_gain: float,
+           chunk: Optional[int] = None) -> list[dict]:
+    """The measured points, in order: {"settings", "label", "level"} (the rule: this module's docstring).
+    ``adaptive`` (an ITL bound is set): the adaptive limit once, and with ``chunk``, chunked prefill of that
+    many tokens a step, alone and with the adaptive limit."""
     points = [{"settings": {}, "label": DEFAULT, "level": measure({})}]
 
     def better(a: dict, b: dict) -> bool:  # keeping the SLA first, then goodput by min_gain
@@ -112,8 +116,10 @@ def search(measure: Measure, max_batch_size: int, adaptive: bool, min_gain: floa
             best = point
         elif _met(best):
             break  # the SLA is kept at a larger limit and halving did not pay: smaller ones only lose throughput
-    if adaptive:
-        settings = {"adaptive_batch": True}
+    extra: list[dict] = [{"adaptive_batch": True}] if adaptive else []
+    if adaptive and chunk:  # a prompt prefilled whole stalls every running sequence's next token
+        extra += [{"prefill_chunk_tokens": chunk}, {"adaptive_batch": True, "prefill_chunk_tokens": chunk}]
+    for settings in extra:
         points.append({"settings": settings, "label": label_of(settings), "level": measure(settings)})
     return points
 
@@ -300,7 +306,7 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
         measure = _measure_fn(servers, warm, measured, concurrency, sla)
         if config.build.target == "cpu":
             points = search(measure, servers.settings["max_batch_size"], config.sla.p99_itl_ms is not None,
-                            cfg.min_gain)
+                            cfg.min_gain, cfg.prefill_chunk_tokens)
         else:  # the plan's points, each measured: a GPU server's start is minutes, so no step-by-step search
             points = [{"settings": st, "label": label_of(st), "level": measure(st)} for st in gpu_plan(config)]
         chosen, why = choose(points, cfg.min_gain)
