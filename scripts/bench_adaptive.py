@@ -131,7 +131,8 @@ def main() -> int:
         results = {}
         for name, limit, target, prefill_chunk in arms:
             rt.max_running, rt.prefill_chunk = limit, prefill_chunk
-            rt.adaptive = AdaptiveBatchLimit(target, top) if target else None
+            rt.adaptive = (AdaptiveBatchLimit(target, top, chunk=prefill_chunk, max_chunk=a.prompt_tokens)
+                           if target else None)
             f = figures(serve(rt, schedule, prompt_ids, a.output_tokens), sla_ms, ttft_ms)
             results[name] = f
             changes = rt.adaptive.changes if rt.adaptive else "-"

@@ -226,6 +226,22 @@ def test_adaptive_limit_halves_above_the_target_and_grows_by_one_below_while_it_
         AdaptiveBatchLimit(target_ms=0, max_batch_size=8)
 
 
+def test_with_chunked_prefill_the_adaptive_limit_moves_the_chunk_first():
+    """Over the target the prompt chunk halves (down to its base) before the batch limit does; under it, while
+    prompts wait, the chunk grows by one token (up to max_chunk) before the limit grows."""
+    c = AdaptiveBatchLimit(target_ms=100, max_batch_size=8, chunk=8, max_chunk=11)
+    assert c.observe(50, running=8, prefill_waiting=True) == 8 and c.chunk == 9  # slack goes to the prefill
+    c.observe(50, running=8, prefill_waiting=True)
+    c.observe(50, running=8, prefill_waiting=True)
+    assert c.chunk == 11
+    assert c.observe(50, running=8, prefill_waiting=True) == 8 and c.chunk == 11  # at max_chunk: nothing to grow
+    # over (the average: 0.3 x 500 + 0.7 x 50 = 185): the chunk halves, to its base 8
+    assert c.observe(500, running=8, prefill_waiting=True) == 8 and c.chunk == 8
+    assert c.observe(200, running=8, prefill_waiting=True) == 4 and c.chunk == 8  # at its base: the limit halves
+    assert c.observe(50, running=4, prefill_waiting=False) == 5 and c.chunk == 8  # nothing to prefill: the limit
+    assert AdaptiveBatchLimit(target_ms=100, max_batch_size=8).chunk is None  # whole prompts: no chunk to move
+
+
 def test_adaptive_runtime_runs_one_sequence_at_a_time_under_an_unreachable_target(bundle):
     """A step target no step can meet: after the first burst (admitted at max_batch_size, then never
     preempted) the limit falls to one, and the next burst decodes one sequence per step, with the same tokens

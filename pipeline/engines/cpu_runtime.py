@@ -264,34 +264,50 @@ class _Sequence:
 
 
 class AdaptiveBatchLimit:
-    """How many sequences the scheduler runs at once, kept to a step-latency target as load moves.
+    """How many sequences the scheduler runs at once, and with chunked prefill how many prompt tokens a step
+    carries, kept to a step-latency target as load moves.
 
     After each scheduler step (the prefills it admitted plus one decode step: the gap every running sequence
     sees between two of its tokens) the step's time goes into an exponentially weighted average (weight
-    ``alpha`` for the newest). Above ``high`` x target the limit halves; below ``low`` x target, while the
-    limit is what holds sequences back (as many running as it allows), it grows by one. After a change the
-    average starts again from the next step, so one slow step halves the limit once, not on every step
-    after. Bounds: 1 and the runtime's max_running; the KV pool's free blocks bound admission besides.
+    ``alpha`` for the newest). Above ``high`` x target: the prompt chunk halves (down to ``chunk``, where one
+    is set), else the limit halves. Below ``low`` x target: while prompts wait for prefill the chunk grows by one
+    token (up to ``max_chunk``: the step's slack goes to prefill, so first tokens come sooner), else, while
+    the limit is what holds sequences back (as many running as it allows), the limit grows by one. After a
+    change the average starts again from the next step, so one slow step changes a knob once, not on every
+    step after. Bounds: 1 and the runtime's max_running; the KV pool's free blocks bound admission besides.
     """
 
     def __init__(self, target_ms: float, max_batch_size: int, alpha: float = 0.3, high: float = 1.1,
-                 low: float = 0.9):
+                 low: float = 0.9, chunk: Optional[int] = None, max_chunk: Optional[int] = None):
         if target_ms <= 0:
             raise InputError(f"the adaptive batch limit needs a positive step-latency target, got {target_ms} ms")
         self.target_ms, self.max_batch_size = target_ms, max_batch_size
         self.alpha, self.high, self.low = alpha, high, low
         self.limit = max_batch_size
+        self.chunk_step, self.chunk = chunk, chunk  # None: prompts are prefilled whole
+        self.max_chunk = max(max_chunk or 0, chunk or 0)
         self.ewma_ms: Optional[float] = None
         self.changes = 0
 
-    def observe(self, step_ms: float, running: int) -> int:
-        """One step's time and how many sequences it ran; returns the limit for the next admission."""
+    def observe(self, step_ms: float, running: int, prefill_waiting: bool = False) -> int:
+        """One step's time, how many sequences it ran and whether prompt tokens are left to prefill after it;
+        returns the limit for the next admission (``chunk``: the next step's prompt tokens)."""
         e = step_ms if self.ewma_ms is None else self.alpha * step_ms + (1 - self.alpha) * self.ewma_ms
         self.ewma_ms = e
-        if e > self.high * self.target_ms and self.limit > 1:
-            self.limit, self.ewma_ms, self.changes = max(1, self.limit // 2), None, self.changes + 1
-        elif e < self.low * self.target_ms and running >= self.limit and self.limit < self.max_batch_size:
-            self.limit, self.ewma_ms, self.changes = self.limit + 1, None, self.changes + 1
+        before = (self.limit, self.chunk)
+        if e > self.high * self.target_ms:
+            if self.chunk is not None and self.chunk_step is not None and self.chunk > self.chunk_step:
+                self.chunk = max(self.chunk_step, self.chunk // 2)
+            elif self.limit > 1:
+                self.limit = max(1, self.limit // 2)
+        elif e < self.low * self.target_ms:
+            if self.chunk is not None and self.chunk_step is not None and prefill_waiting \
+                    and self.chunk < self.max_chunk:
+                self.chunk = min(self.max_chunk, self.chunk + 1)
+            elif running >= self.limit and self.limit < self.max_batch_size:
+                self.limit += 1
+        if (self.limit, self.chunk) != before:
+            self.ewma_ms, self.changes = None, self.changes + 1
         return self.limit
 
 
@@ -362,7 +378,8 @@ class CpuRuntime:
         log.info("cpu runtime: %s weights (%s), KV cache %s in %d blocks of %d tokens (%.1f MB)",
                  facts.get("quant_algo"), why, kv_algo or "fp32", pool.num_blocks, pool.tokens_per_block,
                  pool.bytes / 1e6)
-        adaptive = AdaptiveBatchLimit(adaptive_target_ms, limit) if adaptive_target_ms else None
+        adaptive = (AdaptiveBatchLimit(adaptive_target_ms, limit, chunk=prefill_chunk,
+                                       max_chunk=settings["max_input_len"]) if adaptive_target_ms else None)
         rt = cls(model, pool, settings, eos, adaptive, limit, prefill_chunk)
         rt.layer_streaming = streamed
         return rt
@@ -448,7 +465,7 @@ class CpuRuntime:
                     self._packed_step()
                 self._drop_finished()
                 if self.adaptive is not None and admitted:
-                    self.adaptive.observe((time.perf_counter() - t0) * 1e3, admitted)
+                    self.adaptive.observe((time.perf_counter() - t0) * 1e3, admitted, bool(self._prefilling))
             except Exception as e:  # noqa: BLE001 - a crash ends the requests in flight with its message
                 log.exception("cpu runtime step failed")
                 for s in self._prefilling + self._running:
@@ -457,6 +474,12 @@ class CpuRuntime:
                 self._prefilling, self._running = [], []
         for req in pending:
             req._finish("cancelled")
+
+    def _chunk(self) -> int:
+        """Prompt tokens the next packed step carries: the adaptive limit's, else prefill_chunk."""
+        if self.adaptive is not None and self.adaptive.chunk is not None:
+            return self.adaptive.chunk
+        return self.prefill_chunk or 0
 
     def _batch_limit(self) -> int:
         return self.adaptive.limit if self.adaptive is not None else self.max_running
@@ -524,7 +547,7 @@ class CpuRuntime:
         spans = [(s, s.cached, 1) for s in decode]  # (sequence, first new position, new tokens)
         ids = [s.last_token for s in decode]
         if chunk is not None:
-            n = min(self.prefill_chunk or 0, len(chunk.request.prompt_ids) - chunk.cached)
+            n = min(self._chunk(), len(chunk.request.prompt_ids) - chunk.cached)
             spans.append((chunk, chunk.cached, n))
             ids += chunk.request.prompt_ids[chunk.cached:chunk.cached + n]
         new_rows, read_rows, positions, query_seq, key_seq, key_pos = [], [], [], [], [], []
