@@ -159,9 +159,9 @@ class _StepCache:
     ``update`` stores each sequence's new K/V in its blocks and returns what attention should see: in a
     prefill (one sequence, empty history) its own unquantized K/V; in a decode step every sequence's
     dequantized history including the new token, right-padded to the longest (the 4-D mask hides padding).
-    ``packed``: one row holding several sequences' new tokens (``rows``: their pool rows, in order) and the
-    keys ``read_rows`` (every sequence's positions up to its newest, one after the other, dequantized); the
-    4-D mask keeps each token to its own sequence's keys, causally.
+    ``packed`` (chunked prefill): one row holding several sequences' new tokens; the tuple gives their pool
+    rows, in order, and the rows of every sequence's positions up to its newest, one sequence after the other,
+    which attention reads back dequantized; the 4-D mask keeps each token to its own sequence's keys, causally.
     """
 
     def __init__(self, pool: KVBlockPool, seqs: list["_Sequence"], prefill: bool,
@@ -495,7 +495,8 @@ class CpuRuntime:
         return self.pool.free_blocks - promised
 
     def _admit(self, req: Request) -> None:
-        """A sequence for the request, its prompt's blocks taken; its prefill runs in ``_prefill_step``."""
+        """A sequence for the request, its prompt's blocks taken; its prompt goes through the model in
+        ``_prefill_whole`` or, chunk by chunk, in ``_packed_step``."""
         if req._cancelled.is_set():
             req._finish("cancelled")
             return
