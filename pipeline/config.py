@@ -619,7 +619,8 @@ class TuneSection(Strict):
     # the load each setting is measured under, closed loop: this many requests in flight. None: twice the
     # highest bench.concurrency level, more clients than the server should run at once (where a limit matters)
     concurrency: Optional[int] = Field(None, ge=1, le=1024)
-    requests: int = Field(32, ge=4)  # measured requests per point (after bench.warmup_requests per server)
+    # measured requests per point (after bench.warmup_requests per server); at least tune.concurrency
+    requests: int = Field(32, ge=4)
     # a smaller limit is measured next only while the last one raised goodput by at least this fraction, and
     # a setting replaces the default only if it beats the default's goodput by it (noise is not a gain)
     min_gain: float = Field(0.05, ge=0, lt=1)

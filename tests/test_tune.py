@@ -245,6 +245,8 @@ def test_invoke_tune_on_a_gpu_target_without_tritonserver_writes_the_plan(tmp_pa
     assert [p["settings"] for p in plan["points"]] == [p["settings"] for p in out["points"]]
     assert plan["target"] == "pytorch" and plan["sla"] == {"itl_ms": 50.0} and plan["build_digest"] is None
     assert plan["load"]["loop"] == "closed" and "invoke tune --results FILE" in plan["how"]
+    # the H100 profile's bench goes to 128 in flight: each of the 256 clients sends at least one request
+    assert plan["load"]["concurrency"] == 256 and plan["load"]["requests"] == 256
     printed = capsys.readouterr().out
     assert "no tritonserver here" in printed and "- max_running=64" in printed
 

@@ -337,9 +337,11 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
 
 
 def _load(config: PipelineConfig) -> dict:
-    """The load each point is measured under (closed loop)."""
-    return {"concurrency": config.tune.concurrency or 2 * max(config.bench.concurrency),
-            "requests": config.tune.requests, "warmup_requests": config.bench.warmup_requests,
+    """The load each point is measured under (closed loop): at least one measured request per client, so the
+    concurrency is reached (a GPU build's bench levels go to hundreds)."""
+    concurrency = config.tune.concurrency or 2 * max(config.bench.concurrency)
+    return {"concurrency": concurrency,
+            "requests": max(config.tune.requests, concurrency), "warmup_requests": config.bench.warmup_requests,
             "prompt_tokens": config.bench.prompt_tokens, "output_tokens": config.bench.output_tokens,
             "loop": "closed"}
 
@@ -467,7 +469,7 @@ def _prompts(config: PipelineConfig, work_dir: Path, settings: dict) -> tuple[li
     check_lengths(bench, settings, "the build")
     tokenizer = AutoTokenizer.from_pretrained(str(artifacts.stage_dir(work_dir, "model") / artifacts.MODEL_DIR))
     text = artifacts.stage_dir(work_dir, "text") / artifacts.EVALUATION_TEXT_FILE
-    prompts = make_prompts(text, tokenizer, bench.prompt_tokens, bench.warmup_requests + config.tune.requests)
+    prompts = make_prompts(text, tokenizer, bench.prompt_tokens, bench.warmup_requests + _load(config)["requests"])
     return prompts[:bench.warmup_requests], prompts[bench.warmup_requests:]
 
 
