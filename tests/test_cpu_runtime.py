@@ -310,8 +310,6 @@ def test_chunked_prefill_gives_the_whole_prompts_tokens_and_interleaves_with_dec
         next(new.stream())
         assert len(long.output_ids) - before >= 3
         assert rt.steps["prefill_chunks"] - steps["prefill_chunks"] == 4
-        # every forward since is a packed one: no prefill forward of its own stalled the long sequence
-        assert rt.steps["decode"] - steps["decode"] <= rt.steps["packed"] - steps["packed"]
         long.cancel()
         assert len(new.result(timeout=120)) == 8
         assert rt.pool.free_blocks == rt.pool.num_blocks

@@ -14,7 +14,7 @@ from conftest import REPO
 from pipeline import commands
 from pipeline.config import load_config
 from pipeline.engines.trtllm.targets import serving_llm_api_options
-from pipeline.errors import ConfigError, InputError
+from pipeline.errors import ConfigError, InputError, StageFailed
 from pipeline.serving.tune import (
     RESULTS_FILE,
     ab_summary,
@@ -287,6 +287,26 @@ def test_results_measured_on_the_gpu_are_chosen_from_here_and_applied_to_that_bu
     opts = serving_llm_api_options({"max_batch_size": 128, "kv_cache_config": {"free_gpu_memory_fraction": 0.9}},
                                    applied.triton)
     assert opts["scheduler_config"] == {"capacity_scheduler_policy": "MAX_UTILIZATION"}
+
+
+def test_a_choice_the_measuring_runs_ab_did_not_confirm_is_not_applied(tmp_path):
+    cfg = load_config(H100, PYTORCH + ["sla.p99_itl_ms=50"]).config
+    doc = gpu_results(({}, 4.0, 45.0), ({"max_running": 64}, 6.0, 40.0))
+    side = {"goodput_rps": 5.0, "output_tokens_per_s": 500.0, "sla_met_rounds": 1}
+    doc["chosen"] = {"label": "max_running=64", "settings": {"max_running": 64}}
+    doc["ab"] = {"rounds": 3, "goodput_ratio": 1.0, "output_tokens_per_s_ratio": 1.0,
+                 "default": {**side, "p99_ms": {"itl_ms": 45.0}, "sla_kept": True},
+                 "tuned": {**side, "p99_ms": {"itl_ms": 70.0}, "sla_kept": False}}  # its medians missed the bound
+    path = tmp_path / RESULTS_FILE
+    path.write_text(json.dumps(doc))
+    with pytest.raises(StageFailed, match="the A/B did not confirm max_running=64"):
+        apply_results(cfg, tmp_path / "work", path)
+    assert not (tmp_path / "work" / TUNE_DIR / TUNED_FILE).exists()
+    doc["ab"]["tuned"].update(p99_ms={"itl_ms": 40.0}, sla_kept=True, goodput_rps=6.0)  # confirmed
+    path.write_text(json.dumps(doc))
+    results = apply_results(cfg, tmp_path / "work", path)
+    assert results["chosen"]["settings"] == {"max_running": 64} and "confirmed by the measuring run's A/B" in \
+        results["why"]
 
 
 @pytest.mark.parametrize("change, message", [

@@ -508,12 +508,9 @@ class CpuRuntime:
 
     def _prefill_whole(self) -> None:
         """Each admitted prompt through the model whole; its first token, and it runs."""
+        self._drop_cancelled_prefills()
         while self._prefilling:
             seq = self._prefilling.pop(0)
-            if seq.request._cancelled.is_set():
-                self.pool.release(seq.blocks)
-                seq.request._finish("cancelled")
-                continue
             n = len(seq.request.prompt_ids)
             out = self.model(input_ids=torch.tensor([seq.request.prompt_ids]), position_ids=torch.arange(n)[None],
                              attention_mask=None, past_key_values=_StepCache(self.pool, [seq], prefill=True),

@@ -395,9 +395,10 @@ FIGURES = ("goodput_rps", "output_tokens_per_s", "requests_per_s", "ttft_p99_ms"
 
 def apply_results(config: PipelineConfig, work_dir: Path, path: Path) -> dict:
     """Choose from points measured elsewhere (``path``: a tune_results.json, or a file of its shape), with the
-    same rule as a measuring run; write the tune folder (the tuned settings file carries the build digest the
-    file names). The file's SLA must be the config's; each point's settings must validate with the config.
-    Whether a point keeps the SLA is judged again here from its P99s."""
+    same rule as a measuring run; where the file's own A/B tested that same choice, it must confirm it
+    (``confirm``). Write the tune folder (the tuned settings file carries the build digest the file names). The
+    file's SLA must be the config's; each point's settings must validate with the config. Whether a point keeps
+    the SLA is judged again here from its P99s."""
     doc = _read_results(path)
     bounds = config.sla.bounds()
     if doc["sla"] != bounds:
@@ -429,12 +430,17 @@ def apply_results(config: PipelineConfig, work_dir: Path, path: Path) -> dict:
         raise InputError(f"{path}: the first point must be the default (settings: {{}}): a setting is chosen "
                          f"against it")
     chosen, why = choose(points, config.tune.min_gain)
+    ab = doc.get("ab")
+    file_chosen = (doc.get("chosen") or {}).get("settings")
+    if ab and chosen is not None and chosen["settings"] and chosen["settings"] == file_chosen:
+        chosen, verdict = confirm(chosen, ab, bounds)  # the measuring run's A/B of this same choice
+        why = f"{why}; {verdict}" if verdict else f"{why}; confirmed by the measuring run's A/B"
     results = {"format_version": 1, "target": config.build.target, "sla": bounds, "load": doc["load"],
                "build_digest": doc["build_digest"], "min_gain": config.tune.min_gain,
                "measured_elsewhere": path.name,
                "points": [{"label": p["label"], "settings": p["settings"], **p["figures"]} for p in points],
                "chosen": None if chosen is None else {"label": chosen["label"], "settings": chosen["settings"]},
-               "why": why, "ab": doc.get("ab")}
+               "why": why, "ab": ab}
     staging = work_dir / artifacts.STAGING_DIR / f"tune-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     return _conclude(results, chosen, staging, work_dir)
