@@ -498,6 +498,13 @@ class TritonSection(Strict):
     scheduler_policy: Optional[Literal["guaranteed_no_evict", "max_utilization"]] = None
     # GPU targets: the share of free GPU memory given to the KV cache at load (None: build.kv_cache's).
     kv_cache_free_gpu_memory_fraction: Optional[float] = Field(None, gt=0, le=1)
+    # cpu and vllm targets: request classes. Levels 1..N, 1 the highest (Triton's priority levels); a request's
+    # optional `priority` input picks one (none or 0: default_priority_level, else the lowest). The runtime
+    # takes waiting requests by level, first come first served within one (cpu: admission and prefill order;
+    # vllm: its priority scheduling policy, through Triton); Triton's own queues take the same levels from a
+    # request's priority parameter. None: one class.
+    priority_levels: Optional[int] = Field(None, ge=2, le=16)
+    default_priority_level: Optional[int] = Field(None, ge=1)
 
     @field_validator("repository_dir")
     @classmethod
@@ -567,6 +574,17 @@ class BenchSection(Strict):
     # rates (requests/s, Poisson arrivals; requests_per_level each), driven by NVIDIA's aiperf from
     # .venv-aiperf; the highest rate sustained under the SLA. Empty: none.
     request_rates: tuple[float, ...] = ()
+    # the sweep measured this many times (rounds, each walking every level); a level reports the median over
+    # rounds of each figure, with the spread of throughput and P99 end-to-end latency (noise made visible)
+    repeats: int = Field(1, ge=1)
+    # one of the concurrency levels: after the sweep, aiperf drives the same closed loop at it on every target,
+    # and the results set its figures beside our client's (a cross-check of the client). None: no cross-check
+    cross_check_concurrency: Optional[int] = None
+
+    @property
+    def uses_aiperf(self) -> bool:
+        """Whether the stage runs aiperf (open-loop rates or the cross-check): it must be installed."""
+        return bool(self.request_rates) or self.cross_check_concurrency is not None
 
     @field_validator("concurrency")
     @classmethod
@@ -610,6 +628,13 @@ class BenchSection(Strict):
         if self.request_rates and self.grpc_url is not None:
             raise ValueError("request_rates drives the HTTP endpoint of a server bench starts itself; with grpc_url "
                              "(a running server) leave request_rates empty")
+        c = self.cross_check_concurrency
+        if c is not None and c not in self.concurrency:
+            raise ValueError(f"bench.cross_check_concurrency ({c}) must be one of bench.concurrency "
+                             f"{list(self.concurrency)}: the cross-check sets aiperf beside our client's level")
+        if c is not None and self.grpc_url is not None:
+            raise ValueError("bench.cross_check_concurrency drives the HTTP endpoint of a server bench starts "
+                             "itself; with grpc_url (a running server) leave it unset")
         return self
 
 
@@ -780,6 +805,16 @@ def _check_serving_keys(t: TritonSection, b: BuildSection, sla: SlaSection) -> N
         raise ValueError(f"triton.prefill_chunk_tokens is the cpu runtime's chunked prefill; the {b.target} target "
                          f"does not read it" + (" (TensorRT-LLM's is build.chunked_context with build.max_num_tokens)"
                                                 if b.target in ("tensorrt", "pytorch") else ""))
+    if t.default_priority_level is not None and (t.priority_levels is None
+                                                 or t.default_priority_level > t.priority_levels):
+        raise ValueError(f"triton.default_priority_level {t.default_priority_level}: must be one of the levels "
+                         f"1..triton.priority_levels ({t.priority_levels or 'not set'})")
+    if t.priority_levels is not None and b.target not in ("cpu", "vllm"):
+        raise ValueError(
+            f"triton.priority_levels: request classes reach the cpu runtime's and vLLM's schedulers; the "
+            f"{b.target} target's runtime is given no priority (" + {
+                "tensorrt": "the tensorrtllm backend sets no executor request priority",
+                "pytorch": "the LLM API's generate_async takes no priority"}[b.target] + ")")
     gpu_only = [k for k in ("scheduler_policy", "kv_cache_free_gpu_memory_fraction") if getattr(t, k) is not None]
     if gpu_only and b.target not in ("tensorrt", "pytorch"):
         raise ValueError(f"triton.{gpu_only[0]} sets TensorRT-LLM's executor (build.target: tensorrt or pytorch); "
@@ -967,7 +1002,7 @@ def _format_validation_error(e: ValidationError, raw: dict, origins: dict[str, s
             text = err["msg"].removeprefix("Value error, ")
             msg = f" = {_short(value)}: {text}" if present and not isinstance(value, dict) else f": {text}"
         lines.append(f"  {where}: {yaml_path or '<top level>'}{msg}")
-    lines.append("Fix the value(s) above; `invoke plan --config FILE` re-checks a config without running anything.")
+    lines.append("Fix the value(s) above; `invoke explain --config FILE` re-checks a config without running anything.")
     return "\n".join(lines)
 
 

@@ -249,7 +249,7 @@ class Runner:
         return problems, edited
 
     def explain(self, targets: list[str]) -> list[StageStatus]:
-        """What `run` would do, without doing it: used by `invoke plan`."""
+        """What `run` would do, without doing it: used by `invoke explain`."""
         out: list[StageStatus] = []
         rerun: set[str] = set()
         for name in self.closure(targets):

@@ -116,7 +116,7 @@ def _build_preflight(loaded) -> None:
 
 
 def _bench_preflight(loaded) -> None:
-    if loaded.config.bench.request_rates:
+    if loaded.config.bench.uses_aiperf:
         from pipeline.serving.bench.openloop import aiperf_executable  # the open-loop load's driver, or stop here
 
         aiperf_executable()

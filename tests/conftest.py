@@ -209,3 +209,46 @@ def tiny_config(tmp_path, model_dir, extra=""):
         bench: {{concurrency: [1, 2]}}
         {extra}
         """)
+
+
+def completion_order_with_classes(http_url: str, queue_formed, hogs: int = 16, hog_tokens: int = 100) -> list[str]:
+    """Request classes on a real server published with triton.priority_levels 2: ``hogs`` long requests of the
+    default level queue (until ``queue_formed()`` says the runtime holds them), then a request with no priority,
+    one of level 2 and one of level 1 are sent in that order. The names of all of them in the order their
+    answers came back."""
+    import concurrent.futures
+    import time
+    import urllib.request
+
+    done: dict[str, float] = {}
+
+    def ask(name: str, max_tokens: int = 16, **priority) -> None:
+        body = json.dumps({"text_input": f"Request {name}:", "max_tokens": max_tokens, **priority}).encode()
+        req = urllib.request.Request(f"http://{http_url}/v2/models/llm/generate", data=body, method="POST")
+        with urllib.request.urlopen(req, timeout=600) as r:
+            assert json.loads(r.read())["output_ids"]
+        done[name] = time.perf_counter()
+
+    with concurrent.futures.ThreadPoolExecutor(hogs + 3) as pool:
+        futures = [pool.submit(ask, f"long {i}", hog_tokens) for i in range(hogs)]
+        deadline = time.monotonic() + 120
+        while not queue_formed() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert queue_formed(), "the long requests never queued in the runtime"
+        for name, priority in (("none", {}), ("level 2", {"priority": 2}), ("level 1", {"priority": 1})):
+            futures.append(pool.submit(ask, name, **priority))
+            time.sleep(0.2)  # sent in this order
+        for f in futures:
+            f.result()
+    return sorted(done, key=done.get)
+
+
+def metric(metrics_url: str, family: str, label: str, value: str) -> float:
+    """One series of a Triton metrics endpoint, e.g. nv_trt_llm_request_metrics{request_type="active"}."""
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(family + "{") and f'{label}="{value}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{family}{{{label}={value}}} is not on the metrics endpoint")

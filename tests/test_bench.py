@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 from pathlib import Path
@@ -20,6 +21,8 @@ from pipeline.serving.bench.stats import (
     find_knee,
     goodput,
     knee_sentence,
+    median_figures,
+    median_rounds,
     padding_factor,
     percentile,
     sla_choice,
@@ -92,6 +95,45 @@ def test_goodput_counts_the_requests_within_every_bound_and_the_level_keeps_the_
                     {"e2e_ms": 900})
     assert loose["met"] and loose["good_requests"] == 4 and loose["goodput_rps"] == pytest.approx(2.0)
     assert level_figures(recs, wall_s=2.0, concurrency=4)["sla"] is None  # no SLA configured
+
+
+def _round(wall_s: float, *requests: tuple[float, float]) -> dict:
+    """One round of a concurrency-2 level: requests of 4 tokens each, (TTFT ms, end-to-end ms), over ``wall_s``."""
+    recs = [RequestRecord(16, 0.0, [(ttft / 1e3, 1), (e2e / 1e3, 3)]) for ttft, e2e in requests]
+    return level_figures(recs, wall_s, concurrency=2, sla={"e2e_ms": 450})
+
+
+def test_a_level_over_three_rounds_is_their_medians_with_the_spread():
+    """Each figure is the median over the rounds; the SLA is judged again on the median P99 (the first round, over
+    its bound, does not decide); spread: min, max, (max - min) / median of throughput and P99 end-to-end."""
+    # 8 tokens per round: 8 / 1.0, 8 / 2.0, 8 / 1.6 tokens/s; P99 end-to-end of two requests a < b: a + 0.99 (b - a)
+    b, a, c = _round(1.0, (100, 500), (200, 600)), _round(2.0, (100, 300), (100, 400)), _round(1.6, (50, 200), (50, 300))
+    assert [r["e2e_ms"]["p99"] for r in (b, a, c)] == pytest.approx([599, 399, 299])
+    assert [r["sla"]["met"] for r in (b, a, c)] == [False, True, True]
+    level = median_rounds([b, a, c], {"e2e_ms": 450})
+    assert level["output_tokens_per_s"] == pytest.approx(5.0) and level["requests_per_s"] == pytest.approx(1.25)
+    assert level["wall_s"] == pytest.approx(1.6) and level["ttft_ms"]["p50"] == pytest.approx(100)
+    assert level["e2e_ms"]["p99"] == pytest.approx(399) and level["e2e_ms"]["p50"] == pytest.approx(350)
+    assert level["concurrency"] == 2 and isinstance(level["concurrency"], int) and level["requests"] == 2
+    assert level["sla"]["p99_ms"]["e2e_ms"] == pytest.approx(399)
+    assert level["sla"]["met"] and level["sla"]["violations"] == [] and level["sla"]["goodput_rps"] == pytest.approx(1.0)
+    s = level["spread"]
+    assert s["rounds"] == 3
+    assert (s["output_tokens_per_s"]["min"], s["output_tokens_per_s"]["max"]) == pytest.approx((4.0, 8.0))
+    assert s["output_tokens_per_s"]["relative"] == pytest.approx((8 - 4) / 5)
+    assert (s["e2e_p99_ms"]["min"], s["e2e_p99_ms"]["max"]) == pytest.approx((299, 599))
+    assert s["e2e_p99_ms"]["relative"] == pytest.approx(300 / 399)
+    assert [r["output_tokens_per_s"] for r in s["per_round"]] == pytest.approx([8.0, 4.0, 5.0])
+    assert [r["ttft_p50_ms"] for r in s["per_round"]] == pytest.approx([150, 100, 50])
+    # the medians over rounds keeping the SLA at the P99 bound only when the median P99 does
+    assert not median_rounds([a, b, b], {"e2e_ms": 450})["sla"]["met"]
+    assert median_rounds([a], {"e2e_ms": 450}) is a  # one round: the level as it was measured, no spread
+
+
+def test_median_figures_walk_dicts_and_skip_missing_numbers():
+    rounds = [{"c": 4, "x": 1, "p": None, "basis": "cpu"}, {"c": 4, "x": 3, "p": 2.0, "basis": "cpu"},
+              {"c": 4, "x": 2, "p": 4.0, "basis": "cpu"}]
+    assert median_figures(rounds) == {"c": 4, "x": 2, "p": 3.0, "basis": "cpu"}
 
 
 def test_sla_choice_is_the_fastest_level_that_keeps_it_or_says_what_the_lowest_missed():
@@ -292,7 +334,9 @@ def test_bench_stage_on_a_real_server(published_tiny):
 def test_open_loop_load_through_aiperf(published_tiny):
     """bench.request_rates: after the sweep, aiperf sends Poisson arrivals at each rate to the server bench
     started (Triton's generate_stream of the streaming model); every request answered, the figures, aiperf's
-    artifacts and the sustainable rate under the SLA in the results; no aiperf process outlives the stage."""
+    artifacts and the sustainable rate under the SLA in the results; no aiperf process outlives the stage.
+    In the same run, bench.repeats: each level the medians of two rounds, with their spread; and
+    bench.cross_check_concurrency: aiperf's closed loop at level 2 beside our client's figures there."""
     import psutil
 
     from pipeline.config import load_config
@@ -305,12 +349,30 @@ def test_open_loop_load_through_aiperf(published_tiny):
     except Exception as e:  # EnvironmentProblem: scripts/setup-env installs it (CI has it)
         pytest.skip(f"aiperf is not installed here ({e})")
     _, runner, cfg, overrides = published_tiny
-    loaded = load_config(cfg, overrides + ["bench.concurrency=[1]", "bench.requests_per_level=6",
-                                           "bench.request_rates=[1,4]"])
+    loaded = load_config(cfg, overrides + ["bench.concurrency=[1,2]", "bench.requests_per_level=6",
+                                           "bench.request_rates=[1,4]", "bench.repeats=2",
+                                           "bench.cross_check_concurrency=2"])
     Runner(loaded, STAGES, runner.work_dir.parent).run(["bench"], echo=lambda s: None)
     out = runner.work_dir / "bench"
     results = json.loads((out / artifacts.BENCH_RESULTS_FILE).read_text())
     (t,) = results["targets"]
+    for level in t["levels"]:
+        s = level["spread"]
+        assert s["rounds"] == 2 and len(s["per_round"]) == 2
+        assert level["output_tokens_per_s"] == statistics.median(r["output_tokens_per_s"] for r in s["per_round"])
+        assert level["e2e_ms"]["p99"] == statistics.median(r["e2e_p99_ms"] for r in s["per_round"])
+        assert s["output_tokens_per_s"]["min"] <= level["output_tokens_per_s"] <= s["output_tokens_per_s"]["max"]
+    knee = t["knee"]  # found on the medians
+    assert knee["throughput"] == next(l["output_tokens_per_s"] for l in t["levels"]
+                                      if l["concurrency"] == knee["concurrency"])
+    check = results["cross_check"]["this build"]
+    assert check["concurrency"] == 2 and check["ours"]["output_tokens_per_s"] == t["levels"][1]["output_tokens_per_s"]
+    assert check["aiperf"]["requests"] == 6 and check["aiperf"]["errors"] == 0  # every aiperf request answered
+    assert all(v > 0 for k, v in check["aiperf"].items() if k != "errors"), check["aiperf"]
+    assert check["aiperf_over_ours"]["output_tokens_per_s"] == pytest.approx(
+        check["aiperf"]["output_tokens_per_s"] / check["ours"]["output_tokens_per_s"])
+    assert isinstance(check["agree"], bool) and "in requests/s" in check["sentence"]  # evidence, not a failure
+    assert "same token counts" in results["definitions"]["cross_check"] and "median" in results["definitions"]["repeats"]
     assert [r["request_rate"] for r in t["rates"]] == [1, 4]
     for r in t["rates"]:
         assert r["requests"] == 6 and r["errors"] == 0 and r["arrived_rps"] > 0

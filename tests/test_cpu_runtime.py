@@ -315,3 +315,40 @@ def test_chunked_prefill_gives_the_whole_prompts_tokens_and_interleaves_with_dec
         assert rt.pool.free_blocks == rt.pool.num_blocks
     with pytest.raises(InputError, match="prefill_chunk must be a positive number"):
         CpuRuntime.load(bundle / "cpu_bundle", prefill_chunk=0)
+
+
+
+def _by_first_token(reqs: dict) -> list:
+    """The names of finished ``reqs`` ({name: Request}) in the order their first tokens came out."""
+    return sorted(reqs, key=lambda name: reqs[name].first_token_at)
+
+
+def test_a_more_urgent_request_is_admitted_before_earlier_ones_and_gets_the_same_tokens(bundle, runtime):
+    """One sequence at a time (max_running 1), the slot held by a long request: two requests of priority 2
+    queue, then one of priority 1 (the lower, the sooner). When the slot frees, the urgent one runs first, then
+    the others first come, first served; with equal priorities the order is arrival. Priorities change when a
+    request runs, not its tokens."""
+    params = SamplingParams(max_new_tokens=4, end_id=-1)
+    for priorities, expected in (((2, 2, 1), ["urgent", "first", "second"]), ((2, 2, 2), ["first", "second", "urgent"])):
+        with CpuRuntime.load(bundle / "cpu_bundle", max_running=1) as rt:
+            hog = rt.submit(PROMPTS[0], SamplingParams(max_new_tokens=100, end_id=-1))
+            next(hog.stream())  # it runs: the others wait for its slot
+            reqs = {name: rt.submit(PROMPTS[i], params, priority=p)
+                    for i, (name, p) in enumerate(zip(("first", "second", "urgent"), priorities), start=1)}
+            assert rt.stats()["requests_waiting"] == 3
+            hog.cancel()
+            got = {name: r.result(timeout=120) for name, r in reqs.items()}
+            assert _by_first_token(reqs) == expected
+        assert got == {name: runtime.generate(PROMPTS[i], params) for i, name in enumerate(got, start=1)}
+
+
+def test_with_chunked_prefill_a_more_urgent_prompt_is_prefilled_first(bundle):
+    """prefill_chunk 2, both prompts admitted in one step: the chunks go to the urgent prompt first, so its
+    first token comes out before the earlier, less urgent prompt's; without priorities the order is arrival."""
+    params = SamplingParams(max_new_tokens=4, end_id=-1)
+    with CpuRuntime.load(bundle / "cpu_bundle", prefill_chunk=2) as rt:
+        for urgency, expected in ((1, ["urgent", "batch"]), (2, ["batch", "urgent"])):
+            with rt._lock:  # both queued before the scheduler looks: admitted in one step
+                reqs = {"batch": rt.submit(PROMPTS[2], params, 2), "urgent": rt.submit(PROMPTS[1], params, urgency)}
+            assert [len(r.result(timeout=120)) for r in reqs.values()] == [4, 4]
+            assert _by_first_token(reqs) == expected

@@ -1,6 +1,7 @@
 """The open-loop load (pipeline/serving/bench/openloop.py): aiperf's command read back by aiperf's own parser,
-the figures read from its exports, and the sustainable-rate rule. The load itself, against a real Triton
-server, is tests/test_bench.py::test_open_loop_load_through_aiperf.
+the figures read from its exports, the sustainable-rate rule, and the cross-check of our client against aiperf's
+closed loop. The load itself, against a real Triton server, is
+tests/test_bench.py::test_open_loop_load_through_aiperf.
 
 aiperf runs from its own environment (``.venv-aiperf``, scripts/setup-env; ``AIPERF`` overrides it); the tests
 that need it skip, saying how to install it, where it is missing. CI's set-up installs it."""
@@ -74,6 +75,44 @@ def test_the_aiperf_command_is_what_aiperfs_own_parser_reads(aiperf_python, tmp_
     assert not b.get("slos")
 
 
+def test_the_closed_loop_command_differs_from_the_rate_command_only_in_its_load(aiperf_python, tmp_path):
+    """The cross-check's command (bench.cross_check_concurrency): aiperf's parser resolves it to a concurrency
+    phase of requests_per_level requests, the rest as the rate command has it."""
+    cfg = BenchSection(requests_per_level=12, prompt_tokens=48, output_tokens=20)
+    common = dict(openai=False, http_url="127.0.0.1:8000", model="m_stream", tokenizer_dir=tmp_path, cfg=cfg,
+                  sla={}, out_dir=tmp_path)
+    closed = openloop.aiperf_argv("aiperf", concurrency=3, **common)
+    rate = openloop.aiperf_argv("aiperf", rate=2.5, **common)
+    i = closed.index("--concurrency")
+    assert closed[i:i + 2] == ["--concurrency", "3"]
+    assert closed[:i] + closed[i + 2:] == rate[:i] + rate[i + 4:]  # --request-rate 2.5 --arrival-pattern poisson
+    b = _resolved(aiperf_python, closed[2:])
+    (phase,) = b["phases"]
+    assert (phase["type"], phase["concurrency"], phase["requests"]) == ("concurrency", 3, 12)
+    assert b["datasets"][0]["prompts"]["isl"] == {"mean": 48.0, "stddev": 0.0}
+    assert b["endpoint"]["path"] == "/v2/models/m_stream/generate_stream" and b["endpoint"]["streaming"]
+    with pytest.raises(ValueError, match="either rate or concurrency"):
+        openloop.aiperf_argv("aiperf", rate=1.0, concurrency=3, **common)
+
+
+def _level(rps: float, tps: float, ttft: float, itl: float, e2e: float) -> dict:
+    return {"requests_per_s": rps, "output_tokens_per_s": tps, "output_tokens_mean": tps / rps, "ttft_ms": {"p50": ttft},
+            "itl_ms": {"p50": itl}, "e2e_ms": {"p50": e2e}, "requests": 12, "errors": 0}
+
+
+def test_the_cross_check_sets_aiperf_beside_our_client_and_judges_requests_per_second():
+    ours = _level(2.0, 100.0, 50.0, 10.0, 700.0)
+    c = openloop.cross_check(ours, _level(1.8, 110.0, 60.0, 9.0, 770.0), 4)
+    assert c["concurrency"] == 4 and c["ours"]["e2e_p50_ms"] == 700 and c["aiperf"]["requests"] == 12
+    assert c["aiperf_over_ours"] == pytest.approx({"requests_per_s": 0.9, "output_tokens_per_s": 1.1,
+                                                   "output_tokens_mean": 1.1 / 0.9, "ttft_p50_ms": 1.2,
+                                                   "itl_p50_ms": 0.9, "e2e_p50_ms": 1.1})
+    assert c["agree"] and "aiperf / ours 0.90 in requests/s, within 15%" in c["sentence"]
+    # aiperf counting more tokens per request than the server generated does not decide; requests/s 20 % short does
+    slow = openloop.cross_check(ours, _level(1.6, 100.0, 60.0, 9.0, 770.0), 4)
+    assert not slow["agree"] and "0.80 in requests/s, NOT within 15%" in slow["sentence"]
+
+
 def _rate(rate: float, p99_e2e: float, errors: int = 0, sla: float = 5000.0) -> dict:
     return {"request_rate": rate, "errors": errors, "e2e_ms": {"p99": p99_e2e},
             "sla": {"met": p99_e2e <= sla, "p99_ms": {"e2e_ms": p99_e2e},
@@ -114,10 +153,10 @@ def test_bad_request_rates_are_refused_naming_the_field(override, says):
         load_config(REPO / "engine_configs" / "smollm2-135m-cpu.yaml", [override])
 
 
-def test_request_rates_need_a_server_bench_starts():
-    with pytest.raises(ConfigError, match="request_rates drives the HTTP endpoint"):
-        load_config(REPO / "engine_configs" / "smollm2-135m-cpu.yaml",
-                    ["bench.request_rates=[1]", "bench.grpc_url=127.0.0.1:8001"])
+@pytest.mark.parametrize("override", ["bench.request_rates=[1]", "bench.cross_check_concurrency=1"])
+def test_aiperf_needs_a_server_bench_starts(override):
+    with pytest.raises(ConfigError, match="drives the HTTP endpoint of a server bench starts"):
+        load_config(REPO / "engine_configs" / "smollm2-135m-cpu.yaml", [override, "bench.grpc_url=127.0.0.1:8001"])
 
 
 def test_without_aiperf_bench_stops_before_any_work_saying_how_to_install_it(tmp_path):

@@ -152,7 +152,10 @@ def test_cpu_repository_configs_parse_back_and_wire_the_ensemble(setup):
     llm = configs[names.tensorrt_llm]
     assert llm.backend == "python" and _params(llm) == {"bundle_dir": "cpu_bundle", "cpu_threads": "0",
                                                         "adaptive_batch_target_ms": "0", "max_running": "0",
-                                                        "prefill_chunk_tokens": "0"}
+                                                        "prefill_chunk_tokens": "0", "priority_levels": "0",
+                                                        "default_priority_level": "0"}
+    assert not any(m.dynamic_batching.priority_levels for m in configs.values())
+    assert "priority" not in {i.name for m in configs.values() for i in m.input}  # one class: no input for it
     assert _params(configs[names.preprocessing])["max_input_len"] == "64"
     v1 = snap / names.tensorrt_llm / "1"
     assert (v1 / "model.py").read_text() == (pub.TRITON_SOURCE / "tensorrt_llm_cpu" / "model.py").read_text()
@@ -261,7 +264,8 @@ def test_a_vllm_repository_serves_one_export_to_triton_and_to_vllms_server(setup
     settings = json.loads((work / "build" / artifacts.BUILD_SETTINGS_FILE).read_text())
     cpu_io = _io(pub.build_model_configs(config.triton, {**settings, "target": "cpu"}, names, 1,
                                          "/models")[names.tensorrt_llm])
-    assert _io(llm) == cpu_io and llm.backend == "python" and _params(llm) == {"model_dir": artifacts.VLLM_MODEL_DIR}
+    assert _io(llm) == cpu_io and llm.backend == "python"
+    assert _params(llm) == {"model_dir": artifacts.VLLM_MODEL_DIR, "priority_levels": "0", "default_priority_level": "0"}
     v1 = snap / names.tensorrt_llm / "1"
     assert (v1 / "model.py").read_text() == (pub.TRITON_SOURCE / "tensorrt_llm_vllm" / "model.py").read_text()
     assert "import vllm" not in (v1 / "model.py").read_text().split("class ")[0]  # imported when the model loads
@@ -278,6 +282,26 @@ def test_adaptive_batch_reaches_the_cpu_model_as_its_step_target(setup):
     _, snap = run(load("cpu", "sla.p99_itl_ms=150", "triton.adaptive_batch=true", "triton.prefill_chunk_tokens=16"))
     assert _params(_configs(snap)[names.tensorrt_llm])["adaptive_batch_target_ms"] == "150.0"
     assert _params(_configs(snap)[names.tensorrt_llm])["prefill_chunk_tokens"] == "16"
+
+
+def test_request_classes_reach_every_model_on_the_way_to_the_runtime(setup):
+    """triton.priority_levels 3, default 2: the ensemble and the streaming model take a `priority` input, the
+    ensemble maps it to the unary step and that model to tensorrt_llm, which reads the levels as parameters;
+    every Triton-queued model orders its queue by the same levels."""
+    load, work, run = setup
+    names = pub.model_names("llm")
+    _, snap = run(load("cpu", "triton.priority_levels=3", "triton.default_priority_level=2"))
+    configs = _configs(snap)
+    for name in (names.ensemble, names.stream, names.unary, names.tensorrt_llm):
+        assert "priority" in {i.name for i in configs[name].input}, name
+    step = next(s for s in configs[names.ensemble].ensemble_scheduling.step if s.model_name == names.unary)
+    assert step.input_map["priority"] == "priority"
+    assert {k: v for k, v in _params(configs[names.tensorrt_llm]).items() if "priority" in k} == {
+        "priority_levels": "3", "default_priority_level": "2"}
+    queued = [m for m in configs.values() if m.HasField("dynamic_batching")]
+    assert {m.name for m in queued} == {names.preprocessing, names.tensorrt_llm, names.postprocessing, names.unary}
+    assert all((m.dynamic_batching.priority_levels, m.dynamic_batching.default_priority_level) == (3, 2)
+               for m in queued)
 
 
 def setup_yaml(work: Path) -> Path:

@@ -348,3 +348,26 @@ def test_the_serving_keys_reach_the_llm_api_and_the_backend_as_upstream_names_an
     assert "max_utilization" in backend["batch_scheduler_policy"]["note"]  # accepted: max_utilization | ...
     assert params["kv_cache_free_gpu_mem_fraction"].string_value == "0.95"
     assert _backend_parses(backend["kv_cache_free_gpu_mem_fraction"]["type"], "0.95")
+
+
+# ====================================================================================== request classes
+def test_request_classes_use_tritons_levels_and_only_the_cpu_runtime_reads_them():
+    """Triton's priority levels are dynamic_batching fields, 1 the highest (publish sets them there); a
+    Python-backend model cannot read a request's Triton priority, so the class travels as the `priority` input;
+    the tensorrtllm backend has no such input and sets no executor priority, and the pinned LLM API's
+    generate_async takes none, so triton.priority_levels is refused there with the reason; vLLM orders its
+    queue the lower value first, as Triton's levels (tests/data/upstream/request_priority.json)."""
+    facts = upstream("request_priority.json")
+    assert "1 is the highest" in facts["triton_priority_levels"]["facts"]["order"]
+    fields = pb2.ModelDynamicBatching.DESCRIPTOR.fields_by_name
+    assert {"priority_levels", "default_priority_level"} <= set(fields)
+    assert "priority_levels" not in pb2.ModelSequenceBatching.DESCRIPTOR.fields_by_name
+    assert "priority" not in {t["name"] for t in upstream("tensorrtllm_backend_tensors.json")["tensorrt_llm"]["inputs"]}
+    assert "no priority" in facts["python_backend_reads_no_priority"]["facts"]["accessors"]
+    reasons = {"tensorrt": "sets no executor request priority", "pytorch": "generate_async takes no priority"}
+    configs = {"tensorrt": (GPU_PROFILES[0], ["build.target=tensorrt"]),
+               "pytorch": (GPU_PROFILES[0], ["build.target=pytorch", "quantization.export_hf_checkpoint=true"])}
+    for target, (path, sets) in configs.items():
+        load_config(path, sets)  # valid without request classes
+        with pytest.raises(Exception, match=rf"triton\.priority_levels: .*{reasons[target]}"):
+            load_config(path, [*sets, "triton.priority_levels=2"])

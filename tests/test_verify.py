@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, read_until, run_invoke, tiny_config
+from conftest import REPO, completion_order_with_classes, metric, read_until, run_invoke, tiny_config
 
 from pipeline import artifacts
 from pipeline.config import load_config
@@ -210,14 +210,6 @@ def _status(url: str, body: bytes, timeout: float = 60) -> int:
         return e.code
 
 
-def _metric(metrics_url: str, family: str, label: str, value: str) -> float:
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith(family + "{") and f'{label}="{value}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{family}{{{label}={value}}} is not on the metrics endpoint")
-
-
 # (body, HTTP status): ours (the models' INVALID_ARG) are 400; Triton 2.51's HTTP frontend answers what it
 # cannot parse with 500 (README, "Bad input and HTTP statuses"; tests/data/upstream/triton_http_errors.json)
 HOSTILE = {
@@ -268,13 +260,13 @@ def test_a_hostile_client_leaves_the_server_ready_the_kv_pool_free_and_answers_u
         assert urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=10).status == 200
         deadline = time.monotonic() + 60  # the dropped streams' sequences finish or are cancelled
         family, label = "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type"
-        while (_metric(server.metrics_url, family, label, "used") or
-               _metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type", "active")) \
+        while (metric(server.metrics_url, family, label, "used") or
+               metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type", "active")) \
                 and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _metric(server.metrics_url, family, label, "used") == 0
-        assert _metric(server.metrics_url, family, label, "free") == _metric(server.metrics_url, family, label, "max") > 0
-        assert _metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type", "active") == 0
+        assert metric(server.metrics_url, family, label, "used") == 0
+        assert metric(server.metrics_url, family, label, "free") == metric(server.metrics_url, family, label, "max") > 0
+        assert metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type", "active") == 0
         assert _generate(server.http_url, "llm", max_tokens=8)["output_ids"] == greedy
 
 
@@ -320,6 +312,36 @@ def test_invoke_serve_prints_endpoints_answers_and_stops_on_ctrl_c(tiny):
             proc.kill()
             proc.wait()
     assert not _leftovers(proc.pid)
+
+
+
+def _waiting(metrics_url: str) -> float:
+    return metric(metrics_url, "nv_trt_llm_request_metrics", "request_type", "waiting")
+
+
+def test_request_classes_reach_the_runtime_through_the_ensemble(tiny):
+    """triton.priority_levels 2 and max_running 1 (published last: the repository keeps these settings): behind
+    a queue of long requests of the default level (2), a request with no priority and one of level 2 wait their
+    turn, and a later one of level 1 overtakes them all: long requests sent before it are answered after it.
+    Triton's own queues take the levels too; a level outside 1..2 is a 400 that says what to send."""
+    cfg, work_root, work, _ = tiny
+    _run(cfg, work_root, "publish", "triton.priority_levels=2", "triton.max_running=1")
+    repo = work / "publish" / "model_repository"
+    names = pub.model_names("llm")
+    llm = pub.read_config(repo / names.tensorrt_llm / "config.pbtxt")
+    assert llm.dynamic_batching.priority_levels == 2 and llm.dynamic_batching.default_priority_level == 2
+    assert "priority" in {i.name for i in pub.read_config(repo / "llm" / "config.pbtxt").input}
+    with TritonServer(repo) as server:
+        req = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", method="POST",
+                                     data=b'{"text_input": "hi", "max_tokens": 2, "priority": 5}')
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(req, timeout=60)
+        assert bad.value.code == 400 and "priority 5 is outside 1..2" in bad.value.read().decode()
+        order = completion_order_with_classes(server.http_url, lambda: _waiting(server.metrics_url) >= 8)
+        assert order.index("level 1") < order.index("none") < order.index("level 2"), order
+        assert sum(n.startswith("long") for n in order[order.index("level 1"):]) >= 3, order  # it overtook the queue
+        greedy = _generate(server.http_url, "llm", "Request level 1:", max_tokens=16)["output_ids"]
+        assert _generate(server.http_url, "llm", "Request level 1:", max_tokens=16, priority=1)["output_ids"] == greedy
 
 
 @pytest.mark.e2e

@@ -12,9 +12,10 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
-from conftest import REPO, read_until, run_invoke
+from conftest import REPO, completion_order_with_classes, metric, read_until, run_invoke
 
 from pipeline import constants
 from pipeline.config import load_config
@@ -92,6 +93,31 @@ def test_the_server_argv_is_what_vllms_own_parser_reads(vllm_python):
     assert refused.returncode == 2 and "unrecognized arguments: --swap-space" in refused.stderr
 
 
+
+def test_vllms_engine_takes_a_priority_and_a_priority_policy(vllm_python):
+    """What the vLLM Triton model relies on for request classes (triton.priority_levels), read from the
+    installed vLLM itself: AsyncLLM.generate takes a keyword `priority`, the engine arguments a
+    scheduling_policy "priority", and its waiting queue takes the lower value first (Triton's levels: 1 the
+    highest), ties by arrival."""
+    probe = textwrap.dedent("""
+        import inspect, json, typing
+        from vllm.config.scheduler import SchedulerConfig, SchedulerPolicy
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.core.sched import request_queue
+        from vllm.v1.engine.async_llm import AsyncLLM
+        p = inspect.signature(AsyncLLM.generate).parameters["priority"]
+        print(json.dumps({"kind": str(p.kind), "default": p.default, "policies": list(typing.get_args(SchedulerPolicy)),
+                          "arg": "scheduling_policy" in inspect.signature(AsyncEngineArgs).parameters,
+                          "queue": inspect.getsource(request_queue)}))
+    """)
+    out = subprocess.run([vllm_python, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["kind"] == "KEYWORD_ONLY" and got["default"] == 0
+    assert "priority" in got["policies"] and got["arg"]
+    assert "smaller value of `priority` are processed first" in got["queue"]
+    load_config(VLLM_CONFIG, ["triton.priority_levels=2"])  # allowed on the vllm target
+
 def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path):
     """No vLLM Python, or a Python without vLLM: the build's preflight stops every task that would build,
     exit 3, saying how the README's set-up installs it and which config serves without vLLM; no stage runs.
@@ -164,6 +190,7 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
         assert "vLLM (its CPU build" in glance  # the two engines side by side
 
     _serve_and_stop(default_work_root, light)
+    _request_classes_through_triton(default_work_root)
 
 
 def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
@@ -187,6 +214,24 @@ def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
     with pytest.raises(SystemExit, match="not a published vllm repository.*server_flags"):
         launch.vllm_argv("python", tmp_path / "repo", "0.0.0.0", 8000)
 
+
+
+def _request_classes_through_triton(work_root) -> None:
+    """triton.priority_levels 2 on the vllm target (published last: the repository keeps it): behind Triton's
+    ensemble, vLLM's priority scheduling takes a level 1 request ahead of a queue of long default-level ones
+    (three times max_num_seqs), and the earlier no-priority and level 2 requests in arrival order."""
+    from pipeline.serving.server import server_for_target
+
+    proc = run_invoke("publish", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),
+                      "--set", "triton.priority_levels=2", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    hogs = 3 * load_config(VLLM_CONFIG).config.build.max_batch_size
+    with server_for_target("vllm", work_root / NAME / "publish" / "model_repository", frontend="triton") as server:
+        submitted = lambda: metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type",  # noqa: E731
+                                   "active") >= hogs
+        order = completion_order_with_classes(server.http_url, submitted, hogs=hogs)
+    assert order.index("level 1") < order.index("none") < order.index("level 2"), order
+    assert sum(n.startswith("long") for n in order[order.index("level 1"):]) >= 3, order  # it overtook the queue
 
 def _serve_and_stop(work_root, light) -> None:
     """`invoke serve` on the vllm repository: it prints the OpenAI endpoints, answers a completion, stops on

@@ -206,9 +206,10 @@ class _StepCache:
 class Request:
     """One submitted prompt: stream its tokens, wait for all of them, or cancel it (thread-safe)."""
 
-    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams):
-        self.id, self.prompt_ids, self.params = request_id, prompt_ids, params
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, priority: int = 0):
+        self.id, self.prompt_ids, self.params, self.priority = request_id, prompt_ids, params, priority
         self.output_ids: list[int] = []
+        self.first_token_at: Optional[float] = None  # time.perf_counter() when its first token came out
         self.finish_reason: Optional[str] = None  # length | stop | cancelled | error
         self.error: Optional[str] = None
         self._tokens: "queue.Queue" = queue.Queue()
@@ -239,6 +240,8 @@ class Request:
         return self._done.is_set()
 
     def _emit(self, token: int) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         self.output_ids.append(token)
         self._tokens.put(token)
 
@@ -386,7 +389,10 @@ class CpuRuntime:
 
     # -- public API
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> Request:
+    def submit(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), priority: int = 0) -> Request:
+        """Queue a prompt. ``priority``: the lower, the sooner it is admitted (and prefilled) among the waiting
+        requests, as Triton's priority levels (1 the highest) and vLLM's priority order; equal priorities go first
+        come, first served. A running sequence is never preempted."""
         prompt = [int(t) for t in prompt_ids]
         params.check()
         vocab = self.model.config.vocab_size
@@ -404,7 +410,7 @@ class CpuRuntime:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the runtime is closed")
-            req = Request(self._next_id, prompt, params)
+            req = Request(self._next_id, prompt, params, int(priority))
             self._next_id += 1
             self._waiting.append(req)
             self._lock.notify()
@@ -448,9 +454,11 @@ class CpuRuntime:
                     self._waiting = []
                     break
                 admit = []
-                while self._waiting and len(self._prefilling) + len(self._running) + len(admit) < self._batch_limit() \
-                        and self._blocks_for(len(self._waiting[0].prompt_ids) + 1) <= self._spare_blocks(admit):
-                    admit.append(self._waiting.pop(0))
+                while self._waiting and len(self._prefilling) + len(self._running) + len(admit) < self._batch_limit():
+                    first = self._most_urgent()
+                    if self._blocks_for(len(self._waiting[first].prompt_ids) + 1) > self._spare_blocks(admit):
+                        break  # it waits for blocks; nothing less urgent overtakes it
+                    admit.append(self._waiting.pop(first))
             try:
                 t0 = time.perf_counter()
                 admitted = len(self._prefilling) + len(self._running) + len(admit)
@@ -481,6 +489,10 @@ class CpuRuntime:
             return self.adaptive.chunk
         return self.prefill_chunk or 0
 
+    def _most_urgent(self) -> int:
+        """The index of the waiting request to admit next: the lowest priority value, the earliest among equals."""
+        return min(range(len(self._waiting)), key=lambda i: (self._waiting[i].priority, i))
+
     def _batch_limit(self) -> int:
         return self.adaptive.limit if self.adaptive is not None else self.max_running
 
@@ -503,8 +515,11 @@ class CpuRuntime:
         gen = None
         if req.params.temperature > 0:
             gen = torch.Generator().manual_seed(req.params.seed if req.params.seed is not None else req.id)
-        self._prefilling.append(_Sequence(req, blocks=self.pool.allocate(self._blocks_for(len(req.prompt_ids))),
-                                          generator=gen))
+        seq = _Sequence(req, blocks=self.pool.allocate(self._blocks_for(len(req.prompt_ids))), generator=gen)
+        # chunks go to the first prefilling sequence: a more urgent prompt goes ahead of less urgent ones
+        at = next((i for i, s in enumerate(self._prefilling) if s.request.priority > req.priority),
+                  len(self._prefilling))
+        self._prefilling.insert(at, seq)
 
     def _prefill_whole(self) -> None:
         """Each admitted prompt through the model whole; its first token, and it runs."""

@@ -151,12 +151,17 @@ def _instances(msg, count: int, kind: str = "KIND_CPU") -> None:
     msg.instance_group.append(pb.ModelInstanceGroup(count=count, kind=getattr(pb.ModelInstanceGroup, kind)))
 
 
-def _batching(msg, delay_us: int) -> None:
-    msg.dynamic_batching.max_queue_delay_microseconds = delay_us
+def _batching(msg, triton) -> None:
+    """Triton's queue in front of the model; with request classes, ordered by priority level (1 the highest),
+    which a request's priority parameter sets (the ensemble passes its own on to each step)."""
+    msg.dynamic_batching.max_queue_delay_microseconds = triton.max_queue_delay_us
+    if triton.priority_levels:
+        msg.dynamic_batching.priority_levels = triton.priority_levels
+        msg.dynamic_batching.default_priority_level = triton.default_priority_level or triton.priority_levels
 
 
 # the client-facing inputs shared by the ensemble and the streaming model
-def _text_inputs() -> list:
+def _text_inputs(triton) -> list:
     return [
         _inp("text_input", "STRING", [1]),
         _inp("max_tokens", "INT32", [1]),
@@ -167,10 +172,22 @@ def _text_inputs() -> list:
         _inp("top_k", "INT32", [1], optional=True),
         _inp("top_p", "FP32", [1], optional=True),
         _inp("seed", "UINT64", [1], optional=True),
+        *_priority_input(triton),
     ]
 
 
-def _llm_io(msg, reshape: bool = True, streaming: bool = True) -> None:
+def _priority_input(triton, **kwargs) -> list:
+    """The request's class (1..priority_levels, 1 the highest), where request classes are on."""
+    return [_inp("priority", "INT32", [1], optional=True, **kwargs)] if triton.priority_levels else []
+
+
+def _priority_params(triton) -> dict:
+    """The request classes as the Python tensorrt_llm models read them (llm_serving.py); 0: one class."""
+    return {"priority_levels": triton.priority_levels or 0,
+            "default_priority_level": triton.default_priority_level or triton.priority_levels or 0}
+
+
+def _llm_io(msg, triton, reshape: bool = True, streaming: bool = True) -> None:
     """The tensorrtllm backend's inputs/outputs; the Python variants take exactly these too."""
     scalar = dict(reshape=[]) if reshape else {}
     msg.input.extend([
@@ -184,6 +201,7 @@ def _llm_io(msg, reshape: bool = True, streaming: bool = True) -> None:
         _inp("runtime_top_k", "INT32", [1], optional=True, **scalar),
         _inp("runtime_top_p", "FP32", [1], optional=True, **scalar),
         _inp("seed", "UINT64", [1], optional=True, **scalar),
+        *_priority_input(triton, **scalar),
     ])
     if streaming:
         msg.input.append(_inp("streaming", "BOOL", [1], optional=True, **scalar))
@@ -213,13 +231,13 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
                   "apply_chat_template": triton.apply_chat_template, "max_input_len": settings["max_input_len"],
                   "max_seq_len": settings["max_seq_len"]})
     _instances(pre, triton.instance_count)
-    _batching(pre, triton.max_queue_delay_us)
+    _batching(pre, triton)
     out[pre.name] = pre
 
     llm = _base(names.tensorrt_llm, bs, backend="tensorrtllm" if target == "tensorrt" else "python")
     llm.model_transaction_policy.decoupled = triton.decoupled
-    _llm_io(llm)
-    _batching(llm, triton.max_queue_delay_us)
+    _llm_io(llm, triton)
+    _batching(llm, triton)
     if target == "tensorrt":
         kv, graphs = settings["kv_cache"], settings["cuda_graphs"]
         # Every key the backend reads is one of tests/data/upstream/tensorrtllm_backend_parameters.json. Three
@@ -250,12 +268,12 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
         _params(llm, {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE})
         _instances(llm, 1, "KIND_MODEL")  # the LLM API places itself on the GPUs
     elif target == "vllm":
-        _params(llm, {"model_dir": artifacts.VLLM_MODEL_DIR})
+        _params(llm, {"model_dir": artifacts.VLLM_MODEL_DIR, **_priority_params(triton)})
         _instances(llm, 1, "KIND_MODEL")  # one engine batches every request and places itself on its devices
     else:
         _params(llm, {"bundle_dir": artifacts.ARTIFACT_DIRS["cpu"], "cpu_threads": triton.cpu_threads,
                       "adaptive_batch_target_ms": adaptive_target_ms or 0, "max_running": triton.max_running or 0,
-                      "prefill_chunk_tokens": triton.prefill_chunk_tokens or 0})
+                      "prefill_chunk_tokens": triton.prefill_chunk_tokens or 0, **_priority_params(triton)})
         _instances(llm, 1)  # one runtime batches every request (continuous batching); copies would not share
     out[llm.name] = llm
 
@@ -265,21 +283,21 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
     post.output.extend([_out("text_output", "STRING", [-1])])
     _params(post, {"tokenizer_dir": artifacts.TOKENIZER_DIR})
     _instances(post, triton.instance_count)
-    _batching(post, triton.max_queue_delay_us)
+    _batching(post, triton)
     out[post.name] = post
 
     if triton.decoupled:
         unary = _base(names.unary, bs, backend="python")
         # no "streaming" input: one response is the point; no reshape: its tensors go on to tensorrt_llm as they came
-        _llm_io(unary, reshape=False, streaming=False)
+        _llm_io(unary, triton, reshape=False, streaming=False)
         _params(unary, {"tensorrt_llm_model": names.tensorrt_llm})
         _instances(unary, triton.instance_count)
-        _batching(unary, triton.max_queue_delay_us)
+        _batching(unary, triton)
         out[unary.name] = unary
 
         stream = _base(names.stream, bs, backend="python")
         stream.model_transaction_policy.decoupled = True
-        stream.input.extend(_text_inputs())
+        stream.input.extend(_text_inputs(triton))
         stream.output.extend([_out("text_output", "STRING", [1]), _out("output_ids", "INT32", [-1])])
         _params(stream, {"preprocessing_model": names.preprocessing, "tensorrt_llm_model": names.tensorrt_llm,
                          "postprocessing_model": names.postprocessing})
@@ -287,7 +305,7 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
         out[stream.name] = stream
 
     ens = _base(names.ensemble, bs, platform="ensemble")
-    ens.input.extend(_text_inputs())
+    ens.input.extend(_text_inputs(triton))
     ens.output.extend([_out("text_output", "STRING", [-1]), _out("output_ids", "INT32", [-1, -1]),
                        _out("sequence_length", "INT32", [-1])])
     step = pb.ModelEnsembling.Step
@@ -300,7 +318,7 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
     for name in ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list"):
         llm_step.input_map[name] = f"_{name}"
     for theirs, ours in (("temperature", "temperature"), ("runtime_top_k", "top_k"), ("runtime_top_p", "top_p"),
-                         ("seed", "seed")):
+                         ("seed", "seed"), *((("priority", "priority"),) if triton.priority_levels else ())):
         llm_step.input_map[theirs] = ours
     llm_step.output_map["output_ids"] = "output_ids"
     llm_step.output_map["sequence_length"] = "sequence_length"

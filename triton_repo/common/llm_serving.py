@@ -6,7 +6,8 @@ Both variants speak exactly the I/O of the ``tensorrtllm`` backend's model, so e
 inputs (with the batch dimension; one sequence per request): ``input_ids`` INT32 [-1], ``input_lengths``
 INT32 [1], ``request_output_len`` INT32 [1]; optional ``end_id``, ``pad_id`` INT32 [1], ``temperature`` FP32
 [1], ``runtime_top_k`` INT32 [1], ``runtime_top_p`` FP32 [1], ``seed`` UINT64 [1], ``streaming`` BOOL
-[1], ``stop_words_list`` INT32 [2, -1];
+[1], ``stop_words_list`` INT32 [2, -1]; with request classes (parameter ``priority_levels``, cpu target only)
+``priority`` INT32 [1]: a level 1..N, 1 the highest (Triton's convention), none or 0 the default level;
 outputs: ``output_ids`` INT32 [-1, -1] (beam x generated tokens, the prompt excluded), ``sequence_length``
 INT32 [-1] (tokens per beam in this response).
 
@@ -57,6 +58,7 @@ class Job:
     seed: Optional[int]
     streaming: bool
     stop_words: list[list[int]]
+    priority: int = 0  # the request's class, 1 the highest (0: one class for all)
 
 
 class Handle:
@@ -174,7 +176,19 @@ class GenerationModel:
             seed=int(seed) if seed is not None else None,
             streaming=streaming,
             stop_words=llm_io.list_to_words(words.as_numpy()[0] if words is not None else None),
+            priority=self._priority(llm_io.scalar(get("priority"), 0)),
         )
+
+    def _priority(self, level) -> int:
+        """The request's level: 1..priority_levels, 0 (none sent) the default level; 0 without classes."""
+        levels = int(self.params.get("priority_levels") or 0)
+        if not levels:
+            return 0
+        default = int(self.params.get("default_priority_level") or levels)
+        if not 0 <= int(level) <= levels:
+            raise BadRequest(f"priority {level} is outside 1..{levels} (1 the highest; 0 or none: the default "
+                             f"level {default})")
+        return int(level) or default
 
     def _respond(self, request, sender, handle: Handle, job: Job) -> None:
         tokens: list[int] = []

@@ -5,7 +5,8 @@ paged INT8/FP8 KV cache and continuous batching. Same inputs and outputs as the 
 model (see llm_serving.py). Parameters: ``bundle_dir`` (relative to the version folder), ``cpu_threads``
 (torch threads; 0: torch's default), ``adaptive_batch_target_ms`` (0: off; else the step latency the
 runtime's adaptive batch limit keeps), ``max_running`` (sequences run at once; 0: the build's max_batch_size),
-``prefill_chunk_tokens`` (prompt tokens prefilled per scheduler step; 0: whole prompts).
+``prefill_chunk_tokens`` (prompt tokens prefilled per scheduler step; 0: whole prompts), ``priority_levels``
+and ``default_priority_level`` (request classes: the runtime admits waiting requests by level, 1 first).
 """
 
 import os
@@ -43,7 +44,7 @@ class TritonPythonModel(GenerationModel):
         params = self._sampling(max_new_tokens=job.max_new_tokens, temperature=job.temperature, top_k=job.top_k,
                                 top_p=job.top_p, seed=job.seed, end_id=job.end_id,
                                 stop_token_ids=tuple(w[0] for w in job.stop_words if len(w) == 1))
-        return _RuntimeHandle(self.runtime.submit(job.prompt, params))
+        return _RuntimeHandle(self.runtime.submit(job.prompt, params, priority=job.priority))
 
     def stats(self):
         return self.runtime.stats()

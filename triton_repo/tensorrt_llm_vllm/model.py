@@ -77,6 +77,9 @@ class TritonPythonModel(GenerationModel):
 
         self._sampling = SamplingParams
         args = {k: v for k, v in record["engine_args"].items() if k not in SERVER_ONLY}
+        if int(params.get("priority_levels") or 0):
+            # request classes: vLLM's waiting queue by priority, the lower first (as Triton's levels), ties by arrival
+            args["scheduling_policy"] = "priority"
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True).start()
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(folder), **args))
@@ -104,15 +107,17 @@ class TritonPythonModel(GenerationModel):
         )
         request_id = uuid.uuid4().hex
         tokens = queue.SimpleQueue()
-        asyncio.run_coroutine_threadsafe(self._generate(job.prompt, params, request_id, tokens), self.loop)
+        asyncio.run_coroutine_threadsafe(self._generate(job.prompt, params, request_id, tokens, job.priority),
+                                         self.loop)
         return _VllmHandle(self, request_id, tokens)
 
-    async def _generate(self, prompt, params, request_id, tokens):
+    async def _generate(self, prompt, params, request_id, tokens, priority):
         with self._count:
             self._running += 1
         sent = 0
         try:
-            async for output in self.engine.generate({"prompt_token_ids": prompt}, params, request_id):
+            async for output in self.engine.generate({"prompt_token_ids": prompt}, params, request_id,
+                                                     priority=priority):
                 ids = output.outputs[0].token_ids  # cumulative: all tokens generated so far
                 for token in ids[sent:]:
                     tokens.put(int(token))

@@ -123,13 +123,15 @@ def _ended(rec: RequestRecord) -> RequestRecord:
     return rec
 
 
-def _stream_inputs(text: str, max_tokens: int, end_id: Optional[int]) -> list:
+def _stream_inputs(text: str, max_tokens: int, end_id: Optional[int], priority: Optional[int] = None) -> list:
     import tritonclient.grpc as grpcclient  # optional and heavy (gRPC stubs): only when a load is driven
 
     arrays = [("text_input", np.array([[text.encode()]], dtype=object), "BYTES"),
               ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32")]
     if end_id is not None:
         arrays.append(("end_id", np.array([[end_id]], dtype=np.int32), "INT32"))
+    if priority is not None:  # the request's class (triton.priority_levels)
+        arrays.append(("priority", np.array([[priority]], dtype=np.int32), "INT32"))
     out = []
     for name, arr, dt in arrays:
         t = grpcclient.InferInput(name, list(arr.shape), dt)
@@ -138,10 +140,11 @@ def _stream_inputs(text: str, max_tokens: int, end_id: Optional[int]) -> list:
     return out
 
 
-async def _one_request(client, model: str, prompt: Prompt, max_tokens: int, end_id: Optional[int],
-                       timeout_s: float) -> RequestRecord:
-    """One request on its own gRPC stream; the stream ends after the request's final response."""
-    inputs = _stream_inputs(prompt.text, max_tokens, end_id)
+async def one_request(client, model: str, prompt: Prompt, max_tokens: int, end_id: Optional[int],
+                      timeout_s: float, priority: Optional[int] = None) -> RequestRecord:
+    """One request on its own gRPC stream (``client``: tritonclient's asyncio gRPC client); the stream ends
+    after the request's final response. ``priority``: its class, where the repository has request classes."""
+    inputs = _stream_inputs(prompt.text, max_tokens, end_id, priority)
 
     async def requests():
         yield {"model_name": model, "inputs": inputs}
@@ -182,7 +185,7 @@ async def _drive(grpc_url: str, model: str, prompts: list[Prompt], concurrency: 
 
     client = grpcaio.InferenceServerClient(grpc_url)
     try:
-        return await _closed_loop(lambda p: _one_request(client, model, p, max_tokens, end_id, timeout_s),
+        return await _closed_loop(lambda p: one_request(client, model, p, max_tokens, end_id, timeout_s),
                                   prompts, concurrency)
     finally:
         await client.close()

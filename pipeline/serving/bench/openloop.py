@@ -1,4 +1,5 @@
-"""Open-loop load: requests arriving at a set rate (Poisson arrivals), driven by NVIDIA's aiperf.
+"""Open-loop load: requests arriving at a set rate (Poisson arrivals), driven by NVIDIA's aiperf; and aiperf's
+closed loop at one sweep level, a cross-check of our own client.
 
 The concurrency sweep is closed-loop: a new request leaves only when one finishes, so the server is never asked
 for more than it gives, and queueing never shows. Production traffic arrives on its own clock. At each rate of
@@ -17,6 +18,14 @@ The sustainable rate (``sustainable_rate``): the highest rate at which no reques
 bounds stayed within its bound. Past the server's capacity requests queue and latency grows for as long as the
 run lasts, which the SLA catches once a level's run is long against one request's latency (requests_per_level
 well above rate x latency). Without an SLA no rate is judged.
+
+The cross-check (``bench.cross_check_concurrency``): aiperf drives the same closed loop as the sweep (``--concurrency``,
+``requests_per_level`` requests, the same prompt and output lengths, the same endpoint) at one level; its
+figures are set beside our client's (``cross_check``). aiperf's synthetic prompts are other text of the same
+token count. It counts output tokens by tokenizing the streamed text, which need not give back the tokens the
+server generated (the tiny test model's 8 tokens came back as 6 to 15), so its output tokens/s and inter-token
+latency follow its count; the two clients are judged on requests/s, each request being exactly
+``bench.output_tokens`` tokens on the server (EOS ignored).
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ AIPERF_METRICS = {"e2e_ms": "request_latency", "ttft_ms": "time_to_first_token",
 # Triton's generate_stream body for the streaming model (the ensemble's inputs; end_id -1 generates exactly
 # max_tokens). aiperf renders it with Jinja2 per request: ``text`` is the prompt, ``max_tokens`` the output length.
 TRITON_TEMPLATE = '{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens }}%s}\n'
+# the cross-check: our client and aiperf agree when aiperf's requests/s is within this fraction of ours
+CROSS_CHECK_TOLERANCE = 0.15
 
 
 def aiperf_executable() -> str:
@@ -54,18 +65,25 @@ def aiperf_executable() -> str:
     exe = os.environ.get(ENV_VAR) or str(REPO_ROOT / VENV_DIR / "bin" / "aiperf")
     if not Path(exe).is_file() and shutil.which(exe) is None:
         raise EnvironmentProblem(
-            f"bench.request_rates is driven by aiperf, and {exe} does not exist. `bash scripts/setup-env` installs "
-            f"it into {VENV_DIR} (its own environment: it needs numpy 2 and transformers 5); or point {ENV_VAR} at "
-            f"an aiperf executable; or leave bench.request_rates empty (the closed-loop sweep needs no aiperf).")
+            f"bench.request_rates and bench.cross_check_concurrency are driven by aiperf, and {exe} does not exist. "
+            f"`bash scripts/setup-env` installs it into {VENV_DIR} (its own environment: it needs numpy 2 and "
+            f"transformers 5); or point {ENV_VAR} at "
+            f"an aiperf executable; or leave bench.request_rates empty and bench.cross_check_concurrency unset (the "
+            f"closed-loop sweep needs no aiperf).")
     return exe
 
 
-def aiperf_argv(exe: str, *, openai: bool, http_url: str, model: str, tokenizer_dir: Path, rate: float,
-                cfg: BenchSection, sla: dict[str, float], out_dir: Path) -> list[str]:
-    """aiperf's command for one rate. ``http_url``: the server's host:port; ``model``: the served model's name
-    (vLLM's) or the streaming model's (Triton's)."""
-    argv = [exe, "profile", "--model", model, "--url", f"http://{http_url}", "--streaming",
-            "--request-rate", f"{rate:g}", "--arrival-pattern", "poisson",
+def aiperf_argv(exe: str, *, openai: bool, http_url: str, model: str, tokenizer_dir: Path, cfg: BenchSection,
+                sla: dict[str, float], out_dir: Path, rate: Optional[float] = None,
+                concurrency: Optional[int] = None) -> list[str]:
+    """aiperf's command for one load, ``requests_per_level`` requests: Poisson arrivals at ``rate`` requests/s, or
+    a closed loop of ``concurrency`` requests in flight (give one). ``http_url``: the server's host:port;
+    ``model``: the served model's name (vLLM's) or the streaming model's (Triton's)."""
+    if (rate is None) == (concurrency is None):
+        raise ValueError("aiperf_argv: give either rate or concurrency")
+    load = (["--request-rate", f"{rate:g}", "--arrival-pattern", "poisson"] if rate is not None
+            else ["--concurrency", str(concurrency)])
+    argv = [exe, "profile", "--model", model, "--url", f"http://{http_url}", "--streaming", *load,
             "--request-count", str(cfg.requests_per_level),
             "--synthetic-input-tokens-mean", str(cfg.prompt_tokens), "--synthetic-input-tokens-stddev", "0",
             "--output-tokens-mean", str(cfg.output_tokens), "--output-tokens-stddev", "0",
@@ -86,9 +104,9 @@ def aiperf_argv(exe: str, *, openai: bool, http_url: str, model: str, tokenizer_
     return argv
 
 
-def read_export(folder: Path, rate: float, sla: dict[str, float]) -> dict:
-    """One rate's figures from aiperf's exports in ``folder``: throughput, latency percentiles (ms), goodput,
-    and whether the SLA held."""
+def read_figures(folder: Path) -> dict:
+    """One run's figures from aiperf's summary in ``folder``: requests, errors, throughput, latency percentiles (ms),
+    and its goodput where it was given SLA bounds (``goodput_rps``)."""
     d = json.loads((folder / EXPORT_FILE).read_text())
 
     def stat(tag: str, key: str) -> Optional[float]:
@@ -98,24 +116,29 @@ def read_export(folder: Path, rate: float, sla: dict[str, float]) -> dict:
     def pcts(tag: str) -> dict:
         return {k: stat(tag, k) for k in ("p50", "p90", "p99", "avg")}
 
-    completed = int(stat("request_count", "avg") or 0)
-    errors = sum(int(e.get("count", 0)) for e in d.get("error_summary") or [])
-    latency = {m: pcts(AIPERF_METRICS[m]) for m in AIPERF_METRICS}
-    out: dict = {
-        "request_rate": rate,
-        "requests": completed,
-        "errors": errors,
+    return {
+        "requests": int(stat("request_count", "avg") or 0),
+        "errors": sum(int(e.get("count", 0)) for e in d.get("error_summary") or []),
         "requests_per_s": stat("request_throughput", "avg") or 0.0,
         "output_tokens_per_s": stat("output_token_throughput", "avg"),
+        "output_tokens_mean": stat("output_sequence_length", "avg"),  # as aiperf counts them: see the docstring
         "duration_s": stat("benchmark_duration", "avg"),
-        **latency,
-        "arrived_rps": arrival_rate(folder / RECORDS_FILE),
+        **{m: pcts(AIPERF_METRICS[m]) for m in AIPERF_METRICS},
+        **({"goodput_rps": stat("goodput", "avg") or 0.0} if "goodput" in d else {}),
     }
+
+
+def read_export(folder: Path, rate: float, sla: dict[str, float]) -> dict:
+    """One rate's figures from aiperf's exports in ``folder``: throughput, latency percentiles (ms), the rate
+    requests arrived at, goodput, and whether the SLA held."""
+    fig = read_figures(folder)
+    goodput_rps = fig.pop("goodput_rps", 0.0)
+    out: dict = {"request_rate": rate, **fig, "arrived_rps": arrival_rate(folder / RECORDS_FILE)}
     if sla:
-        p99 = {m: latency[m]["p99"] for m in sla}
+        p99 = {m: fig[m]["p99"] for m in sla}
         violations = [m for m, b in sla.items() if p99[m] is None or p99[m] > b]
-        out["sla"] = {"met": not violations and completed > 0, "p99_ms": p99, "violations": violations,
-                      "goodput_rps": stat("goodput", "avg") or 0.0}
+        out["sla"] = {"met": not violations and fig["requests"] > 0, "p99_ms": p99, "violations": violations,
+                      "goodput_rps": goodput_rps}
     return out
 
 
@@ -165,13 +188,36 @@ def _why_not(r: dict) -> str:
 
 def run_rate(exe: str, *, openai: bool, http_url: str, model: str, tokenizer_dir: Path, rate: float,
              cfg: BenchSection, sla: dict[str, float], out_dir: Path, label: str) -> dict:
-    """aiperf at one rate, in its own process group (ended with it, whatever happens); its figures."""
+    """aiperf at one rate; its figures."""
     out_dir.mkdir(parents=True, exist_ok=True)
     argv = aiperf_argv(exe, openai=openai, http_url=http_url, model=model, tokenizer_dir=tokenizer_dir, rate=rate,
                        cfg=cfg, sla=sla, out_dir=out_dir)
-    log_path = out_dir / "aiperf.log"
     # the run's own length (requests / rate) plus aiperf's start-up and the slowest request
-    timeout_s = cfg.requests_per_level / rate + cfg.request_timeout_s + 300
+    _run(argv, out_dir, cfg.requests_per_level / rate + cfg.request_timeout_s + 300,
+         f"{label}, request rate {rate:g}/s")
+    fig = read_export(out_dir, rate, sla)
+    log.info("%s at %g req/s (Poisson): %.2f req/s completed, TTFT p99 %.0f ms, e2e p50/p99 %.0f/%.0f ms%s", label,
+             rate, fig["requests_per_s"], fig["ttft_ms"]["p99"] or 0, fig["e2e_ms"]["p50"] or 0,
+             fig["e2e_ms"]["p99"] or 0, "" if fig.get("sla", {"met": True})["met"] else " (over the SLA)")
+    return fig
+
+
+def run_concurrency(exe: str, *, openai: bool, http_url: str, model: str, tokenizer_dir: Path, concurrency: int,
+                    cfg: BenchSection, out_dir: Path, label: str) -> dict:
+    """aiperf's closed loop of ``concurrency`` requests in flight (the cross-check); its figures."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    argv = aiperf_argv(exe, openai=openai, http_url=http_url, model=model, tokenizer_dir=tokenizer_dir,
+                       concurrency=concurrency, cfg=cfg, sla={}, out_dir=out_dir)
+    # each client's share of the requests one after another, each within the request timeout, plus start-up
+    per_client = -(-cfg.requests_per_level // concurrency)
+    _run(argv, out_dir, per_client * cfg.request_timeout_s + 300, f"{label}, concurrency {concurrency}")
+    return read_figures(out_dir)
+
+
+def _run(argv: list[str], out_dir: Path, timeout_s: float, what: str) -> None:
+    """aiperf in its own process group (ended with it, whatever happens); StageFailed with its log's last lines
+    when it fails or writes no summary."""
+    log_path = out_dir / "aiperf.log"
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=foreign_python_env(),
                                 start_new_session=True)
@@ -181,16 +227,40 @@ def run_rate(exe: str, *, openai: bool, http_url: str, model: str, tokenizer_dir
             code = None
         finally:
             stop_process_group(proc, "aiperf")  # its services are processes of their own: none outlives it
-    export = out_dir / EXPORT_FILE
-    if code != 0 or not export.is_file():
-        what = "ran past its time limit" if code is None else f"exited with {code}"
-        raise StageFailed(f"bench ({label}, request rate {rate:g}/s): aiperf {what}. The last lines of its "
-                          f"log:\n{_tail(log_path)}")
-    fig = read_export(out_dir, rate, sla)
-    log.info("%s at %g req/s (Poisson): %.2f req/s completed, TTFT p99 %.0f ms, e2e p50/p99 %.0f/%.0f ms%s", label,
-             rate, fig["requests_per_s"], fig["ttft_ms"]["p99"] or 0, fig["e2e_ms"]["p50"] or 0,
-             fig["e2e_ms"]["p99"] or 0, "" if fig.get("sla", {"met": True})["met"] else " (over the SLA)")
-    return fig
+    if code != 0 or not (out_dir / EXPORT_FILE).is_file():
+        how = "ran past its time limit" if code is None else f"exited with {code}"
+        raise StageFailed(f"bench ({what}): aiperf {how}. The last lines of its log:\n{_tail(log_path)}")
+
+
+def cross_check(ours: dict, theirs: dict, concurrency: int) -> dict:
+    """Our client's level (its medians) beside aiperf's closed loop at the same concurrency: the headline figures
+    of each, aiperf / ours, and whether the throughputs agree (requests/s within ``CROSS_CHECK_TOLERANCE``), in a
+    sentence."""
+    a, o = _headline(theirs), _headline(ours)
+    ratio = {k: a[k] / o[k] if a[k] is not None and o[k] else None for k in o}
+    r = ratio["requests_per_s"]
+    agree = r is not None and abs(r - 1) <= CROSS_CHECK_TOLERANCE
+    latency = [ratio["ttft_p50_ms"], ratio["itl_p50_ms"], ratio["e2e_p50_ms"]]
+    sentence = (f"at concurrency {concurrency} aiperf measured {a['requests_per_s']:.2f} requests/s and "
+                f"{a['output_tokens_per_s'] or 0:.1f} output tokens/s ({a['output_tokens_mean'] or 0:.1f} per request "
+                f"as it counts them), our client {o['requests_per_s']:.2f} and {o['output_tokens_per_s']:.1f} "
+                f"({o['output_tokens_mean']:.1f}): aiperf / ours {_ratio(r)} in requests/s, "
+                f"{'within' if agree else 'NOT within'} {CROSS_CHECK_TOLERANCE:.0%}; median TTFT, ITL and end-to-end "
+                f"latency aiperf / ours {', '.join(map(_ratio, latency))}")
+    return {"concurrency": concurrency, "ours": o,
+            "aiperf": {**a, "requests": theirs["requests"], "errors": theirs["errors"]},
+            "aiperf_over_ours": ratio, "agree_within": CROSS_CHECK_TOLERANCE, "agree": agree, "sentence": sentence}
+
+
+def _headline(fig: dict) -> dict:
+    """The figures the cross-check compares, from a level of ours or an aiperf run (the same shape)."""
+    return {"requests_per_s": fig["requests_per_s"], "output_tokens_per_s": fig["output_tokens_per_s"],
+            "output_tokens_mean": fig["output_tokens_mean"], "ttft_p50_ms": fig["ttft_ms"].get("p50"),
+            "itl_p50_ms": fig["itl_ms"].get("p50"), "e2e_p50_ms": fig["e2e_ms"].get("p50")}
+
+
+def _ratio(r: Optional[float]) -> str:
+    return "n/a" if r is None else f"{r:.2f}"
 
 
 def _tail(path: Path, lines: int = 20) -> str:

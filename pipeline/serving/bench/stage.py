@@ -12,8 +12,14 @@ no higher level gains ``bench.knee_min_gain`` or more per doubling of concurrenc
 With an SLA (the ``sla`` section's P99 bounds), each level's goodput against it and the level to run at
 (``stats.goodput``, ``stats.sla_choice``).
 
+Repeats (``bench.repeats`` > 1): the sweep runs that many rounds, each on prompts of its own; a level's figures are
+the medians over its rounds with their spread (``stats.median_rounds``), and the knee and the SLA choice are found
+on the medians. Cross-check (``bench.cross_check_concurrency``): after the sweep, aiperf drives the same closed
+loop at that level on every target, its figures beside our client's median ones (``openloop.cross_check``).
+
 Comparison mode (``bench.compare_repository``): a second published repository gets its own server, and
-the two are swept level by level, alternating which goes first, so drifting machine load hits both alike;
+the two are swept level by level, alternating which goes first (from level to level, and at each level from
+round to round), so drifting machine load hits both alike;
 the results carry this build / baseline ratios. A vllm build is swept once per ``vllm.frontends`` entry
 (vLLM's OpenAI server, Triton through the vLLM Python-backend model) the same way, with triton / openai
 ratios.
@@ -36,9 +42,16 @@ from pipeline.config import BenchSection, PipelineConfig
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving.bench.load import Prompt, make_prompts
 from pipeline.serving.bench.metrics import METRICS_ARGS
-from pipeline.serving.bench.openloop import aiperf_executable, run_rate, sustainable_rate
+from pipeline.serving.bench.openloop import (
+    CROSS_CHECK_TOLERANCE,
+    aiperf_executable,
+    cross_check,
+    run_concurrency,
+    run_rate,
+    sustainable_rate,
+)
 from pipeline.serving.bench.plots import LATENCY_PNG, THROUGHPUT_PNG, plot_latency, plot_throughput
-from pipeline.serving.bench.stats import find_knee, knee_sentence, ratios, sla_choice
+from pipeline.serving.bench.stats import find_knee, knee_sentence, median_rounds, ratios, sla_choice, spread_sentence
 from pipeline.serving.bench.target import (
     Target,
     build_dir_of,
@@ -54,7 +67,7 @@ from pipeline.serving.server import log_tail, server_for_target
 log = logging.getLogger(__name__)
 
 BASELINE_SERVER_LOG = "tritonserver_baseline.log"
-AIPERF_DIR = "aiperf"  # the open-loop load's runs: one aiperf artifact folder per target and rate
+AIPERF_DIR = "aiperf"  # aiperf's runs: one artifact folder per target and rate (and the cross-check's per target)
 THIS, BASELINE = "this build", "baseline"  # target labels
 
 
@@ -64,12 +77,16 @@ def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, bui
     cfg, sla = config.bench, config.sla.bounds()
     targets = _resolve_targets(config, publish_dir, build_dir)
     warm, measured = _prompts(cfg, targets[0], samples_file)
+    exe = aiperf_executable() if cfg.uses_aiperf else ""  # missing: stop before any server starts
 
     t_start = time.perf_counter()
+    checked: dict[str, dict] = {}
     with _servers(targets, cfg, out_dir):
         _sweep(targets, warm, measured, cfg, sla)
+        if cfg.cross_check_concurrency is not None:
+            checked = _cross_check(exe, targets, cfg.cross_check_concurrency, cfg, out_dir / AIPERF_DIR)
         if cfg.request_rates:
-            _open_loop(targets, cfg, sla, out_dir / AIPERF_DIR)
+            _open_loop(exe, targets, cfg, sla, out_dir / AIPERF_DIR)
     bench_s = time.perf_counter() - t_start
 
     knees = _find_knees(targets, cfg)
@@ -83,6 +100,8 @@ def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, bui
     for label, rate in sustained.items():
         log.info("%s: %s", label, rate["sentence"])
     results = _results(cfg, sla, targets, knees, choices, sustained, bench_s)
+    if checked:
+        results["cross_check"] = checked
     (out_dir / artifacts.BENCH_RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
     return _summary(targets, knees, choices, sustained, bench_s)
 
@@ -132,7 +151,7 @@ def _prompts(cfg: BenchSection, target: Target, samples_file: Path) -> tuple[lis
     tokenizer = AutoTokenizer.from_pretrained(str(target.tokenizer_dir))
     warm_n = cfg.warmup_requests
     prompts = make_prompts(samples_file, tokenizer, cfg.prompt_tokens,
-                           warm_n + cfg.requests_per_level * len(cfg.concurrency))
+                           warm_n + cfg.requests_per_level * len(cfg.concurrency) * cfg.repeats)
     return prompts[:warm_n], prompts[warm_n:]
 
 
@@ -178,28 +197,57 @@ def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterato
 
 def _sweep(targets: list[Target], warm: list[Prompt], measured: list[Prompt], cfg: BenchSection,
            sla: dict[str, float]) -> None:
-    """Warm each server up, then run every level on every target, alternating which target goes first."""
-    levels = list(cfg.concurrency)
+    """Warm each server up, then ``bench.repeats`` rounds of every level on every target (each level of each round
+    on prompts of its own), alternating which target goes first from level to level and from round to round;
+    each level's figures are then the medians over its rounds."""
+    levels, n = list(cfg.concurrency), cfg.requests_per_level
     for t in targets:
         warm_up(t, warm, min(len(warm), levels[-1]), cfg)
-    for k, c in enumerate(levels):
-        batch = measured[k * cfg.requests_per_level:(k + 1) * cfg.requests_per_level]
-        order = targets if k % 2 == 0 else list(reversed(targets))  # alternate who goes first
-        for t in order:
-            t.levels.append(run_level(t, batch, c, cfg, sla))
+    rounds: dict[str, list[list[dict]]] = {t.label: [[] for _ in levels] for t in targets}
+    for r in range(cfg.repeats):
+        for k, c in enumerate(levels):
+            i = r * len(levels) + k
+            order = targets if (k + r) % 2 == 0 else list(reversed(targets))  # alternate who goes first
+            for t in order:
+                rounds[t.label][k].append(run_level(t, measured[i * n:(i + 1) * n], c, cfg, sla))
+    for t in targets:
+        t.levels = [median_rounds(per_level, sla) for per_level in rounds[t.label]]
+        if cfg.repeats > 1:
+            for level in t.levels:
+                log.info("%s %s", t.label, spread_sentence(level))
 
 
-def _open_loop(targets: list[Target], cfg: BenchSection, sla: dict[str, float], out_dir: Path) -> None:
+def _cross_check(exe: str, targets: list[Target], c: int, cfg: BenchSection, out_dir: Path) -> dict[str, dict]:
+    """aiperf's closed loop at concurrency ``c`` (bench.cross_check_concurrency) on every target, beside our
+    client's (median) level there; by label. A disagreement is logged and recorded, not a failure: it is evidence
+    about the clients."""
+    out = {}
+    for t in targets:
+        theirs = run_concurrency(exe, openai=t.openai, http_url=t.http_url, model=_aiperf_model(t),
+                                 tokenizer_dir=t.tokenizer_dir, concurrency=c, cfg=cfg,
+                                 out_dir=out_dir / f"{_folder(t.label)}_c{c}", label=t.label)
+        out[t.label] = cross_check(next(l for l in t.levels if l["concurrency"] == c), theirs, c)
+        log.info("%s, cross-check against aiperf: %s", t.label, out[t.label]["sentence"])
+    return out
+
+
+def _open_loop(exe: str, targets: list[Target], cfg: BenchSection, sla: dict[str, float], out_dir: Path) -> None:
     """aiperf at every rate of bench.request_rates on every target, alternating which target goes first."""
-    exe = aiperf_executable()
     for k, rate in enumerate(cfg.request_rates):
         for t in targets if k % 2 == 0 else list(reversed(targets)):
-            server = t.server
-            model = getattr(server, "model_name", "") if t.openai else t.names.stream
-            folder = out_dir / f"{t.label.replace(' ', '_').replace('(', '').replace(')', '')}_{rate:g}"
-            t.rates.append(run_rate(exe, openai=t.openai, http_url=t.http_url, model=model,
-                                    tokenizer_dir=t.tokenizer_dir, rate=rate, cfg=cfg, sla=sla, out_dir=folder,
-                                    label=t.label))
+            t.rates.append(run_rate(exe, openai=t.openai, http_url=t.http_url, model=_aiperf_model(t),
+                                    tokenizer_dir=t.tokenizer_dir, rate=rate, cfg=cfg, sla=sla,
+                                    out_dir=out_dir / f"{_folder(t.label)}_{rate:g}", label=t.label))
+
+
+def _aiperf_model(t: Target) -> str:
+    """The model aiperf asks for: vLLM's served model name, or Triton's streaming model."""
+    return getattr(t.server, "model_name", "") if t.openai else t.names.stream
+
+
+def _folder(label: str) -> str:
+    """A target's label as a folder name: "this build (openai)" -> "this_build_openai"."""
+    return label.replace(" ", "_").replace("(", "").replace(")", "")
 
 
 # ---------------------------------------------------------------- after the sweep
@@ -247,6 +295,24 @@ def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], kn
                      "aiperf's completed requests / run time; goodput is aiperf's, against the same SLA bounds",
             "sustainable_rate": "the highest rate with no failed request whose P99s kept the SLA (rates judged in "
                                 "ascending order; the first that fails ends the search; none without an SLA)",
+            **({"repeats": f"the sweep ran {cfg.repeats} rounds, each on prompts of its own: every figure of a "
+                           "level is the median over its rounds of that figure as each round measured it (a P99 is "
+                           "the median of the rounds' P99s, not the P99 of all their requests); the SLA is judged, "
+                           "and the knee and the SLA choice found, on the medians",
+                "spread": "per level, over its rounds: min, max and (max - min) / median (relative) of output "
+                          "tokens/s and of P99 end-to-end latency; per_round: each round's headline figures"}
+               if cfg.repeats > 1 else {}),
+            **({"cross_check": f"aiperf (NVIDIA) drives the same closed loop at concurrency "
+                               f"{cfg.cross_check_concurrency} after the sweep, on the same server: requests_per_level "
+                               "streamed requests of the same prompt and output token counts on the same endpoint; "
+                               "its synthetic prompts differ from ours in content but have the same token counts. "
+                               "It counts output tokens by tokenizing the streamed text (output_tokens_mean), which "
+                               "need not match the tokens the server generated: its output tokens/s and ITL follow "
+                               "that count. ours: our client's figures of that level (the medians over rounds); "
+                               f"aiperf_over_ours: aiperf / ours; agree: aiperf's requests/s within "
+                               f"{CROSS_CHECK_TOLERANCE:.0%} of ours (every request is output_tokens long on the "
+                               "server; a disagreement is reported, not a failure)"}
+               if cfg.cross_check_concurrency is not None else {}),
         },
         "sla": sla or None,
         "bench_s": bench_s,

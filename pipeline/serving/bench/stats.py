@@ -1,5 +1,5 @@
-"""The numbers of a sweep: percentiles and summaries, the knee, goodput against the SLA, the padding factor, and
-this/baseline ratios.
+"""The numbers of a sweep: percentiles and summaries, a level's medians and spread over repeated rounds, the knee,
+goodput against the SLA, the padding factor, and this/baseline ratios.
 
 The knee: the lowest level past which throughput gains less than ``bench.knee_min_gain`` per doubling of
 concurrency, i.e. where added concurrency stops paying and only adds latency.
@@ -7,8 +7,10 @@ concurrency, i.e. where added concurrency stops paying and only adds latency.
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Optional, Sequence
+import statistics
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -34,6 +36,79 @@ def summarize(values: Sequence[float]) -> dict:
     out["p99_over_p50"] = pct[99] / pct[50] if pct[50] > 0 else None
     out["jitter"] = std / mean if mean > 0 else None
     return out
+
+
+# ---------------------------------------------------------------- a level over repeated rounds
+
+SPREAD_FIGURES = ("output_tokens_per_s", "e2e_p99_ms")  # the figures whose spread over rounds a level reports
+
+
+def median_rounds(rounds: Sequence[dict], bounds: dict[str, float]) -> dict:
+    """One level measured in several rounds, as one level: every figure the median over the rounds
+    (``median_figures``), the SLA judged again on the median P99s against ``bounds``, and ``spread``. One round
+    is returned as it is."""
+    if len(rounds) == 1:
+        return rounds[0]
+    level = median_figures(rounds)
+    sla = level.get("sla")
+    if sla is not None:  # as goodput judges one round: a bounded P99 over its bound is a violation
+        sla["violations"] = [m for m, b in bounds.items() if sla["p99_ms"][m] is not None and sla["p99_ms"][m] > b]
+        sla["met"] = not sla["violations"] and bool(sla["requests"])
+    level["spread"] = spread(rounds)
+    return level
+
+
+def median_figures(rounds: Sequence[Any]) -> Any:
+    """The median over rounds of each number in the rounds' figures, walking dicts key by key (the first round's
+    keys). A value equal in every round (a level, a count, a basis) is kept as it is; numbers missing (None) in
+    some rounds are the median of the rest; any other value (a judgement such as the SLA's ``met``) is the first
+    round's, to be judged again on the medians."""
+    first = rounds[0]
+    if all(r == first for r in rounds):
+        return copy.deepcopy(first)
+    if isinstance(first, dict):
+        return {k: median_figures([r.get(k) if isinstance(r, dict) else None for r in rounds]) for k in first}
+    numbers = [r for r in rounds if _is_number(r)]
+    if numbers and all(r is None or _is_number(r) for r in rounds):
+        return statistics.median(numbers)
+    return copy.deepcopy(first)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def round_figures(level: dict) -> dict:
+    """One round's headline figures, as a level's ``spread.per_round`` lists them."""
+    return {"output_tokens_per_s": level["output_tokens_per_s"], "requests_per_s": level["requests_per_s"],
+            "ttft_p50_ms": level["ttft_ms"].get("p50"), "itl_p50_ms": level["itl_ms"].get("p50"),
+            "e2e_p50_ms": level["e2e_ms"].get("p50"), "e2e_p99_ms": level["e2e_ms"].get("p99")}
+
+
+def spread(rounds: Sequence[dict]) -> dict:
+    """How far a level's rounds differ: for each of ``SPREAD_FIGURES`` min, max and (max - min) / median
+    (``relative``); the number of rounds, and each round's headline figures."""
+    per_round = [round_figures(r) for r in rounds]
+    out: dict = {"rounds": len(rounds)}
+    for name in SPREAD_FIGURES:
+        values = [p[name] for p in per_round]
+        mid = statistics.median(values)
+        out[name] = {"min": min(values), "max": max(values),
+                     "relative": (max(values) - min(values)) / mid if mid else None}
+    out["per_round"] = per_round
+    return out
+
+
+def spread_sentence(level: dict) -> str:
+    """A level's medians and spread over its rounds, for the log."""
+    s = level["spread"]
+    tps, p99 = s["output_tokens_per_s"], s["e2e_p99_ms"]
+    return (f"c={level['concurrency']}, median of {s['rounds']} rounds: {level['output_tokens_per_s']:.1f} tok/s "
+            f"({tps['min']:.1f}-{tps['max']:.1f}, spread {tps['relative']:.0%}), e2e p99 "
+            f"{level['e2e_ms']['p99']:.0f} ms ({p99['min']:.0f}-{p99['max']:.0f}, spread {p99['relative']:.0%})")
+
+
+# ---------------------------------------------------------------- the knee
 
 
 def find_knee(concurrency: Sequence[int], throughput: Sequence[float], min_gain: float) -> dict:
