@@ -8,17 +8,21 @@ process's id in their shared-memory prefix (``tps<pid>_``), which is what the cl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, completion_order_with_classes, metric, read_until, run_invoke, tiny_config
 
 from pipeline import artifacts
@@ -342,6 +346,120 @@ def test_request_classes_reach_the_runtime_through_the_ensemble(tiny):
         assert sum(n.startswith("long") for n in order[order.index("level 1"):]) >= 3, order  # it overtook the queue
         greedy = _generate(server.http_url, "llm", "Request level 1:", max_tokens=16)["output_ids"]
         assert _generate(server.http_url, "llm", "Request level 1:", max_tokens=16, priority=1)["output_ids"] == greedy
+
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+def _alerts(prom_url: str) -> dict[str, str]:
+    """{alert name: state} of the alerts a Prometheus holds now (pending or firing)."""
+    with urllib.request.urlopen(f"{prom_url}/api/v1/alerts", timeout=10) as r:
+        return {a["labels"]["alertname"]: a["state"] for a in json.loads(r.read())["data"]["alerts"]}
+
+
+def _status_of(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status
+    except (urllib.error.URLError, ConnectionError):
+        return 0
+
+
+def _wait_for(prom_url: str, want: dict[str, str | None], timeout_s: float) -> list[dict[str, str]]:
+    """Poll until every alert in ``want`` is in its state (None: no longer held); the states seen on the way."""
+    seen: list[dict[str, str]] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = _alerts(prom_url)
+        if not seen or seen[-1] != now:
+            seen.append(now)
+        if all(now.get(name) == state for name, state in want.items()):
+            return seen
+        time.sleep(1)
+    raise AssertionError(f"alerts never reached {want}; seen: {seen}")
+
+
+async def _overload(grpc_url: str, stop: threading.Event, failed: list[str], clients: int = 8) -> None:
+    """``clients`` closed-loop gRPC clients of the ensemble, each sending its next request as soon as one is
+    answered, until ``stop``; errors go to ``failed``. Whole answers, not streams: with streaming, the tiny
+    model's runtime outran the per-token postprocessing on two cores and its queue came and went in waves
+    (0 to 31 waiting with 32 clients), so the streaming path, not the runtime, was what they waited for."""
+    import numpy as np
+    import tritonclient.grpc.aio as grpcaio
+    from tritonclient.grpc import InferInput
+
+    client = grpcaio.InferenceServerClient(grpc_url)
+
+    async def one_client(i: int) -> None:
+        text, tokens = InferInput("text_input", [1, 1], "BYTES"), InferInput("max_tokens", [1, 1], "INT32")
+        text.set_data_from_numpy(np.array([[f"Story {i}: once upon".encode()]], dtype=object))
+        tokens.set_data_from_numpy(np.array([[24]], dtype=np.int32))
+        while not stop.is_set():
+            try:
+                await client.infer("llm", [text, tokens], client_timeout=120)
+            except Exception as e:  # noqa: BLE001 - recorded; the test fails on any
+                failed.append(f"{type(e).__name__}: {e}")
+
+    try:
+        await asyncio.gather(*(one_client(i) for i in range(clients)))
+    finally:
+        await client.close()
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Prometheus (Debian: apt-get install prometheus; "
+                                               "scripts/setup-env does it as root)")
+def test_a_real_prometheus_fires_the_queue_alert_under_overload_and_the_target_alert_when_the_server_dies(tiny):
+    """The rules deploy-manifests renders, loaded by a real Prometheus scraping a real Triton (cpu target,
+    max_running 1) every 2 s, as pod tiny-0: an overload of 8 closed-loop clients keeps more than queue_waiting
+    (2) requests waiting, so TritonQueueBacklog goes pending, then firing once it has held for_minutes (1); it
+    resolves after the load stops. With the server stopped, TritonTargetDown fires after its missed scrapes."""
+    from pipeline.config import AlertsSection
+    from pipeline.procs import stop_process_group
+    from pipeline.release import alerts
+
+    cfg, work_root, work, _ = tiny
+    _run(cfg, work_root, "publish", "triton.max_running=1")
+    section = AlertsSection(queue_waiting=2, for_minutes=1, missed_scrapes=1)
+    prom_dir = work_root / "prometheus"
+    shutil.rmtree(prom_dir, ignore_errors=True)
+    prom_dir.mkdir()
+    (prom_dir / "rules.yml").write_text(yaml.safe_dump(alerts.rule_file(section, "tiny", gpu=False)))
+    stop = threading.Event()
+    with TritonServer(work / "publish" / "model_repository") as server:
+        metrics = server.metrics_url.removeprefix("http://").removesuffix("/metrics")
+        (prom_dir / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "2s", "evaluation_interval": "1s"},
+            "rule_files": [str(prom_dir / "rules.yml")],
+            "scrape_configs": [{"job_name": "triton", "static_configs": [
+                {"targets": [metrics], "labels": {"namespace": "test", "pod": "tiny-0"}}]}]}))
+        port = free_port()
+        prom = subprocess.Popen([PROMETHEUS, f"--config.file={prom_dir / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={prom_dir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=subprocess.DEVNULL, stderr=(prom_dir / "prometheus.log").open("w"),
+                                start_new_session=True)
+        prom_url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while _status_of(f"{prom_url}/-/ready") != 200 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            failed: list[str] = []
+            load = threading.Thread(target=asyncio.run, args=(_overload(server.grpc_url, stop, failed),))
+            load.start()
+            try:
+                seen = _wait_for(prom_url, {"TritonQueueBacklog": "firing"}, 240)
+            finally:
+                stop.set()
+                load.join()
+            assert not failed, failed[:3]  # every request of the overload answered
+            assert any(s.get("TritonQueueBacklog") == "pending" for s in seen), seen  # pending before firing
+            assert {a for s in seen for a, state in s.items() if state == "firing"} == {"TritonQueueBacklog"}, seen
+            _wait_for(prom_url, {"TritonQueueBacklog": None}, 120)
+            server.stop()
+            seen = _wait_for(prom_url, {"TritonTargetDown": "firing"}, 120)
+            assert any(s.get("TritonTargetDown") == "pending" for s in seen), seen
+        finally:
+            stop_process_group(prom, "prometheus")
 
 
 @pytest.mark.e2e
