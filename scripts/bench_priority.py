@@ -1,10 +1,11 @@
 """Two classes of requests on a real Triton server: short interactive requests behind long batch ones, with
 and without request priorities (triton.priority_levels).
 
-    .venv/bin/invoke publish --config engine_configs/smollm2-135m-cpu.yaml --set triton.priority_levels=2
+    .venv/bin/invoke publish --set triton.priority_levels=2     # or --config engine_configs/smollm2-135m-cpu.yaml
     .venv/bin/python scripts/bench_priority.py [--repository DIR] [--phase-s 60] [--rounds 2]
 
-One server, one run, on the published cpu repository. The load: ``--batch-clients`` closed-loop clients send
+One Triton server, one run, on a published cpu or vllm repository (the vllm target's Triton frontend: vLLM's
+engine under the vLLM Python-backend model, with its priority scheduling policy). The load: ``--batch-clients`` (1.5x max_batch_size) closed-loop clients send
 batch requests (``--batch-prompt-tokens`` prompt tokens of real text, exactly ``--batch-output-tokens`` new
 ones), more clients than the runtime runs sequences at once, so a queue forms; interactive requests arrive
 at ``--interactive-rps`` (Poisson arrivals, one seed), ``--interactive-prompt-tokens`` prompt tokens and
@@ -30,9 +31,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline import artifacts  # noqa: E402
 from pipeline.serving import publish as pub  # noqa: E402
 from pipeline.serving.bench.load import Prompt, RequestRecord, one_request  # noqa: E402
-from pipeline.serving.server import TritonServer  # noqa: E402
+from pipeline.serving.server import server_for_target  # noqa: E402
 
 TEXT = ("The history of the city goes back to a small settlement on the river, where traders met to exchange "
         "grain, salt and cloth. Over the centuries the market grew into a town with walls, a cathedral and a "
@@ -93,11 +95,13 @@ async def main_async(args) -> None:
     if not llm.dynamic_batching.priority_levels:
         sys.exit(f"{args.repository} was published without request classes: publish with "
                  f"--set triton.priority_levels=2 first")
+    args.batch_clients = args.batch_clients or llm.max_batch_size * 3 // 2
     tokenizer = AutoTokenizer.from_pretrained(str(args.repository / names.preprocessing / "1" / "tokenizer"))
     prompts = {"batch": prompt_of(tokenizer, args.batch_prompt_tokens, 0),
                "interactive": prompt_of(tokenizer, args.interactive_prompt_tokens, 7)}
     order = [a for r in range(args.rounds) for a in (list(ARMS) if r % 2 == 0 else list(ARMS)[::-1])]
-    with TritonServer(args.repository) as server:
+    target = artifacts.read_provenance(args.repository).build.target
+    with server_for_target(target, args.repository, frontend="triton") as server:
         client = grpcaio.InferenceServerClient(server.grpc_url)
         try:
             for _ in range(2):  # warm-up, not measured
@@ -129,9 +133,9 @@ async def main_async(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repository", type=Path, default=Path("build/smollm2-135m-cpu/publish/model_repository"))
+    ap.add_argument("--repository", type=Path, default=Path("build/smollm2-135m-vllm/publish/model_repository"))
     ap.add_argument("--model-name", default="llm")
-    ap.add_argument("--batch-clients", type=int, default=12)
+    ap.add_argument("--batch-clients", type=int, default=0, help="0: 1.5x the build's max_batch_size")
     ap.add_argument("--batch-prompt-tokens", type=int, default=128)
     ap.add_argument("--batch-output-tokens", type=int, default=96)
     ap.add_argument("--interactive-rps", type=float, default=0.5)
