@@ -6,7 +6,7 @@ Both variants speak exactly the I/O of the ``tensorrtllm`` backend's model, so e
 inputs (with the batch dimension; one sequence per request): ``input_ids`` INT32 [-1], ``input_lengths``
 INT32 [1], ``request_output_len`` INT32 [1]; optional ``end_id``, ``pad_id`` INT32 [1], ``temperature`` FP32
 [1], ``runtime_top_k`` INT32 [1], ``runtime_top_p`` FP32 [1], ``seed`` UINT64 [1], ``streaming`` BOOL
-[1], ``stop_words_list`` INT32 [2, -1]; with request classes (parameter ``priority_levels``, cpu target only)
+[1], ``stop_words_list`` INT32 [2, -1]; with request classes (parameter ``priority_levels``: cpu, vllm)
 ``priority`` INT32 [1]: a level 1..N, 1 the highest (Triton's convention), none or 0 the default level;
 outputs: ``output_ids`` INT32 [-1, -1] (beam x generated tokens, the prompt excluded), ``sequence_length``
 INT32 [-1] (tokens per beam in this response).
