@@ -219,7 +219,7 @@ def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
 def _request_classes_through_triton(work_root) -> None:
     """triton.priority_levels 2 on the vllm target (published last: the repository keeps it): behind Triton's
     ensemble, vLLM's priority scheduling takes a level 1 request ahead of a queue of long default-level ones
-    (three times max_num_seqs), and the earlier no-priority and level 2 requests in arrival order."""
+    (three times max_num_seqs) and of the no-priority and level 2 requests sent before it."""
     from pipeline.serving.server import server_for_target
 
     proc = run_invoke("publish", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),
@@ -230,7 +230,9 @@ def _request_classes_through_triton(work_root) -> None:
         submitted = lambda: metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type",  # noqa: E731
                                    "active") >= hogs
         order = completion_order_with_classes(server.http_url, submitted, hogs=hogs)
-    assert order.index("level 1") < order.index("none") < order.index("level 2"), order
+    # the no-priority and level-2 requests are not held to arrival order here: vLLM may start both in one step
+    # (slots free by the batch) and then they finish together
+    assert order.index("level 1") < min(order.index("none"), order.index("level 2")), order
     assert sum(n.startswith("long") for n in order[order.index("level 1"):]) >= 3, order  # it overtook the queue
 
 def _serve_and_stop(work_root, light) -> None:
