@@ -10,9 +10,12 @@ session with torch loaded) reports at least 3 GB however little it does (see get
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
+import os
 import resource
+import signal
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -49,7 +52,23 @@ def own_peak_rss() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _child_main(fn: Callable, args: tuple, kwargs: dict, log_path: str, conn) -> None:
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this child when its parent dies (Linux's PR_SET_PDEATHSIG), and end it now if the parent is
+    already gone. A stage's parent killed hard (kill -9, a caller's timeout) used to leave the child computing as
+    an orphan: a killed `invoke build` left its sensitivity worker on both cores for half an hour."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: no such call; the parent's own clean-up is all there is
+        return
+    if os.getppid() != parent:  # it died before the call above
+        os._exit(1)
+
+
+def _child_main(fn: Callable, args: tuple, kwargs: dict, log_path: str, conn, parent: int) -> None:
+    _die_with(parent)
     handler = StageLogHandler(log_path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
@@ -89,7 +108,7 @@ def run_in_child(fn: Callable, *args: Any, log_path: Path, what: str = "the stag
     named with the peak watched so far when the child is killed."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child_main, args=(fn, args, kwargs, str(log_path), sender), daemon=True)
+    proc = ctx.Process(target=_child_main, args=(fn, args, kwargs, str(log_path), sender, os.getpid()), daemon=True)
     proc.start()
     sender.close()
     watched = 0

@@ -47,3 +47,11 @@ def generate_in_cgroup(cgroup: str, bundle: str, layer_streaming: str, prompts: 
     with CpuRuntime.load(bundle, layer_streaming=layer_streaming) as rt:
         requests = [rt.submit(p, SamplingParams(max_new_tokens=tokens)) for p in prompts]
         return [r.result(timeout=600) for r in requests], rt.layer_streaming
+
+
+def report_pid_and_wait(pid_file: str) -> None:
+    """Write this process's pid, then wait (for the test to kill the parent)."""
+    import time
+
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(600)

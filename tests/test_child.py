@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import child_targets as targets
 import pytest
-from conftest import memory_cgroup, needs_memory_cgroup
+from conftest import REPO, memory_cgroup, needs_memory_cgroup
 
 from pipeline.child import run_in_child
 from pipeline.compute import Bound
@@ -45,3 +47,41 @@ def test_out_of_memory_kill_names_the_likely_cause(tmp_path):
                                               r"[0-9.]+ GiB, against a bound of 0.20 GiB \(a test cgroup\)"):
             run_in_child(targets.allocate_in_cgroup, str(cg), 600, log_path=tmp_path / "stage.log",
                          what="quantize", bound=bound)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting to be reaped is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_the_child_dies_with_a_parent_killed_hard(tmp_path):
+    """kill -9 of the process running a stage (as a caller's timeout does): its child does not go on
+    computing as an orphan; it is gone within seconds."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    code = (f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r}); import child_targets; "
+            "from pathlib import Path; from pipeline.child import run_in_child; "
+            f"run_in_child(child_targets.report_pid_and_wait, {str(pid_file)!r}, log_path=Path({str(tmp_path / 'log')!r}))")
+    starter = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+    finally:
+        starter.kill()
+        starter.wait()
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _running(child)
+    if alive:  # the test started it: it ends here, and the test fails
+        os.kill(child, 9)
+    assert not alive, "the stage's child outlived its parent"
