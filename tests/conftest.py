@@ -211,11 +211,12 @@ def tiny_config(tmp_path, model_dir, extra=""):
         """)
 
 
-def completion_order_with_classes(http_url: str, queue_formed, hogs: int = 16, hog_tokens: int = 100) -> list[str]:
+def completion_order_with_classes(http_url: str, model: str, queue_formed, hogs: int = 16,
+                                  hog_tokens: int = 100) -> list[str]:
     """Request classes on a real server published with triton.priority_levels 2: ``hogs`` long requests of the
-    default level queue (until ``queue_formed()`` says the runtime holds them), then a request with no priority,
-    one of level 2 and one of level 1 are sent in that order. The names of all of them in the order their
-    answers came back."""
+    default level queue at the ensemble ``model`` (until ``queue_formed()`` says the runtime holds them), then a
+    request with no priority, one of level 2 and one of level 1 are sent in that order. The names of all of them
+    in the order their answers came back."""
     import concurrent.futures
     import time
     import urllib.request
@@ -224,7 +225,7 @@ def completion_order_with_classes(http_url: str, queue_formed, hogs: int = 16, h
 
     def ask(name: str, max_tokens: int = 16, **priority) -> None:
         body = json.dumps({"text_input": f"Request {name}:", "max_tokens": max_tokens, **priority}).encode()
-        req = urllib.request.Request(f"http://{http_url}/v2/models/llm/generate", data=body, method="POST")
+        req = urllib.request.Request(f"http://{http_url}/v2/models/{model}/generate", data=body, method="POST")
         with urllib.request.urlopen(req, timeout=600) as r:
             assert json.loads(r.read())["output_ids"]
         done[name] = time.perf_counter()

@@ -341,7 +341,7 @@ def test_request_classes_reach_the_runtime_through_the_ensemble(tiny):
         with pytest.raises(urllib.error.HTTPError) as bad:
             urllib.request.urlopen(req, timeout=60)
         assert bad.value.code == 400 and "priority 5 is outside 1..2" in bad.value.read().decode()
-        order = completion_order_with_classes(server.http_url, lambda: _waiting(server.metrics_url) >= 8)
+        order = completion_order_with_classes(server.http_url, "llm", lambda: _waiting(server.metrics_url) >= 8)
         assert order.index("level 1") < order.index("none") < order.index("level 2"), order
         assert sum(n.startswith("long") for n in order[order.index("level 1"):]) >= 3, order  # it overtook the queue
         greedy = _generate(server.http_url, "llm", "Request level 1:", max_tokens=16)["output_ids"]

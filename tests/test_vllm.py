@@ -225,11 +225,12 @@ def _request_classes_through_triton(work_root) -> None:
     proc = run_invoke("publish", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),
                       "--set", "triton.priority_levels=2", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    hogs = 3 * load_config(VLLM_CONFIG).config.build.max_batch_size
+    cfg = load_config(VLLM_CONFIG).config
+    hogs = 3 * cfg.build.max_batch_size
     with server_for_target("vllm", work_root / NAME / "publish" / "model_repository", frontend="triton") as server:
         submitted = lambda: metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type",  # noqa: E731
                                    "active") >= hogs
-        order = completion_order_with_classes(server.http_url, submitted, hogs=hogs)
+        order = completion_order_with_classes(server.http_url, cfg.triton.model_name, submitted, hogs=hogs)
     # the no-priority and level-2 requests are not held to arrival order here: vLLM may start both in one step
     # (slots free by the batch) and then they finish together
     assert order.index("level 1") < min(order.index("none"), order.index("level 2")), order
