@@ -407,6 +407,7 @@ async def _overload(grpc_url: str, stop: threading.Event, failed: list[str], cli
         await client.close()
 
 
+@pytest.mark.e2e  # minutes: the queue alert must hold for one before it fires
 @pytest.mark.skipif(PROMETHEUS is None, reason="needs Prometheus (Debian: apt-get install prometheus; "
                                                "scripts/setup-env does it as root)")
 def test_a_real_prometheus_fires_the_queue_alert_under_overload_and_the_target_alert_when_the_server_dies(tiny):
