@@ -10,13 +10,14 @@ import yaml
 from conftest import run_invoke
 from safetensors import safe_open
 
-pytestmark = pytest.mark.e2e
+# the default's stages run inside the first test's time (see test_build_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 NAME = "smollm2-135m-cpu"
 
 
 @pytest.fixture(scope="module")
 def quantized(default_work_root):
-    proc = run_invoke("quantize", "--work-root", str(default_work_root), timeout=1200)
+    proc = run_invoke("quantize", "--work-root", str(default_work_root), timeout=3600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return default_work_root / NAME
 

@@ -8,13 +8,14 @@ import pytest
 import yaml
 from conftest import run_invoke
 
-pytestmark = pytest.mark.e2e
+# the default's stages run inside the first test's time (see test_build_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 NAME = "smollm2-135m-cpu"
 
 
 @pytest.fixture(scope="module")
 def analysed(default_work_root):
-    proc = run_invoke("sensitivity", "--work-root", str(default_work_root), timeout=900)
+    proc = run_invoke("sensitivity", "--work-root", str(default_work_root), timeout=3600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # (another e2e module may have run these stages on the shared work dir already)
     for stage in ("sensitivity", "plan"):
