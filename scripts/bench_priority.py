@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline import artifacts  # noqa: E402
+from pipeline.errors import InputError  # noqa: E402
 from pipeline.serving import publish as pub  # noqa: E402
 from pipeline.serving.bench.load import Prompt, RequestRecord, one_request  # noqa: E402
 from pipeline.serving.server import server_for_target  # noqa: E402
@@ -90,6 +91,10 @@ async def main_async(args) -> None:
     import tritonclient.grpc.aio as grpcaio
     from transformers import AutoTokenizer
 
+    try:
+        target = artifacts.read_provenance(args.repository).build.target  # says what to run when there is none
+    except InputError as e:
+        sys.exit(str(e))
     names = pub.model_names(args.model_name)
     llm = pub.read_config(args.repository / names.tensorrt_llm / "config.pbtxt")
     if not llm.dynamic_batching.priority_levels:
@@ -100,7 +105,6 @@ async def main_async(args) -> None:
     prompts = {"batch": prompt_of(tokenizer, args.batch_prompt_tokens, 0),
                "interactive": prompt_of(tokenizer, args.interactive_prompt_tokens, 7)}
     order = [a for r in range(args.rounds) for a in (list(ARMS) if r % 2 == 0 else list(ARMS)[::-1])]
-    target = artifacts.read_provenance(args.repository).build.target
     with server_for_target(target, args.repository, frontend="triton") as server:
         client = grpcaio.InferenceServerClient(server.grpc_url)
         try:
