@@ -127,3 +127,20 @@ def test_stages_write_table_plan_and_plots_and_take_a_hand_edit(tmp_path, outlie
         runner2.run(["plan"], echo=said.append)
     runner2.run(["plan"], force=["plan"], echo=said.append)  # --force regenerates
     assert yaml.safe_load((pdir / "plan.yaml").read_text())["threshold"] == 0.2
+
+
+@pytest.mark.parametrize("in_features", [576, 1536])  # one block of EXACT_K, and several summed in fp64
+def test_the_int8_matmul_is_the_exact_integer_product(in_features):
+    import torch
+
+    from pipeline.quant import sensitivity as S
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-127, 128, (300, in_features), generator=g, dtype=torch.int8)
+    weight = torch.randn(200, in_features, generator=g)
+    x_scale = torch.tensor(0.5)
+    got = S._int8_matmul((x, x_scale), weight, None, None)(0, 300)
+    w_scale = 127.0 / weight.abs().amax(dim=1)
+    w_int = (weight * w_scale[:, None]).round().clamp(-127, 127).to(torch.int64)
+    want = (x.to(torch.int64) @ w_int.t()).double() / (x_scale.double() * w_scale.double())
+    assert torch.equal(got, want.float()) or torch.allclose(got.double(), want, rtol=1e-6, atol=0)
