@@ -110,14 +110,17 @@ def tune(c, config=None, set=None, work_root=str(WORK_ROOT), verbose=False, resu
 
 @task(iterable=["set"], help={**CONFIG_HELP, "http_port": "HTTP port (default 8000)",
                                "grpc_port": "gRPC port (default 8001)", "metrics_port": "metrics port (default 8002)",
-                               "host": "address to bind (default 127.0.0.1: this machine only)"})
+                               "host": "address to bind (default 127.0.0.1: this machine only)",
+                               "supervise": "restart the server when it stops by itself (its watchdog, a crash), "
+                                            "with backoff, each restart printed with its cause",
+                               "max_restarts": "with --supervise: restarts in a row before giving up (default 5)"})
 def serve(c, config=None, set=None, work_root=str(WORK_ROOT), http_port=8000, grpc_port=8001, metrics_port=8002,
-          host="127.0.0.1"):
+          host="127.0.0.1", supervise=False, max_restarts=5):
     """Run a Triton server on the published repository in the foreground until Ctrl-C; prints the endpoints."""
     commands.setup_logging(False)
     with commands.user_errors():
         commands.serve(config, set or [], Path(work_root), http_port=http_port, grpc_port=grpc_port,
-                        metrics_port=metrics_port, host=host)
+                       metrics_port=metrics_port, host=host, supervise=supervise, max_restarts=int(max_restarts))
 
 
 @task(iterable=["set"], help={

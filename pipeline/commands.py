@@ -113,9 +113,11 @@ def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> P
     return runner.work_dir
 
 
-def serve(config: Optional[str], overrides: Sequence[str], work_root: Path, **ports) -> None:
+def serve(config: Optional[str], overrides: Sequence[str], work_root: Path, supervise: bool = False,
+          max_restarts: int = 5, **ports) -> None:
     runner = open_runner(config, overrides, work_root)
-    serve_published(runner.work_dir, frontend=runner.loaded.config.vllm.frontends[0], **ports)
+    serve_published(runner.work_dir, frontend=runner.loaded.config.vllm.frontends[0], supervise=supervise,
+                    max_restarts=max_restarts, **ports)
 
 
 def tune(config: Optional[str], overrides: Sequence[str], work_root: Path, results: Optional[Path] = None) -> dict:

@@ -463,6 +463,20 @@ class VllmSection(Strict):
 # ---------------------------------------------------------------- triton, bench, image
 
 
+class WatchdogSection(Strict):
+    """The serving model's watchdog (triton_repo/common/llm_watchdog.py; cpu, pytorch and vllm targets: the
+    tensorrt target's C++ backend has none, its liveness probe stands in): past a limit the model turns
+    unready and stops its server, for the orchestrator (or `invoke serve --supervise`) to restart it.
+    0 turns a signal off."""
+
+    # failed requests (the engine raised; bad client input is not counted) in the last minute; 5: the seeds'
+    # "more than 5 CUDA errors a minute"
+    errors_per_minute: int = Field(5, ge=0)
+    # the model process's resident memory growing faster than this over memory_window_s (1 MB/s: the seeds')
+    memory_mb_per_s: float = Field(1.0, ge=0)
+    memory_window_s: int = Field(300, ge=5, le=86400)
+
+
 class TritonSection(Strict):
     model_name: SafeName = "llm"
     instance_count: int = Field(1, ge=1, le=64)
@@ -505,6 +519,7 @@ class TritonSection(Strict):
     # request's priority parameter. None: one class.
     priority_levels: Optional[int] = Field(None, ge=2, le=16)
     default_priority_level: Optional[int] = Field(None, ge=1)
+    watchdog: WatchdogSection = WatchdogSection()
 
     @field_validator("repository_dir")
     @classmethod
@@ -675,6 +690,10 @@ class AlertsSection(Strict):
     gpu_util_percent: float = Field(95, gt=0, le=100)
     mem_copy_util_percent: float = Field(90, gt=0, le=100)
     for_minutes: int = Field(5, ge=1, le=120)  # how long a condition holds before its alert fires
+    # quality of service over the last minute's requests, as the Python-backend serving models export it
+    # (cpu and pytorch targets; triton_repo/common/llm_serving.py): end-to-end P99 / P50, and jitter (std / mean)
+    latency_p99_over_p50: float = Field(3.0, gt=1)
+    latency_jitter: float = Field(0.5, gt=0)
 
 
 class ImageSection(Strict):

@@ -50,6 +50,18 @@ CASES = {
          (f'nv_inference_request_failure{{namespace="ns",pod="{GOOD}",model="m",version="1"}}', "0+0x200"),
          (f'nv_inference_request_success{{namespace="ns",pod="{GOOD}",model="m",version="1"}}', "0+10x200")],
         "15s", "5m", "7m", {"namespace": "ns", "pod": BAD}, ""),
+    "TritonLatencyTail": (  # P99 / P50 of 5 from t=0 (3 is the limit), for 5m; 2 stays healthy
+        [(f'trtllm_pipeline_model_metrics{{namespace="ns",pod="{BAD}",model="llm",version="1",'
+          f'metric_type="latency_p99_over_p50"}}', "5x200"),
+         (f'trtllm_pipeline_model_metrics{{namespace="ns",pod="{GOOD}",model="llm",version="1",'
+          f'metric_type="latency_p99_over_p50"}}', "2x200")],
+        "15s", "4m", "6m", {"namespace": "ns", "pod": BAD}, "5"),
+    "TritonLatencyJitter": (  # jitter 0.8 (limit 0.5) from t=0, for 5m; 0.2 stays healthy
+        [(f'trtllm_pipeline_model_metrics{{namespace="ns",pod="{BAD}",model="llm",version="1",'
+          f'metric_type="latency_jitter"}}', "0.8x200"),
+         (f'trtllm_pipeline_model_metrics{{namespace="ns",pod="{GOOD}",model="llm",version="1",'
+          f'metric_type="latency_jitter"}}', "0.2x200")],
+        "15s", "4m", "6m", {"namespace": "ns", "pod": BAD}, "0.8"),
     "TritonTargetDown": (  # scrapes fail from t=15s: three missed scrapes (45 s) later it fires
         [(f'up{{job="ns/triton",namespace="ns",pod="{BAD}"}}', "1 0x200"),
          (f'up{{job="ns/triton",namespace="ns",pod="{GOOD}"}}', "1x200")],

@@ -74,6 +74,7 @@ def check_serving_wiring(kinds: dict[str, list[dict]], gpus: int | None) -> None
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
     assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    assert c["livenessProbe"]["failureThreshold"] == 3  # the seeds' "restart after 3 missed heartbeats"
     assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     sec = c["securityContext"]
     assert sec["readOnlyRootFilesystem"] and not sec["allowPrivilegeEscalation"] and sec["capabilities"]["drop"] == ["ALL"]
@@ -236,6 +237,41 @@ def _checkov() -> Path:
 
 
 @pytest.mark.e2e
+def dashboard_exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_the_dashboard_has_three_rows_and_promql_that_prometheus_parses(rendered_gpu, tmp_path):
+    """The rendered ConfigMap (Grafana's sidecar label) holds the same dashboard as monitoring/dashboard.json:
+    rows hardware, pipeline, quality of service; every panel's query parses (promtool checks each as a
+    recording rule). That the serving model exports the series it reads is checked on a real server
+    (test_verify.py, the watchdog test)."""
+    import shutil
+
+    from pipeline.release import dashboards
+
+    out, _ = rendered_gpu
+    (cm,) = by_kind(docs_in(out))["ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (text,) = cm["data"].values()
+    board = json.loads(text)
+    assert board == json.loads((out / deploy.DASHBOARD_FILE).read_text())
+    assert [p["title"] for p in board["panels"] if p["type"] == "row"] == ["Hardware", "Inference pipeline",
+                                                                           "Quality of service"]
+    exprs = dashboard_exprs(board)
+    assert len(exprs) >= 15 and all(f'pod=~"triton-{DEFAULT_NAME}-.*"' in e for e in exprs if "DCGM" not in e)
+    assert any("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" in e for e in exprs) and dashboards.OURS in " ".join(exprs)
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("needs promtool (Debian: apt-get install prometheus; scripts/setup-env does it as root)")
+    rules = tmp_path / "dashboard-queries.yml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query{i}", "expr": e} for i, e in enumerate(exprs)]}]}))
+    checked = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
+    assert checked.returncode == 0 and f"SUCCESS: {len(exprs)} rules found" in checked.stdout, \
+        checked.stdout + checked.stderr
+
+
 def test_checkov_finds_nothing_unjustified(rendered_gpu, tmp_path):
     out, _ = rendered_gpu
     exe = _checkov()

@@ -30,6 +30,10 @@ pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
 ENGINE_STAND_IN = b"stand-in for rank0.engine: publish copies it, nothing loads it\n"
 
+# triton.watchdog's defaults, as the Python tensorrt_llm models read them (triton_repo/common/llm_serving.py)
+WATCHDOG_DEFAULTS = {"watchdog_errors_per_minute": "5", "watchdog_memory_mb_per_s": "1.0",
+                     "watchdog_memory_window_s": "300"}
+
 
 def make_build(work: Path, target: str, tokenizer_dir: Path, **overrides) -> Path:
     """<work>/build as the build stage leaves it for ``target``, and <work>/model/hf_model's tokenizer."""
@@ -153,7 +157,7 @@ def test_cpu_repository_configs_parse_back_and_wire_the_ensemble(setup):
     assert llm.backend == "python" and _params(llm) == {"bundle_dir": "cpu_bundle", "cpu_threads": "0",
                                                         "adaptive_batch_target_ms": "0", "max_running": "0",
                                                         "prefill_chunk_tokens": "0", "priority_levels": "0",
-                                                        "default_priority_level": "0"}
+                                                        "default_priority_level": "0", **WATCHDOG_DEFAULTS}
     assert not any(m.dynamic_batching.priority_levels for m in configs.values())
     assert "priority" not in {i.name for m in configs.values() for i in m.input}  # one class: no input for it
     assert _params(configs[names.preprocessing])["max_input_len"] == "64"
@@ -213,7 +217,8 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
         assert not (snap / names.tensorrt_llm / "1" / "model.py").exists()
     else:
         assert llm.backend == "python" and llm.instance_group[0].kind == llm.instance_group[0].KIND_MODEL
-        assert params == {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE}
+        assert params == {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE,
+                          **WATCHDOG_DEFAULTS}
         v1 = snap / names.tensorrt_llm / "1"
         assert (v1 / artifacts.LLM_API_OPTIONS_FILE).read_bytes() == \
             (work / "build" / "llm_api" / artifacts.LLM_API_OPTIONS_FILE).read_bytes()
@@ -265,7 +270,8 @@ def test_a_vllm_repository_serves_one_export_to_triton_and_to_vllms_server(setup
     cpu_io = _io(pub.build_model_configs(config.triton, {**settings, "target": "cpu"}, names, 1,
                                          "/models")[names.tensorrt_llm])
     assert _io(llm) == cpu_io and llm.backend == "python"
-    assert _params(llm) == {"model_dir": artifacts.VLLM_MODEL_DIR, "priority_levels": "0", "default_priority_level": "0"}
+    assert _params(llm) == {"model_dir": artifacts.VLLM_MODEL_DIR, "priority_levels": "0", "default_priority_level": "0",
+                            **WATCHDOG_DEFAULTS}
     v1 = snap / names.tensorrt_llm / "1"
     assert (v1 / "model.py").read_text() == (pub.TRITON_SOURCE / "tensorrt_llm_vllm" / "model.py").read_text()
     assert "import vllm" not in (v1 / "model.py").read_text().split("class ")[0]  # imported when the model loads

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -461,6 +462,100 @@ def test_a_real_prometheus_fires_the_queue_alert_under_overload_and_the_target_a
             assert any(s.get("TritonTargetDown") == "pending" for s in seen), seen
         finally:
             stop_process_group(prom, "prometheus")
+
+
+def _wait_ready(http_url: str, want: bool, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (_status_of(f"http://{http_url}/v2/health/ready") == 200) != want:
+        assert time.monotonic() < deadline, f"the server's readiness did not become {want} in {timeout_s} s"
+        time.sleep(0.2)
+
+
+def _outcome(http_url: str) -> str:
+    """A request's end, never a silent one: "ok: <text>", "http <status>" or "refused: <error>"."""
+    try:
+        return "ok: " + _generate(http_url, "llm")["text_output"]
+    except urllib.error.HTTPError as e:
+        return f"http {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        return f"refused: {e}"
+
+
+def test_the_watchdog_stops_a_failing_and_a_leaking_server_and_the_supervisor_restarts_it(tiny, tmp_path):
+    """`invoke serve --supervise` on a build published with triton.watchdog limits (2 failed requests a minute;
+    5 MB/s over 5 s), the test-only fault switch pointed at a file. Armed with "raise", requests fail (counted
+    on the metrics endpoint); the third turns the server unready and stops it; the supervisor restarts it and
+    it answers as before. Armed with "leak 60", the memory limit does the same. Every request sent meanwhile
+    ends: answered right, or failed with an error."""
+    sys.path.insert(0, str(REPO / "triton_repo" / "common"))
+    from llm_watchdog import FAULT_ENV
+    from test_deploy import dashboard_exprs
+
+    from pipeline.release import dashboards
+
+    cfg, work_root, _, _ = tiny
+    sets = ["triton.watchdog.errors_per_minute=2", "triton.watchdog.memory_mb_per_s=5",
+            "triton.watchdog.memory_window_s=5"]
+    _run(cfg, work_root, "publish", *sets)
+    fault = tmp_path / "fault"
+    ports = [free_port() for _ in range(3)]
+    http = f"127.0.0.1:{ports[0]}"
+    cmd = [sys.executable, "-m", "invoke", "serve", "--supervise", "--max-restarts", "2", "--config", str(cfg),
+           "--work-root", str(work_root), "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
+           "--metrics-port", str(ports[2])]
+    for s in TINY_SETS + sets:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, FAULT_ENV: str(fault)})
+    try:
+        read_until(proc, "Ctrl-C stops the server", 300)
+        want = _outcome(http)
+        assert want.startswith("ok: "), want
+        metrics = f"http://127.0.0.1:{ports[2]}/metrics"
+        family = "trtllm_pipeline_model_metrics"
+        assert metric(metrics, family, "metric_type", "padding_factor") >= 0
+        assert 0 <= metric(metrics, family, "metric_type", "kv_fragmentation") < 1
+        time.sleep(1.0)
+        assert metric(metrics, family, "metric_type", "latency_p99_ms") > 0  # the request above
+        # every series the dashboard reads from Triton and the serving model is on the real endpoint
+        exported = urllib.request.urlopen(metrics, timeout=10).read().decode()
+        for expr in dashboard_exprs(dashboards.dashboard("tiny")):
+            for name in re.findall(r"\b(nv_[a-z_]+|trtllm_pipeline_[a-z_]+)\{", expr):
+                assert f"\n{name}{{" in exported, (name, expr)
+            for value in re.findall(r'metric_type="([a-z0-9_]+)"', expr):
+                assert f'metric_type="{value}"' in exported, (value, expr)
+
+        fault.write_text("raise")
+        time.sleep(2.5)  # the model reads the switch every second
+        # an error status (the ensemble's /generate answers the model's INTERNAL error with 400 on Triton 2.51)
+        failed = [_outcome(http) for _ in range(2)]
+        assert all(o.startswith("http 4") or o.startswith("http 5") for o in failed), failed
+        time.sleep(1.0)  # the gauges are refreshed every 0.5 s
+        assert metric(metrics, family, "metric_type", "failed_requests_last_minute") == 2
+        assert _outcome(http).startswith("http ")  # the third: over the limit
+        fault.unlink()
+        _wait_ready(http, False, 30)
+        during = [_outcome(http) for _ in range(3)]
+        said = read_until(proc, "ready again", 300)
+        assert any("requests failed in the last minute (limit 2)" in line and "restart 1 of 2" in line
+                   for line in said), said
+        assert _outcome(http) == want
+        assert all(o == want or not o.startswith("ok") for o in during), during
+
+        fault.write_text("leak 60")
+        _wait_ready(http, False, 60)
+        fault.unlink()
+        said = read_until(proc, "ready again", 300)
+        assert any("resident memory grew" in line and "restart 2 of 2" in line for line in said), said
+        assert _outcome(http) == want
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+        assert proc.returncode == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not _leftovers(proc.pid)
 
 
 @pytest.mark.e2e

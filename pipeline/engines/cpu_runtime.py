@@ -346,7 +346,10 @@ class CpuRuntime:
         self._closed = False
         self._next_id = 0
         # forwards: prefill (whole prompts), decode, packed (chunked prefill: decode tokens and a prompt chunk)
-        self.steps = {"prefill": 0, "prefill_chunks": 0, "decode": 0, "decode_sequences": 0, "packed": 0}
+        # decode_computed / decode_real: key positions a decode step's attention computed (every sequence padded to
+        # the batch's longest) and those that are real; packed steps pad nothing
+        self.steps = {"prefill": 0, "prefill_chunks": 0, "decode": 0, "decode_sequences": 0, "packed": 0,
+                      "decode_computed": 0, "decode_real": 0}
         self._thread = threading.Thread(target=self._loop, name="cpu-runtime-scheduler", daemon=True)
         self._thread.start()
 
@@ -416,15 +419,22 @@ class CpuRuntime:
             self._lock.notify()
         return req
 
-    def stats(self) -> dict[str, int]:
-        """The KV pool and the request queue now, in the vocabulary of the tensorrtllm backend's metrics."""
+    def stats(self) -> dict:
+        """The KV pool and the request queue now, in the vocabulary of the tensorrtllm backend's metrics; and
+        what it lacks: ``kv_fragmentation`` (the share of the held blocks' token slots that hold no token) and
+        the decode steps' attention positions computed and real so far (their ratio: the padding factor)."""
         with self._lock:
             free, waiting = self.pool.free_blocks, len(self._waiting)
-            running = len(self._prefilling) + len(self._running)
+            seqs = self._prefilling + self._running
+            slots = sum(len(s.blocks) for s in seqs) * self.pool.tokens_per_block
+            held = sum(min(s.cached, len(s.blocks) * self.pool.tokens_per_block) for s in seqs)
+            computed, real = self.steps["decode_computed"], self.steps["decode_real"]
         return {"kv_max_blocks": self.pool.num_blocks, "kv_free_blocks": free,
                 "kv_used_blocks": self.pool.num_blocks - free, "kv_tokens_per_block": self.pool.tokens_per_block,
-                "requests_active": waiting + running, "requests_scheduled": running, "requests_waiting": waiting,
-                "requests_max": self.max_running, "batch_limit": self._batch_limit()}
+                "requests_active": waiting + len(seqs), "requests_scheduled": len(seqs), "requests_waiting": waiting,
+                "requests_max": self.max_running, "batch_limit": self._batch_limit(),
+                "kv_fragmentation": 1 - held / slots if slots else 0.0,
+                "decode_computed_tokens": computed, "decode_real_tokens": real}
 
     def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> list[int]:
         return self.submit(prompt_ids, params).result()
@@ -611,6 +621,8 @@ class CpuRuntime:
                          cache_position=positions[0], logits_to_keep=1)
         self.steps["decode"] += 1
         self.steps["decode_sequences"] += len(seqs)
+        self.steps["decode_computed"] += len(seqs) * longest
+        self.steps["decode_real"] += sum(s.cached + 1 for s in seqs)
         for i, s in enumerate(seqs):
             s.cached += 1
             self._accept(s, out.logits[i, -1])

@@ -6,6 +6,9 @@ Every expression reads a series a real exporter writes, named where it is define
   ``_failure``: Triton's metrics documentation), and the tensorrtllm backend's families the cpu target's
   models export too (``nv_trt_llm_request_metrics{request_type="waiting"}``,
   ``nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used"|"max"}``: triton_repo/common/llm_serving.py);
+- ``trtllm_pipeline_model_metrics{metric_type="latency_p99_over_p50"|"latency_jitter"}``: the Python-backend serving
+  models' quality-of-service gauges over the last minute's requests (triton_repo/common/llm_serving.py; cpu and
+  pytorch targets: the tensorrt target's C++ backend exports none, so those two rules stay silent there);
 - ``up`` (Prometheus itself: 0 when a scrape fails; the PodMonitor scrapes every ``SCRAPE_INTERVAL_S``);
 - ``kube_pod_container_status_restarts_total`` (kube-state-metrics);
 - NVIDIA dcgm-exporter's default counters (etc/default-counters.csv at commit 00d6d344ea4a):
@@ -47,6 +50,7 @@ def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[
                f'request_type=~"|waiting",{pods}}})')
     kv = 'nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="{}",' + pods + '}}'
     failed = f"sum by (namespace, pod) (rate(nv_inference_request_failure{{{pods}}}[5m]))"
+    qos = 'max by (namespace, pod) (trtllm_pipeline_model_metrics{{metric_type="{}",' + pods + '}})'
     answered = f"sum by (namespace, pod) (rate(nv_inference_request_success{{{pods}}}[5m]))"
     out = [
         _rule("TritonQueueBacklog", f"{waiting} > {section.queue_waiting}", hold, "warning",
@@ -64,6 +68,16 @@ def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[
               f"Over {section.error_ratio:.0%} of requests to {{{{ $labels.pod }}}} failed for {hold}.",
               "Read the pod's log (bad client input is a 4xx, not a failure here); a model that fails every "
               "request is restarted by its watchdog / liveness probe."),
+        _rule("TritonLatencyTail", f"{qos.format('latency_p99_over_p50')} > {section.latency_p99_over_p50}", hold,
+              "warning", f"End-to-end P99 over P50 in {{{{ $labels.pod }}}} has been above "
+              f"{section.latency_p99_over_p50:g} for {hold} (now {{{{ $value }}}}).",
+              "A few requests wait far longer than most: long prompts prefilled whole (set triton.prefill_chunk_tokens), "
+              "a batch limit too high for the SLA (`invoke tune`), or one class starving another (priority_levels)."),
+        _rule("TritonLatencyJitter", f"{qos.format('latency_jitter')} > {section.latency_jitter}", hold, "warning",
+              f"End-to-end latency jitter (std / mean) in {{{{ $labels.pod }}}} has been above "
+              f"{section.latency_jitter:g} for {hold} (now {{{{ $value }}}}).",
+              "Latency is unpredictable: mixed prompt and output lengths under load; see TritonLatencyTail's runbook, "
+              "and compare the token-gap jitter on the dashboard (high: decode steps stall)."),
     ]
     return out + _pod_rules(section, name, "Triton") + _gpu_rules(section)
 

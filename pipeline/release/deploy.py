@@ -18,6 +18,7 @@ DCGM exporter's on GPUs and the CPU's with ``vllm.device: cpu``. Its alert rules
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 from typing import Callable, Sequence
@@ -28,7 +29,7 @@ from pipeline import constants
 from pipeline.config import PipelineConfig
 from pipeline.errors import ConfigError, InputError
 from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
-from pipeline.release import alerts
+from pipeline.release import alerts, dashboards
 from pipeline.runner import Runner, WorkDirLock
 
 DEPLOY_DIR = constants.REPO_ROOT / "deploy"
@@ -39,6 +40,8 @@ JOBS_SHARED = ("engine-builds-pvc.yaml", "networkpolicy.yaml")  # rendered once,
 RENDERED_DIR = "deploy"  # inside the config's work dir
 ALERTS_RESOURCE = "prometheusrule.yaml"  # the Prometheus Operator's resource, among the serving manifests
 ALERTS_RULE_FILE = "monitoring/alert-rules.yml"  # the same rules as a plain rules file (not a resource)
+DASHBOARD_RESOURCE = "grafana-dashboard.yaml"  # a ConfigMap for Grafana's dashboard sidecar (Triton-served builds)
+DASHBOARD_FILE = "monitoring/dashboard.json"  # the same dashboard, to import by hand
 BASE_NAME = "triton-llm"  # the name every base resource carries; rendering replaces it
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 ANNOTATION_PREFIX = "trtllm-pipeline/"
@@ -164,6 +167,8 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
         out[file_name] = doc
     labels = out["deployment.yaml"]["metadata"].get("labels") or {}
     out[ALERTS_RESOURCE] = alerts.prometheus_rule(cfg.alerts, name, labels, *alert_engine(cfg, pub.target))
+    if alert_engine(cfg, pub.target)[0] == "triton":
+        out[DASHBOARD_RESOURCE] = dashboards.config_map(name, labels)
     return out
 
 
@@ -276,7 +281,10 @@ def write_rendered(out_dir: Path, serving: dict[str, dict], jobs: dict[str, dict
                           _kustomization(list(jobs), f"{header}. Engine builds: kubectl apply -k <this folder>"))
     for rel, doc in (plain or {}).items():
         (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-        dump(staging / rel, doc)
+        if rel.endswith(".json"):
+            atomic_write_text(staging / rel, json.dumps(doc, indent=1) + "\n")
+        else:
+            dump(staging / rel, doc)
     replace_dir(staging, out_dir)
     return out_dir
 
@@ -307,11 +315,15 @@ def render_manifests(runner: Runner, overrides: Sequence[str], gpu_types: Sequen
         if ALERTS_RESOURCE in serving:
             plain[ALERTS_RULE_FILE] = alerts.rule_file(cfg.alerts, serving[ALERTS_RESOURCE]["metadata"]["name"],
                                                        *alert_engine(cfg, pub.target))
+        if DASHBOARD_RESOURCE in serving:
+            plain[DASHBOARD_FILE] = dashboards.dashboard(serving[ALERTS_RESOURCE]["metadata"]["name"])
         out = write_rendered(runner.work_dir / RENDERED_DIR, serving, jobs, header, plain)
     echo(f"image: {image_ref}")
     echo(f"manifests: {out} (kubectl apply -k {out})")
     if ALERTS_RESOURCE in serving:
         echo(f"alert rules: {out / ALERTS_RESOURCE} (PrometheusRule), {out / ALERTS_RULE_FILE} (plain rules file)")
+    if DASHBOARD_RESOURCE in serving:
+        echo(f"dashboard: {out / DASHBOARD_RESOURCE} (ConfigMap for Grafana's sidecar), {out / DASHBOARD_FILE}")
     if jobs:
         echo(f"engine-build Jobs: {out / 'jobs'} ({len(jobs) - len(JOBS_SHARED)} job(s); kubectl apply -k {out / 'jobs'})")
     elif cfg.build.target not in ("cpu", "vllm"):

@@ -187,6 +187,13 @@ def _priority_params(triton) -> dict:
             "default_priority_level": triton.default_priority_level or triton.priority_levels or 0}
 
 
+def _watchdog_params(triton) -> dict:
+    """The serving model's watchdog limits (triton_repo/common/llm_watchdog.py; 0: that signal off)."""
+    w = triton.watchdog
+    return {"watchdog_errors_per_minute": w.errors_per_minute, "watchdog_memory_mb_per_s": w.memory_mb_per_s,
+            "watchdog_memory_window_s": w.memory_window_s}
+
+
 def _llm_io(msg, triton, reshape: bool = True, streaming: bool = True) -> None:
     """The tensorrtllm backend's inputs/outputs; the Python variants take exactly these too."""
     scalar = dict(reshape=[]) if reshape else {}
@@ -265,15 +272,17 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
         })
         _instances(llm, 1)  # the backend drives the GPUs itself; one instance batches every request
     elif target == "pytorch":
-        _params(llm, {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE})
+        _params(llm, {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE,
+                      **_watchdog_params(triton)})
         _instances(llm, 1, "KIND_MODEL")  # the LLM API places itself on the GPUs
     elif target == "vllm":
-        _params(llm, {"model_dir": artifacts.VLLM_MODEL_DIR, **_priority_params(triton)})
+        _params(llm, {"model_dir": artifacts.VLLM_MODEL_DIR, **_priority_params(triton), **_watchdog_params(triton)})
         _instances(llm, 1, "KIND_MODEL")  # one engine batches every request and places itself on its devices
     else:
         _params(llm, {"bundle_dir": artifacts.ARTIFACT_DIRS["cpu"], "cpu_threads": triton.cpu_threads,
                       "adaptive_batch_target_ms": adaptive_target_ms or 0, "max_running": triton.max_running or 0,
-                      "prefill_chunk_tokens": triton.prefill_chunk_tokens or 0, **_priority_params(triton)})
+                      "prefill_chunk_tokens": triton.prefill_chunk_tokens or 0, **_priority_params(triton),
+                      **_watchdog_params(triton)})
         _instances(llm, 1)  # one runtime batches every request (continuous batching); copies would not share
     out[llm.name] = llm
 

@@ -497,10 +497,21 @@ def server_for_target(target: str, repository: Path, frontend: Optional[str] = N
 # ---------------------------------------------------------------- invoke serve
 
 
+SUPERVISE_RESTARTS = 5  # `invoke serve --supervise`: restarts in a row before it gives up
+BACKOFF_S, BACKOFF_MAX_S = 1.0, 60.0  # the wait before restart k is BACKOFF_S * 2**(k - 1), at most BACKOFF_MAX_S
+STABLE_S = 300.0  # a server that ran this long before it stopped starts the count of restarts afresh
+WATCHDOG_MARK = "trtllm-pipeline watchdog:"  # triton_repo/common/llm_watchdog.py MARK: the line that says why
+
+
 def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                    host: str = LOOPBACK, echo=print, frontend: Optional[str] = None) -> None:
+                    host: str = LOOPBACK, echo=print, frontend: Optional[str] = None, supervise: bool = False,
+                    max_restarts: int = SUPERVISE_RESTARTS) -> None:
     """Run a server on the work dir's published repository in the foreground until Ctrl-C (or SIGTERM).
-    ``frontend``: which server a vllm build gets (``vllm.frontends``' first: "openai" or "triton")."""
+    ``frontend``: which server a vllm build gets (``vllm.frontends``' first: "openai" or "triton").
+
+    ``supervise``: a server that stops by itself (its model's watchdog stopped it, or it crashed), or fails to
+    start again, is started again on the same ports after a backoff (1, 2, 4 ... s), each restart echoed with
+    its cause; after ``max_restarts`` in a row (a server that ran STABLE_S resets the count) it gives up."""
     from pipeline.serving.publish import model_names
 
     repo = artifacts.published_repository(work_dir)
@@ -514,17 +525,54 @@ def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001
     openai = target == "vllm" and (frontend or "openai") == "openai"
     log_path = work_dir / "logs" / ("vllm-serve.log" if openai else "tritonserver-serve.log")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    restarts = 0
     try:
-        with server_for_target(target, repo, frontend=frontend, http_port=http_port, grpc_port=grpc_port,
-                               metrics_port=metrics_port, host=host, log_path=log_path) as server:
-            echo(serve_banner(server, names.ensemble, names.stream if (repo / names.stream).is_dir() else None,
-                              prov, repo, log_path))
-            while server.is_alive():
-                time.sleep(0.5)
-            raise StageFailed(f"the server stopped by itself. Last lines of its log {log_path}:\n"
-                              f"{log_tail(log_path)}")
+        while True:
+            started = time.monotonic()
+            offset = log_path.stat().st_size if log_path.is_file() else 0
+            try:
+                with server_for_target(target, repo, frontend=frontend, http_port=http_port, grpc_port=grpc_port,
+                                       metrics_port=metrics_port, host=host, log_path=log_path) as server:
+                    if restarts == 0:
+                        echo(serve_banner(server, names.ensemble,
+                                          names.stream if (repo / names.stream).is_dir() else None, prov, repo,
+                                          log_path))
+                    else:
+                        echo(f"serve: restarted (pid {server.pid}); ready again")
+                    while server.is_alive():
+                        time.sleep(0.5)
+                    code = server.process.poll() if server.process else None
+                cause = stop_cause(log_path, offset) or f"the server exited with code {code}"
+            except StageFailed as e:
+                if not supervise or restarts == 0:
+                    raise
+                cause = f"it did not start again: {str(e).splitlines()[0]}"
+            if not supervise:
+                raise StageFailed(f"the server stopped by itself ({cause}). Last lines of its log {log_path}:\n"
+                                  f"{log_tail(log_path)}")
+            if time.monotonic() - started >= STABLE_S:
+                restarts = 0
+            if restarts >= max_restarts:
+                raise StageFailed(f"the server stopped {restarts + 1} times in a row, the last time because "
+                                  f"{cause}; giving up. Its log: {log_path}")
+            restarts += 1
+            delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (restarts - 1))
+            echo(f"serve: the server stopped ({cause}); restart {restarts} of {max_restarts} in {delay:.0f} s")
+            time.sleep(delay)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def stop_cause(log_path: Path, offset: int = 0) -> Optional[str]:
+    """Why the server stopped, where its model's watchdog said so in the log (after byte ``offset``)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    lines = [line for line in text.splitlines() if WATCHDOG_MARK in line]
+    return "watchdog: " + lines[-1].split(WATCHDOG_MARK, 1)[1].strip() if lines else None
 
 
 def _raise_interrupt(signum, frame):  # SIGTERM: leave the with block (stopping the server) like Ctrl-C

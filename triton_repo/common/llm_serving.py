@@ -16,6 +16,11 @@ sender, so one model instance serves many sequences at once (the engine batches 
 response with all tokens. Streaming (decoupled models only): one response per generated token, then an
 empty final flag. A stop word ends the sequence with the word included (as TensorRT-LLM does); a request
 the client cancelled stops the sequence.
+
+Each model runs a watchdog (llm_watchdog.py; parameters ``watchdog_errors_per_minute``, ``watchdog_memory_mb_per_s``,
+``watchdog_memory_window_s``): failing requests or leaking memory stop the server so that it is restarted.
+Besides the tensorrtllm backend's families it exports the figures the backend lacks in one family of its own
+(``PIPELINE_FAMILY``; see PIPELINE_VALUES).
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import llm_io
+import llm_watchdog as watchdog
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
-import llm_io
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_S = 0.5  # how often the gauges are refreshed from the engine
@@ -41,6 +46,18 @@ KV_VALUES = {"max": "kv_max_blocks", "free": "kv_free_blocks", "used": "kv_used_
 REQUEST_FAMILY, REQUEST_LABEL = "nv_trt_llm_request_metrics", "request_type"
 REQUEST_VALUES = {"active": "requests_active", "scheduled": "requests_scheduled", "waiting": "requests_waiting",
                   "max": "requests_max"}
+# What the backend does not export, in one family of ours, one label value a figure:
+# kv_fragmentation: the share of the used KV blocks' token slots that hold no token (partly filled last blocks);
+# padding_factor: decode-step tokens computed / tokens that are real (sequences padded to the batch's longest),
+#   over the last METRICS_S (1: no padding; 0: no decode step then);
+# failed_requests_last_minute, resident_memory_bytes, resident_memory_growth_bytes_per_s (over the watchdog's
+#   window; 0 until it is full), watchdog_tripped (1 once the watchdog has stopped the server);
+# quality of service over the requests answered in the last minute (llm_watchdog.LatencyWindow): latency_p50_ms,
+#   latency_p99_ms, latency_p99_over_p50, latency_jitter (std / mean), token_gap_jitter.
+PIPELINE_FAMILY, PIPELINE_LABEL = "trtllm_pipeline_model_metrics", "metric_type"
+PIPELINE_VALUES = ("kv_fragmentation", "padding_factor", "failed_requests_last_minute", "resident_memory_bytes",
+                   "resident_memory_growth_bytes_per_s", "watchdog_tripped", "latency_p50_ms", "latency_p99_ms",
+                   "latency_p99_over_p50", "latency_jitter", "token_gap_jitter")
 
 
 class BadRequest(ValueError):
@@ -84,8 +101,17 @@ class GenerationModel:
         self.load(Path(args["model_repository"]) / args["model_version"], self.params)
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
-        if self.stats() is not None:
-            self._start_metrics(args["model_name"], args["model_version"])
+        name = args["model_name"]
+        self.watchdog = watchdog.Watchdog(
+            errors_per_minute=int(self.params.get("watchdog_errors_per_minute") or 0),
+            memory_mb_per_s=float(self.params.get("watchdog_memory_mb_per_s") or 0),
+            memory_window_s=float(self.params.get("watchdog_memory_window_s") or 300),
+            on_trip=lambda cause: watchdog.stop_server(name, cause))
+        self.faults = watchdog.Faults()
+        self.latency = watchdog.LatencyWindow()
+        self._memory_growth = 0.0
+        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+        self._start_metrics(name, args["model_version"])
 
     def load(self, version_dir, params: dict) -> None:
         raise NotImplementedError
@@ -94,14 +120,24 @@ class GenerationModel:
         """The engine's KV-pool and queue figures (see KV_VALUES, REQUEST_VALUES); None: it has none to give."""
         return None
 
+    def _watch(self) -> None:
+        """The watchdog's memory samples, and the test-only fault switch, every watchdog.SAMPLE_S."""
+        while True:
+            self.faults.poll()
+            self.faults.leak(watchdog.SAMPLE_S)
+            self._memory_growth = self.watchdog.sample() or 0.0
+            time.sleep(watchdog.SAMPLE_S)
+
     def _start_metrics(self, model: str, version: str) -> None:
-        """Gauges in the tensorrtllm backend's families, on Triton's metrics endpoint, refreshed every METRICS_S."""
+        """Gauges on Triton's metrics endpoint, refreshed every METRICS_S: the tensorrtllm backend's families
+        (where the engine has figures: ``stats()``) and ours (PIPELINE_FAMILY)."""
         labels = {"model": model, "version": str(version)}
-        gauges = {}
+        gauges, ours = {}, {}
         fraction = None
         self._metric_families = []  # a family must outlive its metrics: the model holds them
-        for family, label, values, text in ((KV_FAMILY, KV_LABEL, KV_VALUES, "KV cache block metrics"),
-                                            (REQUEST_FAMILY, REQUEST_LABEL, REQUEST_VALUES, "request metrics")):
+        engine_families = ((KV_FAMILY, KV_LABEL, KV_VALUES, "KV cache block metrics"),
+                           (REQUEST_FAMILY, REQUEST_LABEL, REQUEST_VALUES, "request metrics"))
+        for family, label, values, text in engine_families if self.stats() is not None else ():
             fam = pb_utils.MetricFamily(name=family, description=f"{text} (the tensorrtllm backend's names)",
                                         kind=pb_utils.MetricFamily.GAUGE)
             self._metric_families.append(fam)
@@ -109,8 +145,15 @@ class GenerationModel:
                 gauges[key] = fam.Metric(labels={label: value, **labels})
             if family == KV_FAMILY:
                 fraction = fam.Metric(labels={KV_LABEL: "fraction", **labels})
+        fam = pb_utils.MetricFamily(name=PIPELINE_FAMILY, description="serving figures the tensorrtllm backend "
+                                    "does not export (triton_repo/common/llm_serving.py)",
+                                    kind=pb_utils.MetricFamily.GAUGE)
+        self._metric_families.append(fam)
+        for value in PIPELINE_VALUES:
+            ours[value] = fam.Metric(labels={PIPELINE_LABEL: value, **labels})
 
         def refresh() -> None:
+            before = (0, 0)
             while True:
                 figures = self.stats() or {}
                 for key, gauge in gauges.items():
@@ -118,6 +161,16 @@ class GenerationModel:
                 used, most = figures.get("kv_used_blocks", 0), figures.get("kv_max_blocks", 0)
                 if fraction is not None:
                     fraction.set(used / most if most else 0.0)
+                computed, real = figures.get("decode_computed_tokens", 0), figures.get("decode_real_tokens", 0)
+                ours["padding_factor"].set((computed - before[0]) / (real - before[1]) if real > before[1] else 0.0)
+                before = (computed, real)
+                ours["kv_fragmentation"].set(float(figures.get("kv_fragmentation", 0.0)))
+                ours["failed_requests_last_minute"].set(float(self.watchdog.errors_last_minute()))
+                ours["resident_memory_bytes"].set(float(watchdog.resident_bytes()))
+                ours["resident_memory_growth_bytes_per_s"].set(self._memory_growth * 1e6)
+                ours["watchdog_tripped"].set(1.0 if self.watchdog.tripped else 0.0)
+                for key, value in self.latency.figures().items():
+                    ours[key].set(value)
                 time.sleep(METRICS_S)
 
         threading.Thread(target=refresh, name="metrics", daemon=True).start()
@@ -130,17 +183,24 @@ class GenerationModel:
 
     def execute(self, requests):
         for request in requests:
+            arrived = time.monotonic()
             sender = request.get_response_sender()
+            if self.watchdog.tripped:
+                sender.send(_error(f"the model is not ready: its watchdog stopped the server "
+                                   f"({self.watchdog.tripped}); retry once it is restarted",
+                                   pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+                continue
             try:
                 job = self._parse(request)
-                handle = self.submit(job)
+                handle = _FaultyHandle() if self.faults.raising else self.submit(job)
             except (BadRequest, ValueError) as e:  # the engines' input errors are ValueErrors too
                 sender.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
                 continue
             except Exception as e:  # noqa: BLE001 - answered, logged by the server
                 sender.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+                self.watchdog.error()
                 continue
-            t = threading.Thread(target=self._respond, args=(request, sender, handle, job), daemon=True)
+            t = threading.Thread(target=self._respond, args=(request, sender, handle, job, arrived), daemon=True)
             with self._lock:
                 self._threads.add(t)
             t.start()
@@ -190,11 +250,13 @@ class GenerationModel:
                              f"level {default})")
         return int(level) or default
 
-    def _respond(self, request, sender, handle: Handle, job: Job) -> None:
+    def _respond(self, request, sender, handle: Handle, job: Job, arrived: float) -> None:
         tokens: list[int] = []
+        times: list[float] = []
         try:
             for token in handle.stream():
                 tokens.append(token)
+                times.append(time.monotonic())
                 if job.streaming:
                     sender.send(_tokens([token]))
                 if llm_io.ends_with_any(tokens, job.stop_words) or request.is_cancelled():
@@ -204,12 +266,25 @@ class GenerationModel:
                 sender.send(flags=FINAL)
             else:
                 sender.send(_tokens(tokens), flags=FINAL)
+            if times:
+                self.latency.add(times[-1] - arrived, [b - a for a, b in zip(times, times[1:])])
         except Exception as e:  # noqa: BLE001 - the request gets the error; the model keeps serving
             handle.cancel()
             sender.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+            self.watchdog.error()
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
+
+
+class _FaultyHandle(Handle):
+    """What a request gets while the test-only fault switch says ``raise`` (llm_watchdog.Faults)."""
+
+    def stream(self) -> Iterator[int]:
+        raise RuntimeError(f"injected fault ({watchdog.FAULT_ENV})")
+
+    def cancel(self) -> None:
+        pass
 
 
 def _tokens(ids: list[int]):

@@ -1,0 +1,133 @@
+"""A Grafana dashboard for a served build, in three rows: hardware, the inference pipeline, quality of service.
+
+`invoke deploy-manifests` writes it as a ConfigMap labelled ``grafana_dashboard: "1"`` (the label Grafana's
+dashboard sidecar, as kube-prometheus-stack runs it, loads dashboards from) and as plain JSON to import by hand.
+Every panel reads a series a real exporter writes (the same sources as pipeline/release/alerts.py):
+
+- hardware: NVIDIA dcgm-exporter's default counters (etc/default-counters.csv at commit 00d6d344ea4a):
+  ``DCGM_FI_DEV_GPU_UTIL``, ``DCGM_FI_DEV_MEM_COPY_UTIL`` (percent), ``DCGM_FI_DEV_FB_USED`` (MiB),
+  ``DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL`` (a counter); the serving model's resident memory and its KV pool's
+  fragmentation (``trtllm_pipeline_model_metrics``, triton_repo/common/llm_serving.py);
+- pipeline: Triton's per-model counters (``nv_inference_queue_duration_us``, ``nv_inference_compute_infer_duration_us``,
+  ``nv_inference_request_success``, ``nv_inference_count``, ``nv_inference_exec_count``: the stage time split
+  over preprocessing, the LLM and postprocessing, and requests per execution), the tensorrtllm backend's
+  request and KV-cache families, and the padding factor;
+- quality of service: end-to-end P50 / P99, P99 / P50, jitter and token-gap jitter over the last minute,
+  failed requests, the scrape heartbeat (``up``), watchdog stops and pod restarts.
+
+The vllm target's OpenAI server exports vLLM's own series instead: its dashboard is vLLM's (its repository's
+examples), not this one.
+"""
+
+from __future__ import annotations
+
+import json
+
+DASHBOARD_LABEL = {"grafana_dashboard": "1"}  # the Grafana sidecar's default label
+SCHEMA_VERSION = 39
+OURS = "trtllm_pipeline_model_metrics"
+
+
+def _panel(title: str, exprs: dict[str, str], unit: str, x: int, y: int, description: str) -> dict:
+    return {"type": "timeseries", "title": title, "description": description,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"x": x, "y": y, "w": 8, "h": 8},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "targets": [{"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend}
+                        for i, (legend, expr) in enumerate(exprs.items())]}
+
+
+def _row(title: str, y: int) -> dict:
+    return {"type": "row", "title": title, "collapsed": False, "gridPos": {"x": 0, "y": y, "w": 24, "h": 1},
+            "panels": []}
+
+
+def dashboard(name: str) -> dict:
+    """The dashboard for release ``name`` (its pods are ``<name>-...``); panels by row, three to a line."""
+    pods = f'pod=~"{name}-.*"'
+    ours = OURS + '{{metric_type="{}",' + pods + "}}"
+    per_model = "sum by (model) (rate({}{{" + pods + "}}[5m]))"
+    rows = {
+        "Hardware": [
+            ("GPU utilisation", {"{{Hostname}} GPU {{gpu}}": "avg by (Hostname, gpu) (DCGM_FI_DEV_GPU_UTIL)"},
+             "percent", "DCGM: the share of time a kernel ran"),
+            ("GPU memory-copy load", {"{{Hostname}} GPU {{gpu}}": "avg by (Hostname, gpu) (DCGM_FI_DEV_MEM_COPY_UTIL)"},
+             "percent", "DCGM: the share of time the memory was read or written (decode is memory-bound)"),
+            ("NVLink traffic", {"{{Hostname}} GPU {{gpu}}":
+                                "sum by (Hostname, gpu) (rate(DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL[5m]))"},
+             "short", "DCGM: NVLink bandwidth counters over all lanes, per second (tensor-parallel traffic)"),
+            ("GPU memory used", {"{{Hostname}} GPU {{gpu}}": "max by (Hostname, gpu) (DCGM_FI_DEV_FB_USED)"},
+             "decmbytes", "DCGM: framebuffer used (MiB): weights, KV cache, activations"),
+            ("Model process memory", {"{{pod}}": f"max by (pod) ({ours.format('resident_memory_bytes')})",
+                                      "{{pod}} growth / s": f"max by (pod) "
+                                                            f"({ours.format('resident_memory_growth_bytes_per_s')})"},
+             "bytes", "The serving model's resident memory and its growth over the watchdog's window (a leak)"),
+            ("KV-pool fragmentation", {"{{pod}}": f"max by (pod) ({ours.format('kv_fragmentation')})"},
+             "percentunit", "The share of the used KV blocks' token slots that hold no token"),
+        ],
+        "Inference pipeline": [
+            ("Compute time per request, by stage",
+             {"{{model}}": f"{per_model.format('nv_inference_compute_infer_duration_us')} / "
+                           f"{per_model.format('nv_inference_request_success')} / 1000"},
+             "ms", "Triton: each model's compute time per request (preprocessing, LLM, postprocessing)"),
+            ("Queue time per request, by stage",
+             {"{{model}}": f"{per_model.format('nv_inference_queue_duration_us')} / "
+                           f"{per_model.format('nv_inference_request_success')} / 1000"},
+             "ms", "Triton: time each model's requests waited in its scheduler queue"),
+            ("Requests per execution", {"{{model}}": f"{per_model.format('nv_inference_count')} / "
+                                                     f"{per_model.format('nv_inference_exec_count')}"},
+             "short", "Triton: inferences per model execution (the effective batch size of each stage)"),
+            ("LLM requests", {"{{request_type}}": f'sum by (request_type) (nv_trt_llm_request_metrics{{{pods},'
+                                                 f'request_type=~"active|scheduled|waiting"}})'},
+             "short", "The batch manager's requests: active, scheduled (running) and waiting"),
+            ("KV cache used", {"{{pod}}": f'sum by (pod) (nv_trt_llm_kv_cache_block_metrics{{{pods},'
+                                          f'kv_cache_block_type="used"}}) / sum by (pod) '
+                                          f'(nv_trt_llm_kv_cache_block_metrics{{{pods},kv_cache_block_type="max"}})'},
+             "percentunit", "KV-cache blocks used out of the pool"),
+            ("Padding factor", {"{{pod}}": f"max by (pod) ({ours.format('padding_factor')})"},
+             "short", "Decode-step attention positions computed / real (1: no padding; 0: no decode step)"),
+        ],
+        "Quality of service": [
+            ("End-to-end latency", {"P50 {{pod}}": f"max by (pod) ({ours.format('latency_p50_ms')})",
+                                    "P99 {{pod}}": f"max by (pod) ({ours.format('latency_p99_ms')})"},
+             "ms", "The LLM model's request latency over the last minute's requests"),
+            ("Tail and jitter", {"P99 / P50 {{pod}}": f"max by (pod) ({ours.format('latency_p99_over_p50')})",
+                                 "jitter {{pod}}": f"max by (pod) ({ours.format('latency_jitter')})",
+                                 "token-gap jitter {{pod}}": f"max by (pod) ({ours.format('token_gap_jitter')})"},
+             "short", "P99 / P50 and std / mean of latency, and of the gaps between tokens (alerts: "
+                      "TritonLatencyTail, TritonLatencyJitter)"),
+            ("Failed requests", {"{{pod}}": f"sum by (pod) (rate(nv_inference_request_failure{{{pods}}}[5m])) / "
+                                            f"(sum by (pod) (rate(nv_inference_request_failure{{{pods}}}[5m])) + "
+                                            f"sum by (pod) (rate(nv_inference_request_success{{{pods}}}[5m])))",
+                                 "watchdog's last minute {{pod}}":
+                                     f"max by (pod) ({ours.format('failed_requests_last_minute')})"},
+             "short", "Triton's failed share of requests, and the failures the watchdog counts (its limit: "
+                      "triton.watchdog.errors_per_minute)"),
+            ("Heartbeat", {"{{pod}}": f"min by (pod) (up{{{pods}}})"}, "short",
+             "1 while Prometheus scrapes the pod; 0 is a missed heartbeat (TritonTargetDown after 3)"),
+            ("Watchdog stops and restarts",
+             {"watchdog tripped {{pod}}": f"max by (pod) ({ours.format('watchdog_tripped')})",
+              "restarts in 15m {{pod}}": f"sum by (pod) (increase(kube_pod_container_status_restarts_total{{{pods}}}[15m]))"},
+             "short", "The model's watchdog stopping its server, and the restarts that follow"),
+        ],
+    }
+    panels, y = [], 0
+    for title, specs in rows.items():
+        panels.append(_row(title, y))
+        y += 1
+        for i, (panel_title, exprs, unit, description) in enumerate(specs):
+            panels.append(_panel(panel_title, exprs, unit, 8 * (i % 3), y + 8 * (i // 3), description))
+        y += 8 * -(-len(specs) // 3)
+    return {"title": f"{name}: LLM serving", "uid": f"trtllm-{name}"[:40], "schemaVersion": SCHEMA_VERSION,
+            "tags": ["trtllm-pipeline", "triton"], "timezone": "browser", "refresh": "30s",
+            "time": {"from": "now-3h", "to": "now"},
+            "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                                     "label": "Prometheus"}]},
+            "panels": panels}
+
+
+def config_map(name: str, labels: dict[str, str]) -> dict:
+    """The dashboard as a ConfigMap for Grafana's sidecar (one JSON file in it)."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-dashboard", "labels": {**labels, **DASHBOARD_LABEL}},
+            "data": {f"{name}.json": json.dumps(dashboard(name), indent=1)}}
