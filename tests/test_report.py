@@ -196,3 +196,33 @@ def test_the_page_renders_in_headless_chromium(tiny_run, tmp_path):
     assert img.shape[0] >= 2000 and img.shape[1] >= 1200
     rows_with_ink = (img < 200).any(axis=1).mean()
     assert rows_with_ink > 0.3  # text and tables down the page, not a blank or error page
+
+
+def test_the_monitoring_section_links_the_dashboard_and_lists_the_levels_that_passed_an_alert_threshold(tmp_path):
+    """A bench whose concurrency-8 level had a P99 six times its P50: the latency-tail rule's threshold (3) was
+    passed there and nowhere else; with the thresholds raised, nothing is listed. The rendered dashboard and
+    rules are linked relative to the page."""
+    from pipeline.config import AlertsSection
+    from pipeline.release.report import sections
+
+    work = tmp_path / "synthetic"
+    (work / "bench").mkdir(parents=True)
+    levels = [{"concurrency": c, "e2e_ms": {"p50": 100.0, "p99": p99, "p99_over_p50": p99 / 100, "jitter": 0.2}}
+              for c, p99 in ((1, 120.0), (8, 600.0))]
+    (work / "bench" / artifacts.BENCH_RESULTS_FILE).write_text(json.dumps(
+        {"targets": [{"label": "candidate", "levels": levels}]}))
+    for rel in (sections.DEPLOY_DASHBOARD, sections.DEPLOY_RULES):
+        work.joinpath(*rel).parent.mkdir(parents=True, exist_ok=True)
+        work.joinpath(*rel).write_text("{}")
+    out = tmp_path / "report"
+
+    def section(alerts: AlertsSection) -> str:
+        doc = Doc()
+        sections._section_monitoring(doc, work, out, _manifest("bench", {}), alerts)
+        return doc.markdown()
+
+    md = section(AlertsSection())
+    assert "[dashboard.json](../synthetic/deploy/monitoring/dashboard.json)" in md
+    assert "| candidate | 8 | TritonLatencyTail | 6.00 | 3 |" in md and "| candidate | 1 |" not in md
+    md = section(AlertsSection(latency_p99_over_p50=10))
+    assert "none of the latency rules' thresholds was passed" in md and "over 10," in md

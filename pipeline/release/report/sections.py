@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline import artifacts
+from pipeline.config import AlertsSection
 from pipeline.release.report.document import NOT_RUN, Doc, fmt, mark, mib, short_hash
 from pipeline.release.report.summary import five_lines
 from pipeline.release.report.workdir import (
@@ -36,8 +37,9 @@ TOP_LAYERS = 15  # rows of the sensitivity table on the page (the full table is 
 
 
 def add_sections(doc: Doc, work_dir: Path, out_dir: Path, manifests: dict[str, Optional[dict]], summary: dict,
-                 chain: list[dict]) -> None:
-    """Every section, in page order; plots and the full sensitivity table are copied into out_dir."""
+                 chain: list[dict], alerts: Optional[AlertsSection] = None) -> None:
+    """Every section, in page order; plots and the full sensitivity table are copied into out_dir. ``alerts``:
+    the config's alert thresholds (their defaults if None)."""
     _section_glance(doc, summary)
     _section_source(doc, work_dir, manifests["model"])
     _section_text(doc, manifests["text"])
@@ -50,6 +52,7 @@ def add_sections(doc: Doc, work_dir: Path, out_dir: Path, manifests: dict[str, O
     _section_verify(doc, work_dir, manifests["verify"])
     _section_bench(doc, work_dir, out_dir, manifests["bench"])
     _section_serving_settings(doc, work_dir, out_dir, manifests["publish"])
+    _section_monitoring(doc, work_dir, out_dir, manifests["bench"], alerts or AlertsSection())
     _section_chain(doc, chain, work_dir, manifests)
     _section_runs(doc, manifests)
 
@@ -432,6 +435,55 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
         img = _copy_image(artifacts.stage_dir(work_dir, "bench") / name, out_dir, name)
         if img:
             doc.image(img, alt)
+
+
+# rendered by `invoke deploy-manifests` (pipeline/release/deploy.py RENDERED_DIR, DASHBOARD_FILE, ALERTS_RULE_FILE)
+DEPLOY_DASHBOARD = ("deploy", "monitoring", "dashboard.json")
+DEPLOY_RULES = ("deploy", "monitoring", "alert-rules.yml")
+
+
+def alerts_during_bench(bench: Optional[dict], section: AlertsSection) -> list[dict]:
+    """The bench levels whose figures pass an alert rule's threshold: {target, concurrency, alert, value,
+    threshold}. Judged on the bench's own figures (the client's end-to-end latency over the level's requests);
+    the rules hold a condition for ``for_minutes`` before firing, longer than a level lasts, so these are
+    the alerts that would fire were the level's load sustained. A failed request stops bench, so the error-rate
+    rule has nothing to judge here."""
+    out = []
+    for t in (bench or {}).get("targets", []):
+        prefix = "Vllm" if t.get("frontend") == "openai" else "Triton"
+        for level in t.get("levels", []):
+            for alert, key, threshold in ((f"{prefix}LatencyTail", "p99_over_p50", section.latency_p99_over_p50),
+                                          (f"{prefix}LatencyJitter", "jitter", section.latency_jitter)):
+                value = dig(level, "e2e_ms", key)
+                if value is not None and value > threshold:
+                    out.append({"target": t["label"], "concurrency": level["concurrency"], "alert": alert,
+                                "value": value, "threshold": threshold})
+    return out
+
+
+def _section_monitoring(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict], section: AlertsSection) -> None:
+    import os
+
+    doc.h(2, "Monitoring")
+    dashboard, rules = work_dir.joinpath(*DEPLOY_DASHBOARD), work_dir.joinpath(*DEPLOY_RULES)
+    if dashboard.is_file():
+        doc.p(f"Dashboard (Grafana JSON; the ConfigMap beside it loads it through Grafana's sidecar): "
+              f"[{dashboard.name}]({os.path.relpath(dashboard, out_dir)}); alert rules: "
+              f"[{rules.name}]({os.path.relpath(rules, out_dir)}).")
+    else:
+        doc.p("Dashboard and alert rules: not rendered yet (`invoke deploy-manifests` writes them to "
+              f"`{'/'.join(DEPLOY_DASHBOARD[:2])}/` in the work dir).")
+    if m is None:
+        return doc.not_run("bench (the alerts during bench)")
+    fired = alerts_during_bench(maybe_bench_results(work_dir), section)
+    if not fired:
+        doc.p(f"Alerts during bench: none of the latency rules' thresholds was passed at any level (end-to-end "
+              f"P99 / P50 over {section.latency_p99_over_p50:g}, jitter over {section.latency_jitter:g}).")
+        return
+    doc.p(f"Alerts during bench: these levels passed a rule's threshold. Each rule waits {section.for_minutes} "
+          f"min before it fires, longer than a level lasts: they would fire were the load sustained.")
+    doc.table(["target", "concurrency", "alert", "value", "threshold"],
+              [[a["target"], a["concurrency"], a["alert"], f"{a['value']:.2f}", f"{a['threshold']:g}"] for a in fired])
 
 
 def _section_serving_settings(doc: Doc, work_dir: Path, out_dir: Path, publish: Optional[dict]) -> None:

@@ -18,8 +18,9 @@ from pipeline.release.report.summary import build_summary, five_lines, hash_chai
 from pipeline.release.report.workdir import read_manifests
 
 
-def render(work_dir: Path, out_dir: Path, description: str = "") -> dict:
-    """Write index.html, index.md, summary.json (and img/) into out_dir from work_dir; returns the summary."""
+def render(work_dir: Path, out_dir: Path, description: str = "", alerts=None) -> dict:
+    """Write index.html, index.md, summary.json (and img/) into out_dir from work_dir; returns the summary.
+    ``alerts``: the config's AlertsSection (the bench levels judged against its thresholds)."""
     manifests = read_manifests(work_dir)
     summary = build_summary(work_dir, manifests)
     chain = hash_chain(work_dir, manifests)
@@ -30,7 +31,7 @@ def render(work_dir: Path, out_dir: Path, description: str = "") -> dict:
         doc.p(description)
     if summary.get("reference_runtime"):
         doc.p("Served by the **CPU reference runtime**: correctness and wiring, not TensorRT speed.")
-    add_sections(doc, work_dir, out_dir, manifests, summary, chain)
+    add_sections(doc, work_dir, out_dir, manifests, summary, chain, alerts)
     (out_dir / artifacts.REPORT_MD).write_text(doc.markdown(), encoding="utf-8")
     (out_dir / artifacts.REPORT_HTML).write_text(doc.html(title), encoding="utf-8")
     summary["hash_chain"] = chain
@@ -40,6 +41,7 @@ def render(work_dir: Path, out_dir: Path, description: str = "") -> dict:
 
 def write_report(work_dir: Path, out_dir: Path, loaded=None) -> dict:
     """The report stage's entry point; the manifest's summary: the five lines and the key flags."""
-    summary = render(work_dir, out_dir, loaded.config.description if loaded is not None else "")
+    summary = render(work_dir, out_dir, loaded.config.description if loaded is not None else "",
+                     loaded.config.alerts if loaded is not None else None)
     return {"five_lines": five_lines(summary), "stages": summary["stages"], "hash_chain_ok": summary["hash_chain_ok"],
             "files": [artifacts.REPORT_HTML, artifacts.REPORT_MD, artifacts.REPORT_SUMMARY_JSON]}
