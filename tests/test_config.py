@@ -109,6 +109,12 @@ BAD = [
      ["bench.cross_check_concurrency (3) must be one of bench.concurrency [1, 2]"]),
     ("bad-alert-threshold", "alerts: {kv_cache_used_fraction: 1.5}", [],
      ["alerts.kv_cache_used_fraction", "less than or equal to 1"]),
+    ("tail-ratio-below-one", "alerts: {latency_p99_over_p50: 0.8}", [],
+     ["alerts.latency_p99_over_p50", "greater than 1"]),
+    ("watchdog-window-too-short", "", ["triton.watchdog.memory_window_s=1"],
+     ["triton.watchdog.memory_window_s", "greater than or equal to 5"]),
+    ("watchdog-negative-limit", "triton: {watchdog: {errors_per_minute: -1}}", [],
+     ["triton.watchdog.errors_per_minute", "greater than or equal to 0"]),
     ("not-yaml", "build: [unclosed", [], ["not valid YAML"]),
     ("missing-text-files", "text: {source: {kind: files, paths: [gone.txt]}}", [], ["text.source.paths", "gone.txt"]),
 ]

@@ -307,16 +307,24 @@ def test_invoke_serve_prints_endpoints_answers_and_stops_on_ctrl_c(tiny):
         assert "/v2/models/llm/generate" in curl and "generate_stream" in text
         answer = _generate(f"127.0.0.1:{ports[0]}", "llm")
         assert answer["model_name"] == "llm" and len(answer["output_ids"]) == 4
-        proc.send_signal(signal.SIGINT)
-        # read what it still prints while it stops: left in the pipe, its shutdown log would fill the pipe's
-        # buffer and block the process on a write, and it would never exit
-        proc.communicate(timeout=120)
-        assert proc.returncode == 130
+        _ctrl_c(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill(proc)
     assert not _leftovers(proc.pid)
+
+
+def _ctrl_c(proc) -> None:
+    """Stop `invoke serve` as a user does; it exits 130. What it still prints while it stops is read: left in
+    the pipe, its shutdown log would fill the pipe's buffer and block it on a write, and it would never exit."""
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 130
+
+
+def _kill(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 
@@ -548,13 +556,9 @@ def test_the_watchdog_stops_a_failing_and_a_leaking_server_and_the_supervisor_re
         said = read_until(proc, "ready again", 300)
         assert any("resident memory grew" in line and "restart 2 of 2" in line for line in said), said
         assert _outcome(http) == want
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=120)
-        assert proc.returncode == 130
+        _ctrl_c(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill(proc)
     assert not _leftovers(proc.pid)
 
 

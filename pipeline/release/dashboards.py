@@ -6,7 +6,8 @@ Every panel reads a series a real exporter writes (the same sources as pipeline/
 
 - hardware: NVIDIA dcgm-exporter's default counters (etc/default-counters.csv at commit 00d6d344ea4a):
   ``DCGM_FI_DEV_GPU_UTIL``, ``DCGM_FI_DEV_MEM_COPY_UTIL`` (percent), ``DCGM_FI_DEV_FB_USED`` (MiB),
-  ``DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL`` (a counter); the serving model's resident memory and its KV pool's
+  ``DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL`` (shown as exported: the CSV declares a counter, but the field is
+  reported to be DCGM's current rate, so no rate() and no alert on it until checked on a GPU); the serving model's resident memory and its KV pool's
   fragmentation (``trtllm_pipeline_model_metrics``, triton_repo/common/llm_serving.py);
 - pipeline: Triton's per-model counters (``nv_inference_queue_duration_us``, ``nv_inference_compute_infer_duration_us``,
   ``nv_inference_request_success``, ``nv_inference_count``, ``nv_inference_exec_count``: the stage time split
@@ -53,9 +54,9 @@ def dashboard(name: str) -> dict:
              "percent", "DCGM: the share of time a kernel ran"),
             ("GPU memory-copy load", {"{{Hostname}} GPU {{gpu}}": "avg by (Hostname, gpu) (DCGM_FI_DEV_MEM_COPY_UTIL)"},
              "percent", "DCGM: the share of time the memory was read or written (decode is memory-bound)"),
-            ("NVLink traffic", {"{{Hostname}} GPU {{gpu}}":
-                                "sum by (Hostname, gpu) (rate(DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL[5m]))"},
-             "short", "DCGM: NVLink bandwidth counters over all lanes, per second (tensor-parallel traffic)"),
+            ("NVLink traffic", {"{{Hostname}} GPU {{gpu}}": "max by (Hostname, gpu) (DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL)"},
+             "short", "DCGM field 449, all lanes (tensor-parallel traffic), as exported: the exporter's CSV "
+                      "declares it a counter, while DCGM reports it as a rate; shown raw, not rate()d"),
             ("GPU memory used", {"{{Hostname}} GPU {{gpu}}": "max by (Hostname, gpu) (DCGM_FI_DEV_FB_USED)"},
              "decmbytes", "DCGM: framebuffer used (MiB): weights, KV cache, activations"),
             ("Model process memory", {"{{pod}}": f"max by (pod) ({ours.format('resident_memory_bytes')})",
