@@ -7,6 +7,9 @@ ENGINE_CONFIGS_DIR = REPO_ROOT / "engine_configs"
 # The embedded default (SmolLM2-135M, INT8 SmoothQuant) served by vLLM's CPU build; the same plan on the cpu
 # target (Triton + the reference runtime) is smollm2-135m-cpu.yaml, which the other SmolLM2 configs extend.
 DEFAULT_CONFIG = ENGINE_CONFIGS_DIR / "smollm2-135m-vllm.yaml"
+# The default where vLLM cannot run (no serving environment, or a CPU without AVX-512 or AMX): the same model
+# and plan on the cpu target (commands.open_runner says so when it falls back)
+CPU_DEFAULT_CONFIG = ENGINE_CONFIGS_DIR / "smollm2-135m-cpu.yaml"
 DEFAULT_WORK_ROOT = Path("build")  # relative to the current directory; <work_root>/<config name>/
 
 # Hub

@@ -104,9 +104,10 @@ def _run_build(ctx: StageContext) -> dict:
 
 def _build_preflight(loaded) -> None:
     if loaded.config.build.target == "vllm":
-        from pipeline.engines.vllm.runtime import serving_python  # vLLM's environment, or stop before any work
+        from pipeline.engines.vllm import runtime  # vLLM's environment and a CPU it runs on, or stop before any work
 
-        serving_python()
+        runtime.serving_python()
+        runtime.check_cpu(loaded.config)
         return
     from pipeline.engines.trtllm.preflight import (
         preflight,  # GPU targets: a GPU and TensorRT-LLM here, or stop before any work
