@@ -50,19 +50,22 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def open_runner(config: Optional[str], overrides: Sequence[str], work_root: Path) -> Runner:
-    """The runner for ``config``; without one, the default (vLLM's) or, where vLLM cannot run here, the same
-    model and plan on the cpu target, saying why."""
-    loaded: LoadedConfig = load_config(config or constants.DEFAULT_CONFIG, list(overrides))
-    if config is None and loaded.config.build.target == "vllm":
-        from pipeline.engines.vllm.runtime import unusable_reason
-
-        why = unusable_reason(loaded.config)
-        if why is not None:
-            print(f"note: the default config {constants.DEFAULT_CONFIG.stem} cannot run here: "
-                  f"{why.split('. ')[0]}. Using {constants.CPU_DEFAULT_CONFIG.stem} (the same model and plan on "
-                  f"the cpu target).")
-            loaded = load_config(constants.CPU_DEFAULT_CONFIG, list(overrides))
+    """The runner for ``config``; without one, for ``default_config()``."""
+    loaded: LoadedConfig = load_config(config or default_config(), list(overrides))
     return Runner(loaded, STAGES, work_root)
+
+
+def default_config() -> Path:
+    """The project's default (vLLM's, constants.DEFAULT_CONFIG) or, where vLLM cannot run here, the same model
+    and plan on the cpu target (constants.CPU_DEFAULT_CONFIG), saying why on stderr."""
+    from pipeline.engines.vllm.runtime import unusable_reason
+
+    why = unusable_reason(load_config(constants.DEFAULT_CONFIG).config)
+    if why is None:
+        return constants.DEFAULT_CONFIG
+    print(f"note: the default config {constants.DEFAULT_CONFIG.stem} cannot run here: {why.split('. ')[0]}. "
+          f"Using {constants.CPU_DEFAULT_CONFIG.stem} (the same model and plan on the cpu target).", file=sys.stderr)
+    return constants.CPU_DEFAULT_CONFIG
 
 
 def run_task(task: str, config: Optional[str], overrides: Sequence[str], work_root: Path,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import DEFAULT_CONFIG, run_invoke, write_yaml
 
-from pipeline import artifacts, commands, constants
+from pipeline import artifacts, commands
 from pipeline.errors import ConfigError
 
 
@@ -22,7 +22,7 @@ def test_explain_on_a_fresh_work_dir_lists_every_stage(tmp_path, capsys):
     out = capsys.readouterr().out
     for stage in artifacts.STAGE_TASK:
         assert f"  {stage:<12} will run: never run (no manifest)" in out
-    assert not (tmp_path / constants.DEFAULT_CONFIG.stem / artifacts.LOCK_FILE).exists()
+    assert not (tmp_path / commands.default_config().stem / artifacts.LOCK_FILE).exists()
 
 
 def test_print_summary_without_a_report_says_how_to_make_one(tmp_path, capsys):
@@ -31,7 +31,7 @@ def test_print_summary_without_a_report_says_how_to_make_one(tmp_path, capsys):
 
 
 def test_clean_removes_the_work_dir(tmp_path):
-    work = tmp_path / constants.DEFAULT_CONFIG.stem  # no --config: the project's default
+    work = tmp_path / commands.default_config().stem  # no --config: the project's default (here)
     (work / "model").mkdir(parents=True)
     (work / "model" / "x.bin").write_bytes(b"x")
     assert commands.clean(None, [], tmp_path) == work

@@ -135,7 +135,7 @@ def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path)
                           text=True, timeout=300)
     # without --config, the default falls back to the cpu target's, saying why
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "note: the default config smollm2-135m-vllm cannot run here: " in proc.stdout and "has no vLLM" in proc.stdout
+    assert "note: the default config smollm2-135m-vllm cannot run here: " in proc.stderr and "has no vLLM" in proc.stderr
     assert f"config: smollm2-135m-cpu ({constants.CPU_DEFAULT_CONFIG}" in proc.stdout
 
 
