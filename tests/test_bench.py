@@ -368,7 +368,10 @@ def test_open_loop_load_through_aiperf(published_tiny):
     check = results["cross_check"]["this build"]
     assert check["concurrency"] == 2 and check["ours"]["output_tokens_per_s"] == t["levels"][1]["output_tokens_per_s"]
     assert check["aiperf"]["requests"] == 6 and check["aiperf"]["errors"] == 0  # every aiperf request answered
-    assert all(v > 0 for k, v in check["aiperf"].items() if k != "errors"), check["aiperf"]
+    # every figure measured; aiperf's ITL is the gap between the chunks it reads, and on a busy machine the
+    # tokens of a stream can arrive back to back (a P50 of 0 was seen once), so that one may be 0
+    assert all(v > 0 for k, v in check["aiperf"].items() if k not in ("errors", "itl_p50_ms")), check["aiperf"]
+    assert check["aiperf"]["itl_p50_ms"] >= 0, check["aiperf"]
     assert check["aiperf_over_ours"]["output_tokens_per_s"] == pytest.approx(
         check["aiperf"]["output_tokens_per_s"] / check["ours"]["output_tokens_per_s"])
     assert isinstance(check["agree"], bool) and "in requests/s" in check["sentence"]  # evidence, not a failure
