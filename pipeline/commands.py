@@ -7,6 +7,7 @@ shell. This is the only module that opens a Runner from a config path; everythin
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -55,6 +56,7 @@ def open_runner(config: Optional[str], overrides: Sequence[str], work_root: Path
     return Runner(loaded, STAGES, work_root)
 
 
+@functools.lru_cache(maxsize=1)  # asked once per command (`invoke all` opens the runner twice): one note, one look
 def default_config() -> Path:
     """The project's default (vLLM's, constants.DEFAULT_CONFIG) or, where vLLM cannot run here, the same model
     and plan on the cpu target (constants.CPU_DEFAULT_CONFIG), saying why on stderr."""

@@ -166,7 +166,7 @@ class GenerationModel:
                 before = (computed, real)
                 ours["kv_fragmentation"].set(float(figures.get("kv_fragmentation", 0.0)))
                 ours["failed_requests_last_minute"].set(float(self.watchdog.errors_last_minute()))
-                ours["resident_memory_bytes"].set(float(watchdog.resident_bytes()))
+                ours["resident_memory_bytes"].set(float(self.watchdog.last_rss))
                 ours["resident_memory_growth_bytes_per_s"].set(self._memory_growth * 1e6)
                 ours["watchdog_tripped"].set(1.0 if self.watchdog.tripped else 0.0)
                 for key, value in self.latency.figures().items():

@@ -55,6 +55,7 @@ class Watchdog:
         self.memory_window_s = float(memory_window_s)
         self.on_trip, self.clock, self.rss = on_trip, clock, rss
         self.tripped: Optional[str] = None
+        self.last_rss = 0  # bytes, at the last sample()
         self._errors: collections.deque = collections.deque()
         self._samples: collections.deque = collections.deque()  # (time, resident bytes)
         self._lock = threading.Lock()
@@ -85,6 +86,7 @@ class Watchdog:
         """Record resident memory now; the growth over the window in MB/s once the window is full (else None).
         Trips when it is over the limit."""
         now, rss = self.clock(), self.rss()
+        self.last_rss = rss
         self._samples.append((now, rss))
         while len(self._samples) > 1 and self._samples[1][0] <= now - self.memory_window_s:
             self._samples.popleft()

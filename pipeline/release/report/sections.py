@@ -9,12 +9,14 @@ is shown as "not run", never filled in. Plots are copied beside the page (``img/
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
 
 from pipeline import artifacts
 from pipeline.config import AlertsSection
+from pipeline.release.deploy import ALERTS_RULE_FILE, DASHBOARD_FILE, RENDERED_DIR
 from pipeline.release.report.document import NOT_RUN, Doc, fmt, mark, mib, short_hash
 from pipeline.release.report.summary import five_lines
 from pipeline.release.report.workdir import (
@@ -437,9 +439,9 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
             doc.image(img, alt)
 
 
-# rendered by `invoke deploy-manifests` (pipeline/release/deploy.py RENDERED_DIR, DASHBOARD_FILE, ALERTS_RULE_FILE)
-DEPLOY_DASHBOARD = ("deploy", "monitoring", "dashboard.json")
-DEPLOY_RULES = ("deploy", "monitoring", "alert-rules.yml")
+# what `invoke deploy-manifests` renders into the work dir
+DEPLOY_DASHBOARD = (RENDERED_DIR, *DASHBOARD_FILE.split("/"))
+DEPLOY_RULES = (RENDERED_DIR, *ALERTS_RULE_FILE.split("/"))
 
 
 def alerts_during_bench(bench: Optional[dict], section: AlertsSection) -> list[dict]:
@@ -462,8 +464,6 @@ def alerts_during_bench(bench: Optional[dict], section: AlertsSection) -> list[d
 
 
 def _section_monitoring(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict], section: AlertsSection) -> None:
-    import os
-
     doc.h(2, "Monitoring")
     dashboard, rules = work_dir.joinpath(*DEPLOY_DASHBOARD), work_dir.joinpath(*DEPLOY_RULES)
     if dashboard.is_file():
