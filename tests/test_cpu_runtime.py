@@ -342,6 +342,36 @@ def test_a_more_urgent_request_is_admitted_before_earlier_ones_and_gets_the_same
         assert got == {name: runtime.generate(PROMPTS[i], params) for i, name in enumerate(got, start=1)}
 
 
+def test_a_more_urgent_request_pauses_a_less_urgent_running_one_which_resumes_first(bundle, runtime):
+    """Every slot taken (max_running 1) by a long request of priority 2, another of priority 2 waiting: a
+    priority-1 request pauses the running one and is answered before it ends; the paused sequence then resumes
+    ahead of the waiting request of its class, from the KV blocks it kept, so its tokens equal a solo run's.
+    Equal classes never pause each other; a paused request that is cancelled gives its blocks back."""
+    long, short = SamplingParams(max_new_tokens=100, end_id=-1), SamplingParams(max_new_tokens=4, end_id=-1)
+    with CpuRuntime.load(bundle / "cpu_bundle", max_running=1) as rt:
+        hog = rt.submit(PROMPTS[0], long, priority=2)
+        next(hog.stream())
+        with rt._lock:  # both queued before the scheduler looks again
+            waiter = rt.submit(PROMPTS[3], short, priority=2)
+            urgent = rt.submit(PROMPTS[1], short, priority=1)
+        assert len(urgent.result(timeout=120)) == 4
+        assert len(hog.output_ids) < 100  # answered while the long request was paused, not after it
+        assert len(hog.result(timeout=120)) == 100 and len(waiter.result(timeout=120)) == 4
+        assert urgent.finished_at < hog.finished_at < waiter.first_token_at
+        assert rt.steps["paused"] == 1  # the waiter, of the hog's class, paused nothing
+        assert hog.output_ids == runtime.generate(PROMPTS[0], long)
+        assert urgent.output_ids == runtime.generate(PROMPTS[1], short)
+
+        hog = rt.submit(PROMPTS[0], long, priority=2)
+        next(hog.stream())
+        urgent = rt.submit(PROMPTS[1], SamplingParams(max_new_tokens=60, end_id=-1), priority=1)
+        next(urgent.stream())
+        assert rt.stats()["requests_paused"] == 1
+        hog.cancel()
+        assert len(urgent.result(timeout=120)) == 60 and hog.result(timeout=120) and hog.finish_reason == "cancelled"
+        assert rt.stats()["requests_paused"] == 0 and rt.pool.free_blocks == rt.pool.num_blocks
+
+
 def test_with_chunked_prefill_a_more_urgent_prompt_is_prefilled_first(bundle):
     """prefill_chunk 2, both prompts admitted in one step: the chunks go to the urgent prompt first, so its
     first token comes out before the earlier, less urgent prompt's; without priorities the order is arrival."""

@@ -210,6 +210,7 @@ class Request:
         self.id, self.prompt_ids, self.params, self.priority = request_id, prompt_ids, params, priority
         self.output_ids: list[int] = []
         self.first_token_at: Optional[float] = None  # time.perf_counter() when its first token came out
+        self.finished_at: Optional[float] = None  # time.perf_counter() when it ended
         self.finish_reason: Optional[str] = None  # length | stop | cancelled | error
         self.error: Optional[str] = None
         self._tokens: "queue.Queue" = queue.Queue()
@@ -248,7 +249,7 @@ class Request:
     def _finish(self, reason: str, error: Optional[str] = None) -> None:
         if self._done.is_set():
             return
-        self.finish_reason, self.error = reason, error
+        self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
         self._tokens.put(_DONE)
         self._done.set()
 
@@ -342,6 +343,7 @@ class CpuRuntime:
         self._waiting: list[Request] = []
         self._prefilling: list[_Sequence] = []  # admitted; their prompts partly in the pool (chunked prefill)
         self._running: list[_Sequence] = []
+        self._paused: list[_Sequence] = []  # running sequences a more urgent request took the slot of (blocks kept)
         self._lock = threading.Condition()
         self._closed = False
         self._next_id = 0
@@ -349,7 +351,7 @@ class CpuRuntime:
         # decode_computed / decode_real: key positions a decode step's attention computed (every sequence padded to
         # the batch's longest) and those that are real; packed steps pad nothing
         self.steps = {"prefill": 0, "prefill_chunks": 0, "decode": 0, "decode_sequences": 0, "packed": 0,
-                      "decode_computed": 0, "decode_real": 0}
+                      "decode_computed": 0, "decode_real": 0, "paused": 0}
         self._thread = threading.Thread(target=self._loop, name="cpu-runtime-scheduler", daemon=True)
         self._thread.start()
 
@@ -395,7 +397,10 @@ class CpuRuntime:
     def submit(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), priority: int = 0) -> Request:
         """Queue a prompt. ``priority``: the lower, the sooner it is admitted (and prefilled) among the waiting
         requests, as Triton's priority levels (1 the highest) and vLLM's priority order; equal priorities go first
-        come, first served. A running sequence is never preempted."""
+        come, first served. When every slot is taken, a request of a more urgent class pauses the least urgent
+        running sequence of a less urgent one (the latest admitted among equals), as TensorRT-LLM's scheduler
+        pauses requests: its KV blocks stay in the pool, and it resumes, ahead of its class's waiting requests, when
+        a slot frees. A sequence is only paused where the pool holds the urgent request's blocks beside it."""
         prompt = [int(t) for t in prompt_ids]
         params.check()
         vocab = self.model.config.vocab_size
@@ -424,14 +429,15 @@ class CpuRuntime:
         what it lacks: ``kv_fragmentation`` (the share of the held blocks' token slots that hold no token) and
         the decode steps' attention positions computed and real so far (their ratio: the padding factor)."""
         with self._lock:
-            free, waiting = self.pool.free_blocks, len(self._waiting)
-            seqs = self._prefilling + self._running
+            free, waiting, paused = self.pool.free_blocks, len(self._waiting), len(self._paused)
+            seqs = self._prefilling + self._running + self._paused
             slots = sum(len(s.blocks) for s in seqs) * self.pool.tokens_per_block
             held = sum(min(s.cached, len(s.blocks) * self.pool.tokens_per_block) for s in seqs)
             computed, real = self.steps["decode_computed"], self.steps["decode_real"]
         return {"kv_max_blocks": self.pool.num_blocks, "kv_free_blocks": free,
                 "kv_used_blocks": self.pool.num_blocks - free, "kv_tokens_per_block": self.pool.tokens_per_block,
-                "requests_active": waiting + len(seqs), "requests_scheduled": len(seqs), "requests_waiting": waiting,
+                "requests_active": waiting + len(seqs), "requests_scheduled": len(seqs) - paused,
+                "requests_waiting": waiting, "requests_paused": paused, "requests_generating": len(self._running),
                 "requests_max": self.max_running, "batch_limit": self._batch_limit(),
                 "kv_fragmentation": 1 - held / slots if slots else 0.0,
                 "decode_computed_tokens": computed, "decode_real_tokens": real}
@@ -457,18 +463,14 @@ class CpuRuntime:
         torch.set_grad_enabled(False)
         while True:
             with self._lock:
-                while not self._closed and not self._waiting and not self._prefilling and not self._running:
+                while not self._closed and not self._waiting and not self._prefilling and not self._running \
+                        and not self._paused:
                     self._lock.wait()
                 if self._closed:
-                    pending = self._waiting + [s.request for s in self._prefilling + self._running]
+                    pending = self._waiting + [s.request for s in self._prefilling + self._running + self._paused]
                     self._waiting = []
                     break
-                admit = []
-                while self._waiting and len(self._prefilling) + len(self._running) + len(admit) < self._batch_limit():
-                    first = self._most_urgent()
-                    if self._blocks_for(len(self._waiting[first].prompt_ids) + 1) > self._spare_blocks(admit):
-                        break  # it waits for blocks; nothing less urgent overtakes it
-                    admit.append(self._waiting.pop(first))
+                admit = self._schedule()
             try:
                 t0 = time.perf_counter()
                 admitted = len(self._prefilling) + len(self._running) + len(admit)
@@ -486,10 +488,10 @@ class CpuRuntime:
                     self.adaptive.observe((time.perf_counter() - t0) * 1e3, admitted, bool(self._prefilling))
             except Exception as e:  # noqa: BLE001 - a crash ends the requests in flight with its message
                 log.exception("cpu runtime step failed")
-                for s in self._prefilling + self._running:
+                for s in self._prefilling + self._running + self._paused:
                     s.request._finish("error", f"{type(e).__name__}: {e}")
                     self.pool.release(s.blocks)
-                self._prefilling, self._running = [], []
+                self._prefilling, self._running, self._paused = [], [], []
         for req in pending:
             req._finish("cancelled")
 
@@ -499,9 +501,41 @@ class CpuRuntime:
             return self.adaptive.chunk
         return self.prefill_chunk or 0
 
-    def _most_urgent(self) -> int:
-        """The index of the waiting request to admit next: the lowest priority value, the earliest among equals."""
-        return min(range(len(self._waiting)), key=lambda i: (self._waiting[i].priority, i))
+    def _schedule(self) -> list[Request]:
+        """The waiting requests to admit this step (holding the lock). Paused sequences and waiting requests take
+        free slots most urgent first: the lowest priority value, the earliest submitted among equals (so a
+        paused sequence resumes before its class's waiting requests). With every slot taken, a request more
+        urgent than the least urgent running sequence pauses it."""
+        self._drop_cancelled_paused()
+        admit: list[Request] = []
+        while self._waiting or self._paused:
+            key, i, is_paused = min([((r.priority, r.id), i, False) for i, r in enumerate(self._waiting)]
+                                    + [((s.request.priority, s.request.id), i, True) for i, s in enumerate(self._paused)])
+            if not is_paused and self._blocks_for(len(self._waiting[i].prompt_ids) + 1) > self._spare_blocks(admit):
+                break  # it waits for blocks; nothing less urgent overtakes it
+            if len(self._prefilling) + len(self._running) + len(admit) >= self._batch_limit():
+                victims = [s for s in self._running if s.finish is None and s.request.priority > key[0]]
+                if not victims:
+                    break
+                victim = max(victims, key=lambda s: (s.request.priority, s.request.id))
+                self._running.remove(victim)
+                self._paused.append(victim)
+                self.steps["paused"] += 1
+            if is_paused:
+                self._running.append(self._paused.pop(i))
+            else:
+                admit.append(self._waiting.pop(i))
+        return admit
+
+    def _drop_cancelled_paused(self) -> None:
+        keep = []
+        for seq in self._paused:
+            if seq.request._cancelled.is_set():
+                self.pool.release(seq.blocks)
+                seq.request._finish("cancelled")
+            else:
+                keep.append(seq)
+        self._paused = keep
 
     def _batch_limit(self) -> int:
         return self.adaptive.limit if self.adaptive is not None else self.max_running
@@ -512,7 +546,7 @@ class CpuRuntime:
     def _spare_blocks(self, admitting: list[Request]) -> int:
         """Free blocks not promised to admitted sequences (each may grow to its full length)."""
         promised = sum(self._blocks_for(len(s.request.prompt_ids) + s.request.params.max_new_tokens) - len(s.blocks)
-                       for s in self._prefilling + self._running)
+                       for s in self._prefilling + self._running + self._paused)
         promised += sum(self._blocks_for(len(r.prompt_ids) + r.params.max_new_tokens) for r in admitting)
         return self.pool.free_blocks - promised
 

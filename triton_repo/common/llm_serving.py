@@ -46,6 +46,9 @@ KV_VALUES = {"max": "kv_max_blocks", "free": "kv_free_blocks", "used": "kv_used_
 REQUEST_FAMILY, REQUEST_LABEL = "nv_trt_llm_request_metrics", "request_type"
 REQUEST_VALUES = {"active": "requests_active", "scheduled": "requests_scheduled", "waiting": "requests_waiting",
                   "max": "requests_max"}
+# (label values as the backend's custom_metrics_verification_tests.py lists them)
+BATCHER_FAMILY, BATCHER_LABEL = "nv_trt_llm_inflight_batcher_metrics", "inflight_batcher_specific_metric"
+BATCHER_VALUES = {"generation_requests": "requests_generating", "paused_requests": "requests_paused"}
 # What the backend does not export, in one family of ours, one label value a figure:
 # kv_fragmentation: the share of the used KV blocks' token slots that hold no token (partly filled last blocks);
 # padding_factor: decode-step tokens computed / tokens that are real (sequences padded to the batch's longest),
@@ -117,7 +120,8 @@ class GenerationModel:
         raise NotImplementedError
 
     def stats(self) -> Optional[dict]:
-        """The engine's KV-pool and queue figures (see KV_VALUES, REQUEST_VALUES); None: it has none to give."""
+        """The engine's KV-pool and queue figures (see KV_VALUES, REQUEST_VALUES, BATCHER_VALUES); None: it has
+        none to give."""
         return None
 
     def _watch(self) -> None:
@@ -136,7 +140,8 @@ class GenerationModel:
         fraction = None
         self._metric_families = []  # a family must outlive its metrics: the model holds them
         engine_families = ((KV_FAMILY, KV_LABEL, KV_VALUES, "KV cache block metrics"),
-                           (REQUEST_FAMILY, REQUEST_LABEL, REQUEST_VALUES, "request metrics"))
+                           (REQUEST_FAMILY, REQUEST_LABEL, REQUEST_VALUES, "request metrics"),
+                           (BATCHER_FAMILY, BATCHER_LABEL, BATCHER_VALUES, "inflight batcher metrics"))
         for family, label, values, text in engine_families if self.stats() is not None else ():
             fam = pb_utils.MetricFamily(name=family, description=f"{text} (the tensorrtllm backend's names)",
                                         kind=pb_utils.MetricFamily.GAUGE)
