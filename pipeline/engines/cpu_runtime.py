@@ -506,7 +506,7 @@ class CpuRuntime:
         free slots most urgent first: the lowest priority value, the earliest submitted among equals (so a
         paused sequence resumes before its class's waiting requests). With every slot taken, a request more
         urgent than the least urgent running sequence pauses it."""
-        self._drop_cancelled_paused()
+        self._paused = self._without_cancelled(self._paused)
         admit: list[Request] = []
         while self._waiting or self._paused:
             key, i, is_paused = min([((r.priority, r.id), i, False) for i, r in enumerate(self._waiting)]
@@ -526,16 +526,6 @@ class CpuRuntime:
             else:
                 admit.append(self._waiting.pop(i))
         return admit
-
-    def _drop_cancelled_paused(self) -> None:
-        keep = []
-        for seq in self._paused:
-            if seq.request._cancelled.is_set():
-                self.pool.release(seq.blocks)
-                seq.request._finish("cancelled")
-            else:
-                keep.append(seq)
-        self._paused = keep
 
     def _batch_limit(self) -> int:
         return self.adaptive.limit if self.adaptive is not None else self.max_running
@@ -581,15 +571,19 @@ class CpuRuntime:
 
     def _drop_cancelled_prefills(self) -> bool:
         """Release cancelled sequences not yet running; whether any prefill is left."""
+        self._prefilling = self._without_cancelled(self._prefilling)
+        return bool(self._prefilling)
+
+    def _without_cancelled(self, seqs: list[_Sequence]) -> list[_Sequence]:
+        """``seqs`` less the cancelled ones, whose blocks go back to the pool and whose requests end."""
         keep = []
-        for seq in self._prefilling:
+        for seq in seqs:
             if seq.request._cancelled.is_set():
                 self.pool.release(seq.blocks)
                 seq.request._finish("cancelled")
             else:
                 keep.append(seq)
-        self._prefilling = keep
-        return bool(keep)
+        return keep
 
     def _packed_step(self) -> None:
         """Chunked prefill: one forward over one packed row, the running sequences' next tokens and at most

@@ -12,7 +12,7 @@ Every panel reads a series a real exporter writes (the same sources as pipeline/
 - pipeline: Triton's per-model counters (``nv_inference_queue_duration_us``, ``nv_inference_compute_infer_duration_us``,
   ``nv_inference_request_success``, ``nv_inference_count``, ``nv_inference_exec_count``: the stage time split
   over preprocessing, the LLM and postprocessing, and requests per execution), the tensorrtllm backend's
-  request and KV-cache families, and the padding factor;
+  request, inflight-batcher (paused requests) and KV-cache families, and the padding factor;
 - quality of service: end-to-end P50 / P99, P99 / P50, jitter and token-gap jitter over the last minute,
   failed requests, the scrape heartbeat (``up``), watchdog stops and pod restarts.
 
@@ -79,8 +79,11 @@ def dashboard(name: str) -> dict:
                                                      f"{per_model.format('nv_inference_exec_count')}"},
              "short", "Triton: inferences per model execution (the effective batch size of each stage)"),
             ("LLM requests", {"{{request_type}}": f'sum by (request_type) (nv_trt_llm_request_metrics{{{pods},'
-                                                 f'request_type=~"active|scheduled|waiting"}})'},
-             "short", "The batch manager's requests: active, scheduled (running) and waiting"),
+                                                 f'request_type=~"active|scheduled|waiting"}})',
+                              "paused": f'sum (nv_trt_llm_inflight_batcher_metrics{{{pods},'
+                                        f'inflight_batcher_specific_metric="paused_requests"}})'},
+             "short", "The batch manager's requests: active, scheduled (running), waiting, and paused (a running "
+                      "sequence whose slot a more urgent request took; KV kept)"),
             ("KV cache used", {"{{pod}}": f'sum by (pod) (nv_trt_llm_kv_cache_block_metrics{{{pods},'
                                           f'kv_cache_block_type="used"}}) / sum by (pod) '
                                           f'(nv_trt_llm_kv_cache_block_metrics{{{pods},kv_cache_block_type="max"}})'},
