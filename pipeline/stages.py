@@ -24,13 +24,17 @@ def _run_text(ctx: StageContext) -> dict:
 
 
 def _run_sensitivity(ctx: StageContext) -> dict:
-    from pipeline import compute
+    import json
+
+    from pipeline import compute, families
     from pipeline.child import run_in_child
     from pipeline.quant.plan import decision_format
     from pipeline.quant.sensitivity import run_analysis
 
     cfg = ctx.config
     model_dir = ctx.upstream("model") / artifacts.MODEL_DIR
+    # the family, and whether the target serves it, before any compute (config.json alone tells)
+    families.family(json.loads((model_dir / "config.json").read_text()).get("model_type"), cfg.build.target)
     bound = compute.host_memory_bound(cfg.compute)
     if cfg.compute.device == "cpu" or compute.nvidia_gpu_count() == 0:  # on a GPU the layer lives there
         compute.check_layer_fits(model_dir, cfg.sensitivity.reference_dtype, bound, "sensitivity")

@@ -30,7 +30,11 @@ model_config_utils.py ``merge_qkv``) and checked on exports of SmolLM2 and tiny 
   vocabulary embedding is split on the vocabulary (padded, as lm_head may be). Each rank is dequantized
   with its own scales, then the pieces are joined;
 - names: attention.qkv (fused, split back into q/k/v), attention.dense -> o_proj, mlp.fc -> gate_proj,
-  mlp.gate -> up_proj, mlp.proj -> down_proj, vocab_embedding, ln_f, input/post_layernorm, lm_head.
+  mlp.gate -> up_proj, mlp.proj -> down_proj, vocab_embedding, ln_f, input/post_layernorm, lm_head;
+  attention.q_layernorm / k_layernorm -> self_attn.q_norm / k_norm (Qwen3's per-head norms), where present;
+- biases (Qwen2's q/k/v): ``<linear>.bias`` beside the weight, unquantized, split over the ranks as the
+  weight's output rows are (a fused qkv bias holds each rank's q | k | v slices); a row-parallel linear's bias
+  is the same on every rank.
 It checks what it reads: layers the plan keeps in high precision must be unquantized, quantized ones must
 carry the scales their format needs with consistent shapes and dtypes, the stored dtype must agree with the
 format the config names, and shapes must match the model; a violation is an IntegrityError naming the layer.
@@ -52,6 +56,8 @@ from pipeline.formats import FORMAT_OF_ALGO
 HF_OF = {"attention.dense": "self_attn.o_proj", "mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj",
          "mlp.proj": "mlp.down_proj"}
 NORMS = {"input_layernorm": "input_layernorm", "post_layernorm": "post_attention_layernorm"}
+# per-head RMSNorms on q and k (Qwen3), where a family has them (ModelOpt's build_attention_config)
+HEAD_NORMS = {"attention.q_layernorm": "self_attn.q_norm", "attention.k_layernorm": "self_attn.k_norm"}
 ROW_PARALLEL = ("attention.dense", "mlp.proj")
 READABLE_ALGOS = tuple(FORMAT_OF_ALGO)
 INT4_ALGOS = tuple(a for a, f in FORMAT_OF_ALGO.items() if f.awq)
@@ -247,7 +253,8 @@ class CheckpointReader:
 
     def _read_linear(self, name: str, hf_names: list[str], kind: str, shapes: list[tuple]):
         """kind: qkv | column | row | vocab (column-parallel, padded). Dequantizes each rank, joins them, checks
-        against the plan and the model's ``shapes``. Returns (fp32 weight per HF name, input transform or None)."""
+        against the plan and the model's ``shapes``. Returns (fp32 weight per HF name, input transform or None,
+        {HF name: fp32 bias} for those the checkpoint has one for)."""
         import torch
 
         first_read = f"{name}.weight" not in self._consumed
@@ -283,10 +290,11 @@ class CheckpointReader:
         for hf_name, part, shape in zip(hf_names, full, shapes):
             if tuple(part.shape) != tuple(shape):
                 raise IntegrityError(f"{name}: shape {tuple(part.shape)} does not fit {hf_name} {tuple(shape)}")
+        biased = self._read_bias(name, hf_names, kind, [w.shape[0] for w in full])
         facts = self.facts
         if fmt is None:
             facts["high_precision_linears"] += len(hf_names) if first_read else 0
-            return full, None
+            return full, None, biased
         if first_read:
             facts["quantized_linears"] += len(hf_names)
             facts["formats"][fmt] = facts["formats"].get(fmt, 0) + len(hf_names)
@@ -300,7 +308,30 @@ class CheckpointReader:
                 raise IntegrityError(f"{name}: column-parallel prequant_scaling_factor differs between ranks")
             prequant = pqs[0].float()
         asf = scales[0]["activation_scaling_factor"]
-        return full, _fake_act(fmt, None if asf is None else asf.float().reshape(()), prequant)
+        return full, _fake_act(fmt, None if asf is None else asf.float().reshape(()), prequant), biased
+
+    def _read_bias(self, name: str, hf_names: list[str], kind: str, outputs: list[int]) -> dict:
+        """{HF name: fp32 bias} of linear ``name`` (empty without one): each rank's piece split and joined as the
+        weight's output rows are (``outputs`` per HF name); a row-parallel bias is the same on every rank."""
+        import torch
+
+        biases = self._read(f"{name}.bias", required=False)
+        if biases is None:
+            return {}
+        biases = [b.float() for b in biases]
+        if kind == "row":
+            if any(not torch.equal(b, biases[0]) for b in biases[1:]):
+                raise IntegrityError(f"{name}: the row-parallel bias differs between ranks")
+            full = [biases[0]]
+        elif kind == "qkv":
+            split = [b.split([n // self.tp for n in outputs]) for b in biases]
+            full = [_join([s[i] for s in split], 0) for i in range(3)]
+        else:
+            full = [_join(biases, 0)[:outputs[0]]]
+        for hf_name, b, n in zip(hf_names, full, outputs):
+            if tuple(b.shape) != (n,):
+                raise IntegrityError(f"{name}: bias of shape {tuple(b.shape)} does not fit {hf_name}'s {n} outputs")
+        return dict(zip(hf_names, full))
 
     def load_layer(self, i: int, layer):
         """Decoder layer ``i`` into ``layer`` (an HF decoder layer, e.g. on the meta device): its parameters are
@@ -310,13 +341,17 @@ class CheckpointReader:
         there). Returns ``layer``."""
         p, hf_p = f"transformer.layers.{i}", f"model.layers.{i}"
         state = {f"{hf}.weight": self._read_replicated(f"{p}.{trt}.weight").float() for trt, hf in NORMS.items()}
+        state.update({f"{hf}.weight": self._read_replicated(f"{p}.{trt}.weight").float() for trt, hf in HEAD_NORMS.items()
+                      if f"{p}.{trt}.weight" in self._keys[0]})
         transforms = {}
         linears = [("attention.qkv", [f"self_attn.{m}_proj" for m in "qkv"], "qkv")]
         linears += [(trt, [hf], "row" if trt in ROW_PARALLEL else "column") for trt, hf in HF_OF.items()]
         for trt, hf_names, kind in linears:
             shapes = [layer.get_submodule(hf).weight.shape for hf in hf_names]
-            full, transform = self._read_linear(f"{p}.{trt}", [f"{hf_p}.{hf}" for hf in hf_names], kind, shapes)
+            full, transform, biases = self._read_linear(f"{p}.{trt}", [f"{hf_p}.{hf}" for hf in hf_names], kind,
+                                                        shapes)
             state.update({f"{hf}.weight": w for hf, w in zip(hf_names, full)})
+            state.update({f"{hf}.bias": biases[f"{hf_p}.{hf}"] for hf in hf_names if f"{hf_p}.{hf}" in biases})
             transforms.update({hf: transform for hf in hf_names if transform is not None})
         for k in ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor"):
             key = f"{p}.attention.{k}"
@@ -340,7 +375,9 @@ class CheckpointReader:
         embedding (``tied_embedding`` when given, else read again) when the model ties its word embeddings."""
         hf = self.hf_config
         if "lm_head.weight" in self._keys[0]:
-            full, transform = self._read_linear("lm_head", ["lm_head"], "vocab", [(hf.vocab_size, hf.hidden_size)])
+            full, transform, bias = self._read_linear("lm_head", ["lm_head"], "vocab", [(hf.vocab_size, hf.hidden_size)])
+            if bias:
+                raise IntegrityError(f"{self.ckpt_dir}: lm_head has a bias; no supported family has one")
             return full[0], transform
         if not getattr(hf, "tie_word_embeddings", False):
             raise IntegrityError(f"{self.ckpt_dir}: rebuilt model is missing ['lm_head.weight'] (no lm_head in the "

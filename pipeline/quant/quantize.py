@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline import artifacts
+from pipeline import artifacts, families
 from pipeline.config import BuildSection, ComputeSection, QuantizationSection
 from pipeline.errors import InputError, StageFailed
 from pipeline.formats import (
@@ -64,7 +64,6 @@ GREEDY_NEW_TOKENS = 16
 # TensorRT-LLM splits these on their input dim under tensor parallelism (row-parallel)
 ROW_PARALLEL = ("o_proj", "down_proj")
 # tokenizer files copied into the HF unified checkpoint, so the LLM API can serve it on its own
-DECODER_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen"}
 # HF module -> TensorRT-LLM checkpoint module (llama family); q/k/v become one fused qkv GEMM
 TRTLLM_MODULE = {"q_proj": "attention.qkv", "k_proj": "attention.qkv", "v_proj": "attention.qkv",
                  "o_proj": "attention.dense", "gate_proj": "mlp.fc", "up_proj": "mlp.gate", "down_proj": "mlp.proj"}
@@ -127,9 +126,9 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
                             f"(a plan rule such as '{split[0]}.{group[0]}' with the other's format)")
     if quant.export_hf_checkpoint and quant.kv_cache == "int8":
         problems.append("an INT8 KV cache cannot be exported as an HF unified checkpoint; use kv_cache fp8 or none")
-    if model_config.get("model_type") not in DECODER_TYPE:
+    if model_config.get("model_type") not in families.FAMILIES:
         problems.append(f"model type {model_config.get('model_type')!r} has no TensorRT-LLM export mapping here "
-                        f"(supported: {', '.join(DECODER_TYPE)})")
+                        f"(supported: {', '.join(families.FAMILIES)})")
     if problems:
         raise InputError("quantize: " + "; ".join(problems) + ".")
 
@@ -620,7 +619,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     hf_source = copy.deepcopy(model) if quant.export_hf_checkpoint else None
     dtype = torch.bfloat16 if build.dtype == "bfloat16" else torch.float16
     with torch.no_grad():
-        export_tensorrt_llm_checkpoint(model, DECODER_TYPE[model_config["model_type"]], dtype, export_dir=ckpt,
+        export_tensorrt_llm_checkpoint(model, families.FAMILIES[model_config["model_type"]].decoder_type, dtype, export_dir=ckpt,
                                        inference_tensor_parallel=build.tensor_parallel_size)
     exported = _check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size)
     hf_exported = None

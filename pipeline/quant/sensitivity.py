@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipeline import families
 from pipeline.config import ComputeSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
 
@@ -48,7 +49,6 @@ HF_UNIFIED_FUSION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_pr
 
 def fusion_groups_for(target: str) -> tuple[tuple[str, ...], ...]:
     return HF_UNIFIED_FUSION_GROUPS if target == "pytorch" else TRTLLM_FUSION_GROUPS
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CHUNK_ELEMENTS = 4 * 1024 * 1024  # output elements per quantized-matmul chunk (16 MB of fp32; lm_head: ~85 rows)
 AWQ_SEARCH_TOKENS = 4096  # AWQ-lite's alpha search runs on the first tokens only (11 matmuls per layer)
 AWQ_ALPHAS = tuple(round(0.1 * i, 1) for i in range(11))
@@ -75,11 +75,7 @@ def _model_facts(model_dir: Path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise InputError(
-            f"sensitivity analysis supports Llama-family decoders ({', '.join(SUPPORTED_MODEL_TYPES)}); "
-            f"this model is '{config.model_type}'."
-        )
+    families.family(config.model_type)
     return config
 
 

@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from pipeline import families
 from pipeline.compute import return_freed_memory_to_the_os, trim_heap
 from pipeline.errors import InputError, StageFailed
 from pipeline.formats import AWQ_FORMATS
@@ -385,7 +386,7 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
     cfg = None if baseline else q.modelopt_config(plan_doc, quant)
     quantized = set(plan_doc["layers"]) - q.kept_layers(plan_doc)
     phases = [] if baseline else q.calibration_phases(plan_doc, quant)
-    decoder = q.DECODER_TYPE[model_config["model_type"]]
+    decoder = families.FAMILIES[model_config["model_type"]].decoder_type
     tp = build.tensor_parallel_size
     t0 = time.perf_counter()
     return_freed_memory_to_the_os()

@@ -15,7 +15,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from pipeline import artifacts, constants
+from pipeline import artifacts, constants, families
 from pipeline.config import (
     GGUFFileSource,
     HubSource,
@@ -118,6 +118,7 @@ def inspect_hf_folder(model_dir: Path) -> dict:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except (ValueError, OSError, KeyError) as e:
         raise InputError(f"config.json in the model folder is not usable by transformers: {e}") from None
+    families.family(config.model_type)  # a family outside the table is refused before its weights are read
     try:
         AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except (ValueError, OSError, KeyError, TypeError) as e:

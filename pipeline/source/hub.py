@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Optional
 
-from pipeline import constants
+from pipeline import constants, families
 from pipeline.config import HubSource
 from pipeline.errors import EnvironmentProblem, InputError, IntegrityError
 from pipeline.fsutil import link_or_copy, sha256_file
@@ -163,6 +164,17 @@ def fetch_snapshot(src: HubSource, sha: str, dest: Path) -> dict:
         raise InputError(f"{src.repo_id}@{sha[:12]}: no config.json (is it a transformers model repo?)")
 
     log.info("fetching %d files of %s@%s", len(wanted), src.repo_id, sha)
+    try:  # config.json first: a family outside the table is refused before any weight is downloaded
+        config = Path(snapshot_download(src.repo_id, revision=sha, allow_patterns=["config.json"],
+                                        cache_dir=src.cache_dir, endpoint=_endpoint(),
+                                        local_files_only=is_offline)) / "config.json"
+    except Exception as e:  # noqa: BLE001
+        raise _hub_error(e, src, sha) from None
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise InputError(f"{src.repo_id}@{sha[:12]}: config.json is not readable JSON: {e}") from None
+    families.family(model_type)
     try:
         snapshot = Path(snapshot_download(src.repo_id, revision=sha, allow_patterns=wanted,
                                           cache_dir=src.cache_dir, endpoint=_endpoint(),

@@ -1,0 +1,59 @@
+"""The model families the pipeline takes, in one table, and what each needs from every stage.
+
+A family is named by its Hugging Face ``model_type`` (config.json). For each: its HF architecture, ModelOpt's
+``decoder_type`` for ``export_tensorrt_llm_checkpoint`` (modelopt/torch/export/model_config_export.py), what
+its decoder layers hold
+beyond Llama's (the checkpoint reader, pipeline/quant/checkpoint.py, reads them back: q/k/v biases as
+``attention.qkv.bias``, per-head q/k norms as ``attention.q_layernorm`` / ``k_layernorm``), and the build
+targets that can serve it. The CPU runtime runs transformers' own modelling code for the family with its
+paged KV cache and batching, so it needs nothing per family. All are dense decoders: q/k/v fused into one GEMM
+(attention.qkv), gate/up separate in the TensorRT-LLM checkpoint and fused in the HF unified one
+(pipeline/quant/sensitivity.py ``fusion_groups_for``); nothing is kept in high precision by default beyond the
+plan's rules.
+
+The vllm target's export (pipeline/engines/vllm/export.py) writes Llama-shaped layers only: no biases, no
+q/k norms, so Qwen2 and Qwen3 are refused there before any work rather than exported without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.errors import InputError
+
+ALL_TARGETS = ("tensorrt", "pytorch", "cpu", "vllm")
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    hf_architecture: str
+    decoder_type: str  # ModelOpt export_tensorrt_llm_checkpoint(decoder_type=...)
+    extras: str  # what the layers hold beyond Llama's
+    targets: tuple[str, ...]
+    run_here: str  # what has run end to end on a CPU (README, "Model families")
+
+
+FAMILIES = {f.model_type: f for f in (
+    Family("llama", "LlamaForCausalLM", "llama", "", ALL_TARGETS,
+           "SmolLM2-135M and tiny Llamas: every stage, cpu and vllm targets served and verified"),
+    Family("mistral", "MistralForCausalLM", "llama", "", ALL_TARGETS,
+           "nothing beyond the Llama path it shares"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen", "q/k/v biases",
+           ("tensorrt", "pytorch", "cpu"), "a tiny random Qwen2.5-shaped model: every stage to verify, cpu target"),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen", "per-head q/k RMSNorms",
+           ("tensorrt", "pytorch", "cpu"), "a tiny random Qwen3-shaped model: every stage to verify, cpu target"),
+)}
+
+
+def family(model_type: str, target: str | None = None) -> Family:
+    """The family of ``model_type``; an InputError naming the supported ones when it is not in the table, or
+    the targets that serve it when ``target`` is not one of them."""
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        raise InputError(f"model type {model_type!r} is not a supported family; supported: "
+                         f"{', '.join(f'{f.model_type} ({f.hf_architecture})' for f in FAMILIES.values())}")
+    if target is not None and target not in fam.targets:
+        raise InputError(f"the {target} target cannot serve {model_type} ({fam.extras} are not in its export); "
+                         f"use build.target {' or '.join(fam.targets)}")
+    return fam
