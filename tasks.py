@@ -63,7 +63,13 @@ def bench(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbo
         commands.run_task("bench", config, overrides, Path(work_root), force=force)
 
 
-report = _stage_task("report", "Write the build report.")
+@task(iterable=["set"], help=RUN_HELP)
+def report(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False):
+    """Write the build report (running what it needs first), then print where it is and its five lines."""
+    commands.setup_logging(verbose)
+    with commands.user_errors():
+        commands.run_task("report", config, set or [], Path(work_root), force=force)
+        commands.print_summary(config, set or [], Path(work_root))
 
 
 @task(name="all", iterable=["set"], help=RUN_HELP)

@@ -163,6 +163,25 @@ def test_a_server_killed_under_load_is_reported_as_a_server_failure(published, s
     assert not (work_root / "tiny" / stage).exists()
 
 
+def test_a_run_killed_inside_bench_leaves_no_server_behind_and_reruns(published):
+    """kill -9 of `invoke bench` (the run's process group) while its Triton server is under load: the server,
+    in a session of its own, and its model stubs die with the run; nothing is at bench's final path, and the
+    next bench runs to the end and leaves no staging behind. (After the server-kill test above, which needs
+    bench not run yet.)"""
+    cfg, work_root = published
+    assert _run_and_kill_at(cfg, work_root, "bench", "tritonserver ready in"), "bench ended before the kill"
+    deadline = time.monotonic() + 10
+    while _ours(str(work_root)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ours(str(work_root)) == [], "tritonserver or a stub of the killed run is still alive"
+    work = work_root / "tiny"
+    assert not (work / "bench").exists()
+    proc = run_invoke("bench", "--config", str(cfg), "--work-root", str(work_root), timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (work / "bench" / artifacts.MANIFEST_FILE).exists()
+    assert list((work / artifacts.STAGING_DIR).iterdir()) == []
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 64 MiB tmpfs (its size is enforced by the kernel), unmounted after the test."""

@@ -88,6 +88,10 @@ def test_markdown_and_html_say_the_same():
 # ---------------------------------------------------------------- a real (tiny) run, through the report
 
 
+RUN_SETS = ["bench.concurrency=[1,2]", "bench.requests_per_level=4", "bench.warmup_requests=1", "bench.prompt_tokens=16",
+            "bench.output_tokens=8", "triton.model_name=tiny"]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_model_dir):
     """The tiny model through every stage, the report included, with a small bench."""
@@ -100,8 +104,7 @@ def tiny_run(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("report_tiny")
     cfg = tiny_config(tmp, tiny_model_dir, "quantization: {kv_cache: int8, accuracy: {max_perplexity_increase_pct: "
                                            "100, min_top1_agreement: 0.3, max_kl_divergence: 2}}")
-    loaded = load_config(cfg, ["bench.concurrency=[1,2]", "bench.requests_per_level=4", "bench.warmup_requests=1",
-                               "bench.prompt_tokens=16", "bench.output_tokens=8", "triton.model_name=tiny"])
+    loaded = load_config(cfg, RUN_SETS)
     runner = Runner(loaded, STAGES, tmp / "work")
     runner.run(["report"], echo=lambda s: None)
     return runner.work_dir
@@ -226,3 +229,21 @@ def test_the_monitoring_section_links_the_dashboard_and_lists_the_levels_that_pa
     assert "| candidate | 8 | TritonLatencyTail | 6.00 | 3 |" in md and "| candidate | 1 |" not in md
     md = section(AlertsSection(latency_p99_over_p50=10))
     assert "none of the latency rules' thresholds was passed" in md and "over 10," in md
+
+
+def test_report_and_clean_as_a_user_types_them(tiny_run):
+    """Last in this module, as it deletes the built work dir: `invoke report` on it (up to date: it says so and
+    prints where the page is), then `invoke clean`, which removes the config's work dir. No traceback."""
+    from conftest import run_invoke
+
+    work_root = tiny_run.parent
+    common = ["--config", str(work_root.parent / "tiny.yaml"), "--work-root", str(work_root),
+              *[a for s in RUN_SETS for a in ("--set", s)]]
+    proc = run_invoke("report", *common, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    assert "report: up to date" in out and str(tiny_run / "report" / artifacts.REPORT_HTML) in out, out
+    proc = run_invoke("clean", *common, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in out and f"removed {tiny_run}" in out, out
+    assert not tiny_run.exists()

@@ -262,6 +262,7 @@ def test_a_hostile_client_leaves_the_server_ready_the_kv_pool_free_and_answers_u
             assert [f.result() for f in asks] == [200] * 24
             for f in drops:
                 f.result()
+        assert _cancel_grpc_streams(server.grpc_url, "llm_stream", 6) >= 6
         assert urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=10).status == 200
         deadline = time.monotonic() + 60  # the dropped streams' sequences finish or are cancelled
         family, label = "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type"
@@ -272,7 +273,38 @@ def test_a_hostile_client_leaves_the_server_ready_the_kv_pool_free_and_answers_u
         assert metric(server.metrics_url, family, label, "used") == 0
         assert metric(server.metrics_url, family, label, "free") == metric(server.metrics_url, family, label, "max") > 0
         assert metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type", "active") == 0
+        batcher = "nv_trt_llm_inflight_batcher_metrics", "inflight_batcher_specific_metric"
+        assert metric(server.metrics_url, *batcher, "generation_requests") == 0
+        assert metric(server.metrics_url, *batcher, "paused_requests") == 0
         assert _generate(server.http_url, "llm", max_tokens=8)["output_ids"] == greedy
+
+
+def _cancel_grpc_streams(url: str, model: str, n: int) -> int:
+    """``n`` long requests (100 tokens) on one gRPC stream, cancelled by the client (tritonclient's
+    ``stop_stream(cancel_requests=True)``) once ``n`` pieces have come back, so some are mid-stream and some
+    may still be queued; the pieces received by then."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    pieces: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: pieces.put(error))
+    try:
+        for i in range(n):
+            inputs = []
+            for name, arr, dtype in (("text_input", np.array([[f"Tale {i}: long ago".encode()]], dtype=object), "BYTES"),
+                                     ("max_tokens", np.array([[100]], dtype=np.int32), "INT32")):
+                inputs.append(grpcclient.InferInput(name, list(arr.shape), dtype))
+                inputs[-1].set_data_from_numpy(arr)
+            client.async_stream_infer(model, inputs, request_id=str(i))
+        got = [pieces.get(timeout=120) for _ in range(n)]
+        assert all(error is None for error in got), got
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    return len(got) + pieces.qsize()
 
 
 def test_the_tasks_that_read_a_published_build_run_on_one(tiny):
