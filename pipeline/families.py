@@ -2,8 +2,7 @@
 
 A family is named by its Hugging Face ``model_type`` (config.json). For each: its HF architecture, ModelOpt's
 ``decoder_type`` for ``export_tensorrt_llm_checkpoint`` (modelopt/torch/export/model_config_export.py), what
-its decoder layers hold
-beyond Llama's (the checkpoint reader, pipeline/quant/checkpoint.py, reads them back: q/k/v biases as
+its decoder layers hold beyond Llama's (the checkpoint reader, pipeline/quant/checkpoint.py, reads them back: q/k/v biases as
 ``attention.qkv.bias``, per-head q/k norms as ``attention.q_layernorm`` / ``k_layernorm``), and the build
 targets that can serve it. The CPU runtime runs transformers' own modelling code for the family with its
 paged KV cache and batching, so it needs nothing per family. All are dense decoders: q/k/v fused into one GEMM
@@ -30,19 +29,14 @@ class Family:
     hf_architecture: str
     decoder_type: str  # ModelOpt export_tensorrt_llm_checkpoint(decoder_type=...)
     extras: str  # what the layers hold beyond Llama's
-    targets: tuple[str, ...]
-    run_here: str  # what has run end to end on a CPU (README, "Model families")
+    targets: tuple[str, ...]  # what has run end to end where is the README's table ("Model families")
 
 
 FAMILIES = {f.model_type: f for f in (
-    Family("llama", "LlamaForCausalLM", "llama", "", ALL_TARGETS,
-           "SmolLM2-135M and tiny Llamas: every stage, cpu and vllm targets served and verified"),
-    Family("mistral", "MistralForCausalLM", "llama", "", ALL_TARGETS,
-           "nothing beyond the Llama path it shares"),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen", "q/k/v biases",
-           ("tensorrt", "pytorch", "cpu"), "a tiny random Qwen2.5-shaped model: every stage to verify, cpu target"),
-    Family("qwen3", "Qwen3ForCausalLM", "qwen", "per-head q/k RMSNorms",
-           ("tensorrt", "pytorch", "cpu"), "a tiny random Qwen3-shaped model: every stage to verify, cpu target"),
+    Family("llama", "LlamaForCausalLM", "llama", "", ALL_TARGETS),
+    Family("mistral", "MistralForCausalLM", "llama", "", ALL_TARGETS),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen", "q/k/v biases", ("tensorrt", "pytorch", "cpu")),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen", "per-head q/k RMSNorms", ("tensorrt", "pytorch", "cpu")),
 )}
 
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline import families
 from pipeline.config import ComputeSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
 
@@ -74,9 +73,7 @@ class _Accum:
 def _model_facts(model_dir: Path):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
-    families.family(config.model_type)
-    return config
+    return AutoConfig.from_pretrained(model_dir)  # its family was checked by the stage (pipeline/stages.py)
 
 
 @dataclass
