@@ -10,6 +10,15 @@ paged KV cache and batching, so it needs nothing per family. All are dense decod
 (pipeline/quant/sensitivity.py ``fusion_groups_for``); nothing is kept in high precision by default beyond the
 plan's rules.
 
+Mixture-of-experts families (``Family.moe``) have, per decoder layer, a router (a linear giving each token's
+expert scores) and a list of experts, each a gated MLP. What is built for them: the sensitivity stage measures
+every expert on the calibration tokens the router sends it and summarises each layer's experts per expert type;
+the router is measured and recorded; the plan keeps routers in high precision (ModelOpt exports them in fp32 in
+``build_moe_config``) and gives all the experts of a layer one format, because the checkpoint stacks them into
+one tensor per expert type and TensorRT-LLM's fused MoE layer runs them with one quantization method
+(tensorrt_llm/_torch/modules/fused_moe: ``_get_quant_method`` reads the layer's one ``layer_quant_mode``).
+Not built yet: their quantize and export (``MoE.exported``): the quantize stage refuses them before any work.
+
 The vllm target's export (pipeline/engines/vllm/export.py) writes Llama-shaped layers only: no biases, no
 q/k norms, so Qwen2 and Qwen3 are refused there before any work rather than exported without them.
 """
@@ -24,12 +33,22 @@ ALL_TARGETS = ("tensorrt", "pytorch", "cpu", "vllm")
 
 
 @dataclass(frozen=True)
+class MoE:
+    router: str  # the router's path in a decoder layer
+    experts: str  # the expert list's path in a decoder layer
+    fused: tuple[str, ...]  # an expert's linears that read the same input and that the export fuses (w1 | w3)
+    top_k: str  # the config.json key: experts per token
+    exported: bool = False  # quantize and export built for it
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     hf_architecture: str
     decoder_type: str  # ModelOpt export_tensorrt_llm_checkpoint(decoder_type=...)
     extras: str  # what the layers hold beyond Llama's
     targets: tuple[str, ...]  # what has run end to end where is the README's table ("Model families")
+    moe: MoE | None = None
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -37,6 +56,10 @@ FAMILIES = {f.model_type: f for f in (
     Family("mistral", "MistralForCausalLM", "llama", "", ALL_TARGETS),
     Family("qwen2", "Qwen2ForCausalLM", "qwen", "q/k/v biases", ("tensorrt", "pytorch", "cpu")),
     Family("qwen3", "Qwen3ForCausalLM", "qwen", "per-head q/k RMSNorms", ("tensorrt", "pytorch", "cpu")),
+    # ModelOpt's MODEL_NAME_TO_TYPE maps MixtralForCausalLM to the llama decoder (model_utils.py)
+    Family("mixtral", "MixtralForCausalLM", "llama", "a router and experts per layer (MoE)",
+           ("tensorrt", "pytorch", "cpu"),
+           MoE("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3"), "num_experts_per_tok")),
 )}
 
 

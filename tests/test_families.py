@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import run_invoke, tiny_config
 
 from pipeline import artifacts, families
@@ -125,3 +126,127 @@ def test_a_family_outside_the_table_and_a_target_that_cannot_serve_one_are_refus
                       str(tmp_path / "work"), timeout=600)
     assert proc.returncode != 0 and "model type 'gemma2' is not a supported family" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- mixture of experts (sensitivity and plan)
+
+def _mixtral(experts: int = 4):
+    """Mixtral-8x7B's shape, scaled down: a router and ``experts`` gated-MLP experts per layer, top-2 routing."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                            num_local_experts=experts, num_experts_per_tok=2, bos_token_id=1,
+                                            eos_token_id=2))
+
+
+def _saved(model, path: Path, tokenizer_dir: Path) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy2(f, path / f.name)
+    return path
+
+
+def test_moe_sensitivity_and_plan_then_quantize_refuses_before_any_work(tmp_path, tiny_tokenizer_dir):
+    """Each expert is measured on the tokens routed to it and summarised per expert type; routers stay in high
+    precision; the experts of a layer share one format (a rule keeping one expert's w2 keeps its whole layer's
+    experts); quantize, not built for MoE yet, refuses with a clear message and writes nothing."""
+    import torch
+
+    torch.manual_seed(0)
+    model_dir = _saved(_mixtral(), tmp_path / "model", tiny_tokenizer_dir)
+    cfg = tiny_config(tmp_path, model_dir).read_text().replace(
+        "rules: [{pattern: lm_head, keep_high_precision: true}]",
+        "rules: [{pattern: lm_head, keep_high_precision: true}, "
+        "{pattern: 'model.layers.1.*.experts.2.w2', keep_high_precision: true}]")
+    cfg_path = tmp_path / "moe.yaml"
+    cfg_path.write_text(cfg)
+    work = tmp_path / "work"
+    proc = run_invoke("sensitivity", "--config", str(cfg_path), "--work-root", str(work), timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = json.loads((work / "tiny" / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON).read_text())
+    tokens = table["calibration"]["tokens"]
+    experts = [l for l in table["layers"] if l["module"].startswith("experts.")]
+    assert len(experts) == 2 * 4 * 3 and sum(l["module"] == "router" for l in table["layers"]) == 2
+    for summary in table["experts"]:
+        assert sum(summary["routed_tokens"]) == 2 * tokens and min(summary["routed_tokens"]) > 0, summary
+        for kind in ("w1", "w2", "w3"):
+            cell = summary["by_type"][kind]["int8_sq"]
+            assert cell["max"] >= cell["mean"] > 0
+    assert ["w1", "w3"] in table["fusion_groups"]
+    w1 = next(l for l in experts if l["module"] == "experts.0.w1")
+    assert w1["fused_with"] == ["experts.0.w3"] and w1["activation"]["routed_tokens"] == \
+        table["experts"][0]["routed_tokens"][0]
+    assert "Experts per MoE layer" in (work / "tiny" / "sensitivity" / artifacts.SENSITIVITY_TABLE_MD).read_text()
+
+    plan = yaml.safe_load((work / "tiny" / "plan" / artifacts.PLAN_FILE).read_text())["layers"]
+    for block in (0, 1):
+        router = plan[f"model.layers.{block}.block_sparse_moe.gate"]
+        assert router["format"] == "high_precision" and "MoE router" in router["reason"]
+    layer0 = {n: e for n, e in plan.items() if n.startswith("model.layers.0.") and ".experts." in n}
+    layer1 = {n: e for n, e in plan.items() if n.startswith("model.layers.1.") and ".experts." in n}
+    assert {e["format"] for e in layer0.values()} == {"int8_sq"}
+    assert {e["format"] for e in layer1.values()} == {"high_precision"}
+    assert "share one format" in plan["model.layers.1.block_sparse_moe.experts.0.w1"]["reason"]
+
+    proc = run_invoke("quantize", "--config", str(cfg_path), "--work-root", str(work), timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "mixture-of-experts model" in out and "Traceback" not in out, out
+    assert not (work / "tiny" / "quantize" / "manifest.json").exists()
+
+
+def test_an_experts_figure_is_its_error_on_the_tokens_the_router_sent_it(tmp_path, tiny_tokenizer_dir):
+    """Checked against transformers' own forward pass: the input that reached the busiest expert's w2 in layer 0 (captured
+    by a hook on the whole model), W8A8-quantized by hand (per-tensor input, per-channel weight), gives the
+    table's figure. An expert the router sent no token is measured on all of its layer's tokens, and says so."""
+    import torch
+
+    from pipeline.config import QuantizationSection, SensitivitySection
+    from pipeline.quant import sensitivity
+
+    torch.manual_seed(1)
+    model = _mixtral(experts=32)
+    model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
+    ids = torch.randint(3, 512, (6, 8))
+    table = sensitivity.analyse(model_dir, ids.numpy(), SensitivitySection(formats=("int8_w8a8",)),
+                                QuantizationSection())
+    layers = {l["name"]: l for l in table["layers"]}
+    routed = table["experts"][0]["routed_tokens"]
+    busiest = routed.index(max(routed))
+
+    w2 = model.model.layers[0].block_sparse_moe.experts[busiest].w2
+    seen = []
+    handle = w2.register_forward_hook(lambda m, i, o: seen.append(i[0].detach().clone()))
+    with torch.no_grad():
+        for row in ids:  # one sample a forward, as the stage's per-sample figures are
+            model(row[None])
+    handle.remove()
+    x = torch.cat(seen)
+    xs = x.abs().max() / 127  # one input scale over the whole calibration set
+    ws = w2.weight.abs().amax(dim=1, keepdim=True) / 127
+
+    def error(xi):
+        with torch.no_grad():
+            ref = xi @ w2.weight.T
+            q = ((xi / xs).round().clamp(-127, 127) * xs) @ ((w2.weight / ws).round().clamp(-127, 127) * ws).T
+            return float((ref - q).norm() / ref.norm())
+
+    rec = layers[f"model.layers.0.block_sparse_moe.experts.{busiest}.w2"]
+    assert rec["activation"]["routed_tokens"] == x.shape[0] > 0
+    assert rec["errors"]["int8_w8a8"]["error"] == pytest.approx(error(x), rel=2e-3)
+    # per sample: each routed row counted for the sample it came from
+    assert rec["errors"]["int8_w8a8"]["max"] == pytest.approx(max(error(xi) for xi in seen if len(xi)), rel=2e-3)
+
+    assert len(routed) == 32 and sum(routed) == 2 * ids.numel() and 0 in routed
+    idle = routed.index(0)
+    assert layers[f"model.layers.0.block_sparse_moe.experts.{idle}.w1"]["errors"]["int8_w8a8"]["error"] > 0
+
+
+def test_a_rule_naming_experts_on_a_dense_model_is_a_config_error():
+    from pipeline.config import PlanRule, PlanSection, QuantizationSection, SensitivitySection
+    from pipeline.quant.plan import make_plan
+
+    table = {"model": {"model_type": "llama"}, "layers": [], "fusion_groups": [["q_proj", "k_proj", "v_proj"]]}
+    plan = PlanSection(rules=(PlanRule(pattern="*.experts.*.w2", keep_high_precision=True),))
+    with pytest.raises(InputError, match=r"names experts, but llama is a dense model"):
+        make_plan(table, plan, SensitivitySection(), QuantizationSection())

@@ -8,6 +8,11 @@ Modes:
   knapsack, solved exactly on a 4 KiB grid with sizes rounded up, so the budget is never exceeded);
 - rules (both modes, applied first): fnmatch patterns that keep layers in high precision or force a format.
 
+Mixture-of-experts models (pipeline/families.py ``Family.moe``): each layer's router stays in high precision, and
+all the experts of a layer get one format (the widest any of them needs in threshold mode, the base format in
+budget mode). A rule addresses all the experts of layer 3 as ``model.layers.3.*.experts.*`` and one expert type
+(w2) everywhere as ``*.experts.*.w2``; a rule naming experts on a dense model is a config error.
+
 The plan is ``plan.yaml``: small and meant to be read and edited. The runner notices a hand edit; the
 edited file is validated and then used as it is by the stages after it.
 """
@@ -21,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import artifacts
+from pipeline import artifacts, families
 from pipeline.config import PlanSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
 from pipeline.formats import (
@@ -67,9 +72,15 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
         e = layer["errors"].get(column)
         return e["error"] if e else None
 
+    fam = families.FAMILIES.get(table["model"]["model_type"])
+    moe = fam.moe if fam else None
+    _check_expert_rules(plan, moe, table["model"]["model_type"])
     # rules first: the last matching rule wins, as in ModelOpt's ordered configs
     free = []
     for layer in layers:
+        if layer["module"] == "router":
+            choices[layer["name"]] = _choice(layer, HIGH_PRECISION, ROUTER_REASON, err(layer, base), g)
+            continue
         rule = None
         for r in plan.rules:
             if fnmatch.fnmatchcase(layer["name"], r.pattern):
@@ -97,6 +108,8 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
     else:
         binding = _budget(free, choices, plan, base, err, g)
     _align_fused(choices, table, base, g, widen=plan.mode == "threshold")
+    if moe is not None:
+        _align_experts(choices, table, moe, base, g, widen=plan.mode == "threshold")
     if binding is not None:
         binding["used_bytes"] = sum(c.bytes for c in choices.values())
         binding["slack_bytes"] = binding["budget_bytes"] - binding["used_bytes"]
@@ -129,6 +142,45 @@ def _align_fused(choices: dict, table: dict, base: str, g: int, widen: bool) -> 
         for m in members:
             if choices[m].format != fmt:
                 why = f"fused with {leader.rsplit('.', 1)[-1]} in the checkpoint: follows its format"
+                choices[m] = _choice(layers[m], fmt, why, choices[m].error, g)
+
+
+ROUTER_REASON = "MoE router: kept in high precision (ModelOpt exports it in fp32)"
+
+
+def _check_expert_rules(plan: PlanSection, moe, model_type: str) -> None:
+    """A rule naming experts on a dense model, or giving a router a format, cannot be carried out."""
+    for r in plan.rules:
+        if moe is None and "expert" in r.pattern:
+            raise InputError(f"plan rule '{r.pattern}' names experts, but {model_type} is a dense model: it has no "
+                             f"experts. Remove the rule, or point the config at a mixture-of-experts model.")
+        if moe is not None and not r.keep_high_precision and fnmatch.fnmatchcase(f"model.layers.0.{moe.router}",
+                                                                                 r.pattern):
+            raise InputError(f"plan rule '{r.pattern}' gives the MoE routers ({moe.router}) format {r.format}; "
+                             f"routers stay in high precision (ModelOpt exports them in fp32). Narrow the pattern.")
+
+
+def _align_experts(choices: dict, table: dict, moe, base: str, g: int, widen: bool) -> None:
+    """All the experts of a layer get one format: the checkpoint stacks them (one tensor per expert type) and
+    TensorRT-LLM's fused MoE layer runs them with one quantization method. Threshold mode widens them to the
+    widest any expert needs; budget mode narrows them to the base format."""
+    layers = {l["name"]: l for l in table["layers"]}
+    by_block: dict[int, list[str]] = {}
+    for name, layer in layers.items():
+        if layer["module"].startswith("experts."):
+            by_block.setdefault(layer["block"], []).append(name)
+    for block, members in by_block.items():
+        if len({choices[m].format for m in members}) < 2:
+            continue
+        if widen:
+            leader = max(members, key=lambda m: (bits(choices[m].format), choices[m].error or 0.0))
+        else:
+            leader = next((m for m in members if choices[m].format == base), members[0])
+        fmt = choices[leader].format
+        short = layers[leader]["module"]
+        for m in members:
+            if choices[m].format != fmt:
+                why = f"the experts of layer {block} share one format in the checkpoint: follows {short}"
                 choices[m] = _choice(layers[m], fmt, why, choices[m].error, g)
 
 

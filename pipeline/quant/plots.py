@@ -31,6 +31,18 @@ def table_markdown(table: dict, threshold: float, decision: str) -> str:
         lines.append(f"| {l['name']} | " + " | ".join(cells) +
                      f" | {l['activation']['amax']:.1f} | {l['activation']['outlier_ratio']:.1f} | "
                      f"{l['in_features'] * l['out_features']:,} |")
+    experts = table.get("experts")
+    if experts:
+        lines += ["", f"## Experts per MoE layer (`{decision}` column: the largest and mean error over the layer's "
+                      f"experts per expert type, and the worst expert; routers are kept in high precision)", "",
+                  "| layer | calibration tokens routed per expert | " +
+                  " | ".join(f"{k} max / mean (worst)" for k in sorted(experts[0]["by_type"])) + " |",
+                  "|---|---|" + "---|" * len(experts[0]["by_type"])]
+        for e in experts:
+            cells = [f"{c[decision]['max']:.4f} / {c[decision]['mean']:.4f} ({c[decision]['worst_expert']})"
+                     for _, c in sorted(e["by_type"].items())]
+            lines.append(f"| {e['layer']} | {e['routed_tokens']} | " + " | ".join(cells) + " |")
+        lines.append("An expert with 0 routed tokens was measured on all of its layer's calibration tokens.")
     emb = table.get("embedding")
     if emb:
         lines += ["", f"Embedding table ({emb['name']}, reported separately, not quantized by the plan): INT8 "

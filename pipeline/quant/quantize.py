@@ -89,6 +89,11 @@ def quantized_formats(plan_doc: dict) -> set[str]:
 def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection, model_config: dict,
                 table_layers: dict) -> None:
     """Refuse, before any work, what ModelOpt or TensorRT-LLM would reject later (each message says the fix)."""
+    fam = families.FAMILIES.get(model_config.get("model_type"))
+    if fam is not None and fam.moe is not None and not fam.moe.exported:
+        raise InputError(f"quantize: {fam.model_type} is a mixture-of-experts model; the sensitivity and plan stages "
+                         f"run on it (`invoke sensitivity` writes its per-expert figures and plan), but its quantize and export are "
+                         f"not built yet, so it cannot be deployed by this version.")
     problems = []
     tp = build.tensor_parallel_size
     g = quant.awq_group_size

@@ -19,6 +19,14 @@ activation scales need the whole set's amax), its reference output being the for
 quantized matmul per format in token chunks (INT8 x INT8 as exact integer matmuls). Peak memory is about
 one decoder layer's linear activations over the calibration set, plus one layer's weights.
 
+Mixture-of-experts layers (pipeline/families.py ``Family.moe``): the routing is followed (the router's top-k,
+as transformers' MoE block computes it) so each expert is measured on the calibration tokens routed to it, its
+per-sample figures counted for the samples those tokens came from; an expert's w1/w3 share smoothing as the
+export fuses them; an expert the router sent no token is measured on all of its layer's tokens (its record says
+0 routed tokens). The router itself is measured and recorded. ``expert_summary`` gives, per MoE layer, the tokens
+routed to each expert and, per expert type, the largest and mean error over its experts. Not modelled: the
+export's resmoothing across all the experts of a layer (it shares one pre-quant scale over them).
+
 For int4_awq the AWQ-lite alpha search runs on the first AWQ_SEARCH_TOKENS calibration tokens (ModelOpt
 searches on all of them), so that column is a close estimate, not bit-exact; the other formats are exact.
 """
@@ -32,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipeline import families
 from pipeline.config import ComputeSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
 
@@ -61,7 +70,8 @@ class _Accum:
     ref2: list[float]
 
     def result(self) -> dict:
-        per_sample = [math.sqrt(d / r) if r > 0 else 0.0 for d, r in zip(self.diff2, self.ref2)]
+        # samples with no rows (an expert the router sent none of the sample's tokens) have no error to average
+        per_sample = [math.sqrt(d / r) for d, r in zip(self.diff2, self.ref2) if r > 0] or [0.0]
         total_ref = sum(self.ref2)
         return {
             "error": math.sqrt(sum(self.diff2) / total_ref) if total_ref > 0 else 0.0,
@@ -107,9 +117,12 @@ class Analyser:
         self._cache = {}
 
     # ---------------------------------------------------------- per linear
-    def measure(self, name: str, block: int, short: str, x2, tokens_per_sample: int, weight, ref_rows) -> None:
+    def measure(self, name: str, block: int, short: str, x2, tokens_per_sample: int, weight, ref_rows,
+                sample_of_row=None, routed_tokens: int | None = None) -> None:
         """x2: [N*T, in], the layer's input over the whole calibration set, sample after sample;
-        ref_rows(a, b): rows a..b of its reference output."""
+        ref_rows(a, b): rows a..b of its reference output. An expert sees only the rows routed to it:
+        ``sample_of_row`` gives each row's calibration sample and ``routed_tokens`` how many were routed (0: none
+        were, and it is measured on all its layer's tokens instead)."""
         import torch
 
         dev = x2.device
@@ -125,7 +138,10 @@ class Analyser:
         med = float(ch_amax.median())
         rec.activation = {"amax": float(ch_amax.max()), "mean_abs": mean_abs,
                           "outlier_ratio": float(ch_amax.max()) / med if med > 0 else float("inf")}
-        sample_of_row = torch.arange(x2.shape[0], device=dev) // tokens_per_sample
+        if routed_tokens is not None:
+            rec.activation["routed_tokens"] = routed_tokens
+        if sample_of_row is None:
+            sample_of_row = torch.arange(x2.shape[0], device=dev) // tokens_per_sample
         chunk = max(16, CHUNK_ELEMENTS // weight.shape[0])
         preps = {fmt: self._prepare(fmt, name, short, block, x2, ch_amax, weight) for fmt in self.formats}
         diff2 = {fmt: torch.zeros(self.n, dtype=torch.float64, device=dev) for fmt in self.formats}
@@ -144,9 +160,12 @@ class Analyser:
         self.records.append(rec)
 
     def _group(self, short: str) -> tuple[str, ...]:
+        """The linears fused with ``short`` (itself included): q/k/v, or an expert's w1/w3 (experts.3.w1)."""
+        head, _, leaf = short.rpartition(".")
         for g in self.fusion_groups:
-            if short in g and all(m in self.siblings for m in g):
-                return g
+            members = tuple(f"{head}.{m}" if head else m for m in g)
+            if leaf in g and all(m in self.siblings for m in members):
+                return members
         return (short,)
 
     def _prepare(self, fmt: str, name: str, short: str, block: int, x2, ch_amax, weight):
@@ -290,6 +309,9 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
     t0 = time.perf_counter()
     dtype = getattr(torch, dtype_name or section.reference_dtype)
     config = _model_facts(model_dir)
+    moe = families.FAMILIES[config.model_type].moe
+    if moe is not None:
+        fusion_groups = (*fusion_groups, moe.fused)
     config._attn_implementation = "sdpa"
     store = WeightStore(model_dir)
     model = skeleton(config, dtype)
@@ -315,20 +337,25 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
         for i, layer in enumerate(model.model.layers):
             prefix = f"model.layers.{i}"
             store.load_module(layer, prefix, dtype, device)
-            linears = _record_linears(layer, stash)
+            linears = _record_linears(layer, stash, moe, config)
             out = torch.empty_like(hidden)
             for a in range(0, n, SAMPLES_PER_FORWARD):  # the reference forward, a few samples at a time
                 stash.rows = (a * t, min(a + SAMPLES_PER_FORWARD, n) * t)
                 y = layer(hidden[a:a + SAMPLES_PER_FORWARD], attention_mask=None, position_ids=positions,
                           position_embeddings=(cos, sin))
                 out[a:a + SAMPLES_PER_FORWARD] = y[0] if isinstance(y, tuple) else y
+            if moe is not None:
+                stash.run_unrouted_experts(layer.get_submodule(moe.experts))
             stash.stop_recording()
             hidden = out
             analyser.start_layer({short: lin for short, lin in linears.items()})
             for short, lin in linears.items():  # then every linear over the whole set at once
                 out_buf = stash.output(short)
+                rows, routed = stash.routed_rows(short)
                 analyser.measure(f"{prefix}.{stash.path[short]}", i, short, stash.input(short), t, lin.weight,
-                                 lambda a, b, _o=out_buf: _o[a:b])
+                                 lambda a, b, _o=out_buf: _o[a:b],
+                                 None if rows is None else rows // t, routed)
+            stash.clear_routed()
             layer.to("meta")
             trim_heap()
             log.info("layer %d/%d done (%.1f s)", i + 1, config.num_hidden_layers, time.perf_counter() - t0)
@@ -342,6 +369,8 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
         _measure_lm_head(analyser, hidden, head)
         del head
     result["layers"] = [r.__dict__ for r in analyser.records]
+    if moe is not None:
+        result["experts"] = expert_summary(result["layers"], section.formats)
     result["timing"] = {"analysis_s": round(time.perf_counter() - t0, 2)}
     return result
 
@@ -379,6 +408,12 @@ class _Stash:
 
     def __init__(self, rows: int):
         self.total_rows = rows
+        # experts: each sees only the rows routed to it, so their inputs and outputs are lists of pieces, and the
+        # calibration rows they came from are kept beside them
+        self.pieces: dict[str, list] = {}
+        self.expert_rows: dict[str, list] = {}  # expert prefix (experts.3) -> [row ids per forward]
+        self.unrouted: set[str] = set()  # experts measured on all rows: the router sent them none
+        self.route = None  # the current forward's routing: (selected experts [tokens, k], k)
         self.rows = (0, 0)
         self.buffers: dict[str, object] = {}
         self.input_of: dict[str, str] = {}  # linear -> input buffer key
@@ -394,6 +429,8 @@ class _Stash:
         return buf
 
     def hook(self, short: str):
+        routed = short.startswith("experts.")
+
         def record(module, inputs, output):
             a, b = self.rows
             x = inputs[0]
@@ -402,11 +439,69 @@ class _Stash:
                 key = next((k for k, t in self._last.items() if t is x), f"in:{short}")
                 self.input_of[short] = key
             if self._last.get(key) is not x:  # (holding the reference keeps its address from being reused)
-                self._buffer(key, x.shape[-1], x.dtype, x.device)[a:b] = x.reshape(-1, x.shape[-1])
+                if routed:
+                    self.pieces.setdefault(key, []).append(x.reshape(-1, x.shape[-1]))
+                else:
+                    self._buffer(key, x.shape[-1], x.dtype, x.device)[a:b] = x.reshape(-1, x.shape[-1])
                 self._last[key] = x
-            self._buffer(f"out:{short}", output.shape[-1], output.dtype, output.device)[a:b] = \
-                output.reshape(-1, output.shape[-1])
+            if routed:
+                self.pieces.setdefault(f"out:{short}", []).append(output.reshape(-1, output.shape[-1]))
+            else:
+                self._buffer(f"out:{short}", output.shape[-1], output.dtype, output.device)[a:b] = \
+                    output.reshape(-1, output.shape[-1])
         return record
+
+    def start_routing(self, router, experts, top_k: int) -> None:
+        """Follow the MoE block's routing, to know which calibration rows each expert's input holds: the router's
+        top-k of its softmax scores (transformers' MixtralSparseMoeBlock.forward), each expert taking its rows
+        in the order ``torch.where`` lists them there (by top-k slot, then token)."""
+        import torch
+
+        def route(module, inputs, logits):
+            probs = torch.softmax(logits.reshape(-1, logits.shape[-1]), dim=-1, dtype=torch.float)
+            self.route = torch.topk(probs, top_k, dim=-1).indices
+
+        def rows_of(j: int):
+            def before(module, inputs):
+                a, _ = self.rows
+                if self.route is None:  # an expert run on every row (run_unrouted_experts)
+                    ids = torch.arange(a, a + inputs[0].shape[0], device=inputs[0].device)
+                else:
+                    ids = a + torch.where((self.route == j).T)[1]
+                if ids.numel() != inputs[0].reshape(-1, inputs[0].shape[-1]).shape[0]:
+                    raise RuntimeError(f"expert {j}: its input has {inputs[0].shape[0]} rows, the routing followed "
+                                       f"here gives {ids.numel()}: the MoE block routes differently")
+                self.expert_rows.setdefault(f"experts.{j}", []).append(ids)
+            return before
+
+        self.handles.append(router.register_forward_hook(route))
+        self.handles += [e.register_forward_pre_hook(rows_of(j)) for j, e in enumerate(experts)]
+
+    def run_unrouted_experts(self, experts) -> None:
+        """An expert the router sent no calibration token is measured on all of its layer's tokens (the router's
+        input), so every expert has a figure; its record says it had no routed tokens."""
+        x_all = self.input("router")
+        self.route = None
+        for j, expert in enumerate(experts):
+            if f"experts.{j}" in self.expert_rows:
+                continue
+            self.unrouted.add(f"experts.{j}")
+            for a in range(0, self.total_rows, _ROW_BLOCK):
+                self.rows = (a, min(a + _ROW_BLOCK, self.total_rows))
+                expert(x_all[a:a + _ROW_BLOCK])
+
+    def routed_rows(self, short: str):
+        """An expert linear's calibration row ids and how many were routed to it; (None, None) for the others."""
+        import torch
+
+        if not short.startswith("experts."):
+            return None, None
+        expert = short.rsplit(".", 1)[0]
+        rows = torch.cat(self.expert_rows[expert])
+        return rows, 0 if expert in self.unrouted else int(rows.numel())
+
+    def clear_routed(self) -> None:
+        self.pieces, self.expert_rows, self.unrouted, self.route = {}, {}, set(), None
 
     def start_recording(self, linears: dict) -> None:
         self._last: dict[str, object] = {}  # input buffer key -> the tensor last copied into it
@@ -420,24 +515,67 @@ class _Stash:
         self._last = {}
 
     def input(self, short: str):
-        return self.buffers[self.input_of[short]]
+        key = self.input_of[short]
+        return self._joined(key) if key in self.pieces else self.buffers[key]
 
     def output(self, short: str):
-        return self.buffers[f"out:{short}"]
+        key = f"out:{short}"
+        return self._joined(key) if key in self.pieces else self.buffers[key]
+
+    def _joined(self, key: str):
+        import torch
+
+        if len(self.pieces[key]) > 1:
+            self.pieces[key] = [torch.cat(self.pieces[key])]
+        return self.pieces[key][0]
 
 
-def _record_linears(layer, stash: _Stash) -> dict:
-    """The decoder layer's linears by short name (q_proj, ...), with recording hooks installed."""
+def _record_linears(layer, stash: _Stash, moe=None, config=None) -> dict:
+    """The decoder layer's linears by short name (q_proj, ...; an MoE layer's router as ``router`` and its experts'
+    as ``experts.3.w1``), with recording hooks installed."""
     import torch.nn as nn
 
     linears = {}
     for rel, m in layer.named_modules():
         if isinstance(m, nn.Linear):
-            short = rel.rsplit(".", 1)[-1]
+            if moe is not None and rel.startswith(moe.experts + "."):
+                short = "experts." + rel[len(moe.experts) + 1:]
+            elif moe is not None and rel == moe.router:
+                short = "router"
+            else:
+                short = rel.rsplit(".", 1)[-1]
             linears[short] = m
             stash.path[short] = rel
     stash.start_recording(linears)
+    if moe is not None:
+        stash.start_routing(layer.get_submodule(moe.router), layer.get_submodule(moe.experts),
+                            getattr(config, moe.top_k))
     return linears
+
+
+def expert_summary(layers: list[dict], formats: tuple[str, ...]) -> list[dict]:
+    """Per MoE layer: its router's name, the calibration tokens routed to each expert, and per expert type (w1,
+    w2, w3) the largest and mean error over the layer's experts in each format, with the worst expert."""
+    out: dict[int, dict] = {}
+    for l in layers:
+        if l["module"] == "router":
+            out.setdefault(l["block"], {"layer": l["block"]})["router"] = l["name"]
+        if not l["module"].startswith("experts."):
+            continue
+        _, j, kind = l["module"].split(".")
+        entry = out.setdefault(l["block"], {"layer": l["block"]})
+        entry.setdefault("routed_tokens", {})[int(j)] = l["activation"]["routed_tokens"]
+        for fmt in formats:
+            slot = entry.setdefault("by_type", {}).setdefault(kind, {}).setdefault(fmt, {"errors": {}})
+            slot["errors"][int(j)] = l["errors"][fmt]["error"]
+    for entry in out.values():
+        entry["routed_tokens"] = [entry["routed_tokens"][j] for j in sorted(entry["routed_tokens"])]
+        for kind in entry["by_type"].values():
+            for fmt, slot in kind.items():
+                errs = slot.pop("errors")
+                worst = max(errs, key=errs.get)
+                kind[fmt] = {"max": errs[worst], "mean": sum(errs.values()) / len(errs), "worst_expert": worst}
+    return [out[b] for b in sorted(out)]
 
 
 
@@ -469,7 +607,8 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
     # wall time goes to the manifest's summary, not into the table: an output that differed on every run
     # would change the inputs of every stage after this one
     timing = table.pop("timing")
-    table["fusion_groups"] = [list(g) for g in fusion_groups_for(target)]
+    moe = families.FAMILIES[table["model"]["model_type"]].moe
+    table["fusion_groups"] = [list(g) for g in fusion_groups_for(target)] + ([list(moe.fused)] if moe else [])
     (out_dir / artifacts.SENSITIVITY_TABLE_JSON).write_text(json.dumps(table, indent=1))
     col = decision or section.formats[0]
     (out_dir / artifacts.SENSITIVITY_TABLE_MD).write_text(table_markdown(table, section.threshold, col))
