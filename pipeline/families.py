@@ -17,7 +17,9 @@ the router is measured and recorded; the plan keeps routers in high precision (M
 ``build_moe_config``) and gives all the experts of a layer one format, because the checkpoint stacks them into
 one tensor per expert type and TensorRT-LLM's fused MoE layer runs them with one quantization method
 (tensorrt_llm/_torch/modules/fused_moe: ``_get_quant_method`` reads the layer's one ``layer_quant_mode``).
-Not built yet: their quantize and export (``MoE.exported``): the quantize stage refuses them before any work.
+Quantize and export: the experts in FP8, INT4 AWQ or W4A8 AWQ (what ModelOpt's TensorRT-LLM export writes for
+stacked experts), at tensor parallel size 1 (pipeline/quant/quantize.py ``MOE_EXPORT_FORMATS``); the checkpoint
+reader reads the stacked experts back per expert.
 
 The vllm target's export (pipeline/engines/vllm/export.py) writes Llama-shaped layers only: no biases, no
 q/k norms, so Qwen2 and Qwen3 are refused there before any work rather than exported without them.
@@ -36,9 +38,9 @@ ALL_TARGETS = ("tensorrt", "pytorch", "cpu", "vllm")
 class MoE:
     router: str  # the router's path in a decoder layer
     experts: str  # the expert list's path in a decoder layer
-    fused: tuple[str, ...]  # an expert's linears that read the same input and that the export fuses (w1 | w3)
+    fused: tuple[str, str]  # an expert's gate and up linears: they read the same input, the export fuses them
+    down: str  # an expert's down linear
     top_k: str  # the config.json key: experts per token
-    exported: bool = False  # quantize and export built for it
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Family:
     extras: str  # what the layers hold beyond Llama's
     targets: tuple[str, ...]  # what has run end to end where is the README's table ("Model families")
     moe: MoE | None = None
+    why_not: str = ""  # why the other targets cannot serve it (default: its extras are not in their export)
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -59,7 +62,14 @@ FAMILIES = {f.model_type: f for f in (
     # ModelOpt's MODEL_NAME_TO_TYPE maps MixtralForCausalLM to the llama decoder (model_utils.py)
     Family("mixtral", "MixtralForCausalLM", "llama", "a router and experts per layer (MoE)",
            ("tensorrt", "pytorch", "cpu"),
-           MoE("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3"), "num_experts_per_tok")),
+           MoE("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3"), "w2", "num_experts_per_tok")),
+    # ModelOpt's TensorRT-LLM export writes Qwen3-MoE with the qwen decoder, but without tensorrt_llm installed
+    # its config.json lacks the `moe` section (num_experts, top_k) an engine build needs: pytorch and cpu targets
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen",
+           "per-head q/k RMSNorms; a router and experts per layer (MoE)", ("pytorch", "cpu"),
+           MoE("mlp.gate", "mlp.experts", ("gate_proj", "up_proj"), "down_proj", "num_experts_per_tok"),
+           "ModelOpt's TensorRT-LLM checkpoint of it has no moe section for an engine build, and the vllm export "
+           "writes dense layers only"),
 )}
 
 
@@ -71,6 +81,7 @@ def family(model_type: str, target: str | None = None) -> Family:
         raise InputError(f"model type {model_type!r} is not a supported family; supported: "
                          f"{', '.join(f'{f.model_type} ({f.hf_architecture})' for f in FAMILIES.values())}")
     if target is not None and target not in fam.targets:
-        raise InputError(f"the {target} target cannot serve {model_type} ({fam.extras} are not in its export); "
+        why = fam.why_not or f"{fam.extras} are not in its export"
+        raise InputError(f"the {target} target cannot serve {model_type} ({why}); "
                          f"use build.target {' or '.join(fam.targets)}")
     return fam

@@ -35,6 +35,13 @@ model_config_utils.py ``merge_qkv``) and checked on exports of SmolLM2 and tiny 
 - biases (Qwen2's q/k/v): ``<linear>.bias`` beside the weight, unquantized, split over the ranks as the
   weight's output rows are (a fused qkv bias holds each rank's q | k | v slices); a row-parallel linear's bias
   is the same on every rank.
+- mixture-of-experts layers (a family with ``moe`` in pipeline/families.py): ``mlp.router`` (fp32, unquantized,
+  the same on every rank) -> the router; the experts stacked, one tensor per expert type: ``mlp.fc`` [experts,
+  2 x intermediate, hidden] holding each expert's up (w3) rows then its gate (w1) rows, ``mlp.proj`` [experts,
+  hidden, intermediate] its down (w2) (ModelOpt 0.47 layer_utils.py ``build_stacked_experts``). Their scales carry the
+  expert as their first dim (weights_scaling_factor [experts, 1] for FP8, [experts, out, in / group] for INT4;
+  prequant_scaling_factor [experts, in]; weights_scaling_factor_2 [experts, 1]); the activation scale is one for
+  all the experts. Each expert is dequantized with its own scales. Read back at tensor parallel size 1 only.
 It checks what it reads: layers the plan keeps in high precision must be unquantized, quantized ones must
 carry the scales their format needs with consistent shapes and dtypes, the stored dtype must agree with the
 format the config names, and shapes must match the model; a violation is an IntegrityError naming the layer.
@@ -49,7 +56,7 @@ import json
 import weakref
 from pathlib import Path
 
-from pipeline import artifacts
+from pipeline import artifacts, families
 from pipeline.errors import IntegrityError
 from pipeline.formats import FORMAT_OF_ALGO
 
@@ -333,6 +340,76 @@ class CheckpointReader:
                 raise IntegrityError(f"{name}: bias of shape {tuple(b.shape)} does not fit {hf_name}'s {n} outputs")
         return dict(zip(hf_names, full))
 
+    def _read_experts(self, name: str, hf_names: list[list[str]], rows: list[int], shape_in: int):
+        """A stacked expert tensor (``mlp.fc`` or ``mlp.proj``): per expert, its fp32 weights split into
+        ``rows`` (w3 | w1 for fc) and named ``hf_names[expert]``; returns ({HF name: weight}, {HF name: input
+        transform}). The plan must give every expert one format, as the checkpoint does."""
+        import torch
+
+        if self.tp != 1:
+            raise IntegrityError(f"{name}: mixture-of-experts checkpoints are read back at tensor parallel size 1 "
+                                 f"only (this one has tp_size {self.tp})")
+        first_read = f"{name}.weight" not in self._consumed
+        w = self._read(f"{name}.weight")[0]
+        scales = {k: v[0] for k in SCALE_NAMES if (v := self._read(f"{name}.{k}", required=False)) is not None}
+        fmt, group = self._layer_format(name)
+        is_quant = w.dtype in (torch.int8, torch.float8_e4m3fn)
+        if (fmt is not None) != is_quant:
+            raise IntegrityError(f"{name}: the checkpoint's config says {fmt or 'unquantized'} but the experts are "
+                                 f"stored as {w.dtype}")
+        if self.kept is not None and any((names[0] in self.kept) == is_quant for names in hf_names):
+            raise IntegrityError(f"{name}: the plan's formats for these experts differ from the checkpoint's "
+                                 f"{w.dtype}")
+        if w.dim() != 3 or w.shape[0] != len(hf_names):
+            raise IntegrityError(f"{name}: expected {len(hf_names)} stacked experts, found shape {tuple(w.shape)}")
+        experts = len(hf_names)
+        weights, transforms = {}, {}
+        for e, names in enumerate(hf_names):
+            own = {k: (v[e] if v.dim() >= 2 and v.shape[0] == experts else v) for k, v in scales.items()}
+            full = _dequantize(f"{name}[{e}]", fmt, w[e], own, group)
+            if tuple(full.shape) != (sum(rows), shape_in):
+                raise IntegrityError(f"{name}: expert {e} of shape {tuple(full.shape)} does not fit "
+                                     f"{(sum(rows), shape_in)}")
+            weights.update(zip(names, full.split(rows)))
+            if fmt is not None:
+                asf, pqs = own.get("activation_scaling_factor"), own.get("prequant_scaling_factor")
+                transform = _fake_act(fmt, None if asf is None else asf.float().reshape(()),
+                                      None if pqs is None else pqs.float())
+                transforms.update({n: transform for n in names})
+        n_linears = experts * len(rows)
+        if first_read:
+            key = "high_precision_linears" if fmt is None else "quantized_linears"
+            self.facts[key] += n_linears
+            if fmt is not None:
+                self.facts["formats"][fmt] = self.facts["formats"].get(fmt, 0) + n_linears
+        return weights, transforms
+
+    def _load_moe(self, p: str, hf_p: str, layer, moe, state: dict, transforms: dict) -> None:
+        """An MoE layer's router and experts into ``state`` / ``transforms`` (HF names relative to the layer)."""
+        import torch
+
+        if f"{p}.mlp.router.weight" not in self._consumed:
+            self.facts["high_precision_linears"] += 1
+        routers = self._read(f"{p}.mlp.router.weight")
+        if any(not torch.equal(r, routers[0]) for r in routers[1:]):
+            raise IntegrityError(f"{p}.mlp.router: the router differs between ranks")
+        if routers[0].dtype in (torch.int8, torch.float8_e4m3fn) or any(
+                self._present(f"{p}.mlp.router.{k}", required=False) for k in SCALE_NAMES):
+            raise IntegrityError(f"{p}.mlp.router: the router is quantized; it must stay in high precision")
+        state[f"{moe.router}.weight"] = routers[0].float()
+        experts = layer.get_submodule(moe.experts)
+        gate, up = moe.fused
+        inter, hidden = getattr(experts[0], gate).weight.shape
+        names = [[f"{moe.experts}.{e}.{up}", f"{moe.experts}.{e}.{gate}"] for e in range(len(experts))]  # up first
+        weights, hooks = self._read_experts(f"{p}.mlp.fc", [[f"{hf_p}.{n}" for n in pair] for pair in names],
+                                            [inter, inter], hidden)
+        weights2, hooks2 = self._read_experts(f"{p}.mlp.proj", [[f"{hf_p}.{moe.experts}.{e}.{moe.down}"]
+                                                                for e in range(len(experts))], [hidden], inter)
+        for full, w in {**weights, **weights2}.items():
+            state[f"{full[len(hf_p) + 1:]}.weight"] = w
+        for full, t in {**hooks, **hooks2}.items():
+            transforms[full[len(hf_p) + 1:]] = t
+
     def load_layer(self, i: int, layer):
         """Decoder layer ``i`` into ``layer`` (an HF decoder layer, e.g. on the meta device): its parameters are
         replaced by fp32 CPU tensors from the checkpoint, and each quantized linear gets a forward pre-hook
@@ -345,7 +422,12 @@ class CheckpointReader:
                       if f"{p}.{trt}.weight" in self._keys[0]})
         transforms = {}
         linears = [("attention.qkv", [f"self_attn.{m}_proj" for m in "qkv"], "qkv")]
-        linears += [(trt, [hf], "row" if trt in ROW_PARALLEL else "column") for trt, hf in HF_OF.items()]
+        moe = families.FAMILIES[self.hf_config.model_type].moe
+        if moe is not None and _has(layer, moe.experts):  # a family may keep some layers dense (mlp_only_layers)
+            self._load_moe(p, hf_p, layer, moe, state, transforms)
+            linears += [("attention.dense", [HF_OF["attention.dense"]], "row")]
+        else:
+            linears += [(trt, [hf], "row" if trt in ROW_PARALLEL else "column") for trt, hf in HF_OF.items()]
         for trt, hf_names, kind in linears:
             shapes = [layer.get_submodule(hf).weight.shape for hf in hf_names]
             full, transform, biases = self._read_linear(f"{p}.{trt}", [f"{hf_p}.{hf}" for hf in hf_names], kind,
@@ -391,6 +473,14 @@ class CheckpointReader:
         if leftover:
             raise IntegrityError(f"{self.ckpt_dir}: tensors this reader does not know: {leftover[:4]}")
         return self.facts
+
+
+def _has(module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _join(parts: list, dim: int):

@@ -67,14 +67,26 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 # HF module -> TensorRT-LLM checkpoint module (llama family); q/k/v become one fused qkv GEMM
 TRTLLM_MODULE = {"q_proj": "attention.qkv", "k_proj": "attention.qkv", "v_proj": "attention.qkv",
                  "o_proj": "attention.dense", "gate_proj": "mlp.fc", "up_proj": "mlp.gate", "down_proj": "mlp.proj"}
+# what ModelOpt 0.47's TensorRT-LLM export writes for stacked experts, tried on tiny Mixtrals: FP8, INT4 AWQ and
+# W4A8 AWQ; INT8 SmoothQuant and INT8 weight-only fail in its to_quantized_weight (a per-expert scale of shape
+# [experts, out] divides a weight of [experts, out, in] as if it were 2-D)
+MOE_EXPORT_FORMATS = ("fp8", "int4_awq", "w4a8_awq")
 
 
-def trtllm_name(hf_name: str) -> str:
-    """model.layers.3.mlp.down_proj -> transformer.layers.3.mlp.proj; lm_head stays lm_head."""
+def trtllm_name(hf_name: str, moe=None) -> str:
+    """model.layers.3.mlp.down_proj -> transformer.layers.3.mlp.proj; lm_head stays lm_head. With ``moe`` (the
+    family's, pipeline/families.py): its router -> mlp.router, an expert's fused pair (w1, w3) -> mlp.fc and its
+    other linear (w2) -> mlp.proj, each stacked over the experts."""
     if hf_name == "lm_head":
         return "lm_head"
     parts = hf_name.split(".")
-    return f"transformer.layers.{parts[2]}.{TRTLLM_MODULE[parts[-1]]}"
+    layer = f"transformer.layers.{parts[2]}"
+    rel = ".".join(parts[3:])
+    if moe is not None and rel == moe.router:
+        return f"{layer}.mlp.router"
+    if moe is not None and rel.startswith(moe.experts + "."):
+        return f"{layer}.mlp.fc" if parts[-1] in moe.fused else f"{layer}.mlp.proj"
+    return f"{layer}.{TRTLLM_MODULE[parts[-1]]}"
 
 
 def kept_layers(plan_doc: dict) -> set[str]:
@@ -89,13 +101,11 @@ def quantized_formats(plan_doc: dict) -> set[str]:
 def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection, model_config: dict,
                 table_layers: dict) -> None:
     """Refuse, before any work, what ModelOpt or TensorRT-LLM would reject later (each message says the fix)."""
-    fam = families.FAMILIES.get(model_config.get("model_type"))
-    if fam is not None and fam.moe is not None and not fam.moe.exported:
-        raise InputError(f"quantize: {fam.model_type} is a mixture-of-experts model; the sensitivity and plan stages "
-                         f"run on it (`invoke sensitivity` writes its per-expert figures and plan), but its quantize and export are "
-                         f"not built yet, so it cannot be deployed by this version.")
     problems = []
     tp = build.tensor_parallel_size
+    fam = families.FAMILIES.get(model_config.get("model_type"))
+    if fam is not None and fam.moe is not None:
+        problems += _moe_problems(plan_doc, fam, quant, tp)
     g = quant.awq_group_size
     for name, entry in plan_doc["layers"].items():
         if entry["format"] in AWQ_FORMATS:
@@ -136,6 +146,21 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
                         f"(supported: {', '.join(families.FAMILIES)})")
     if problems:
         raise InputError("quantize: " + "; ".join(problems) + ".")
+
+
+def _moe_problems(plan_doc: dict, fam, quant: QuantizationSection, tp: int) -> list[str]:
+    """What the export and the read-back cannot do yet for a mixture-of-experts model."""
+    problems = []
+    bad = sorted({e["format"] for n, e in plan_doc["layers"].items()
+                  if f".{fam.moe.experts}." in n and e["format"] not in (*MOE_EXPORT_FORMATS, HIGH_PRECISION)})
+    if bad:
+        problems.append(f"the plan gives experts {', '.join(bad)}, which ModelOpt's TensorRT-LLM export cannot write "
+                        f"for stacked experts; give them {' or '.join(MOE_EXPORT_FORMATS)} with a plan rule such as "
+                        f"{{pattern: '*.experts.*', format: fp8}}, or keep them in high precision")
+    if tp != 1:
+        problems.append(f"build.tensor_parallel_size {tp}: mixture-of-experts checkpoints are exported and read back "
+                        f"at tensor parallel size 1 only so far")
+    return problems
 
 
 def _algorithm(fmt: str, quant: QuantizationSection):
@@ -356,7 +381,8 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
     cfg = json.loads((ckpt / "config.json").read_text())
     q = cfg.get("quantization", {})
     problems = []
-    kept = {trtllm_name(n) for n in kept_layers(plan_doc)}
+    moe = families.FAMILIES[model_config["model_type"]].moe
+    kept = {trtllm_name(n, moe) for n in kept_layers(plan_doc)}
     formats = quantized_formats(plan_doc)
     if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
         problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_CACHE_ALGOS[quant.kv_cache]})")
@@ -395,7 +421,7 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
             listed = json.loads(path.read_text()).get("quantized_layers") or {}
             quantized_layers = len(listed)
             # fused q/k/v are one module in the checkpoint; check_rules made their formats agree
-            expected = {trtllm_name(n): _expected_algo(e["format"], quant) for n, e in plan_doc["layers"].items()
+            expected = {trtllm_name(n, moe): _expected_algo(e["format"], quant) for n, e in plan_doc["layers"].items()
                         if e["format"] != HIGH_PRECISION}
             problems += _check_layer_formats(listed, expected, artifacts.QUANT_CFG_FILE)
     for module, dtype in dtypes.items():

@@ -344,7 +344,7 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
                 y = layer(hidden[a:a + SAMPLES_PER_FORWARD], attention_mask=None, position_ids=positions,
                           position_embeddings=(cos, sin))
                 out[a:a + SAMPLES_PER_FORWARD] = y[0] if isinstance(y, tuple) else y
-            if moe is not None:
+            if stash.route is not None or stash.expert_rows:  # an MoE layer (a family may keep some dense)
                 stash.run_unrouted_experts(layer.get_submodule(moe.experts))
             stash.stop_recording()
             hidden = out
@@ -547,7 +547,7 @@ def _record_linears(layer, stash: _Stash, moe=None, config=None) -> dict:
             linears[short] = m
             stash.path[short] = rel
     stash.start_recording(linears)
-    if moe is not None:
+    if moe is not None and any(short.startswith("experts.") for short in linears):
         stash.start_routing(layer.get_submodule(moe.router), layer.get_submodule(moe.experts),
                             getattr(config, moe.top_k))
     return linears
