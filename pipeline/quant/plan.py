@@ -72,9 +72,10 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
         e = layer["errors"].get(column)
         return e["error"] if e else None
 
-    fam = families.FAMILIES.get(table["model"]["model_type"])
+    model_type = table.get("model", {}).get("model_type", "this model")
+    fam = families.FAMILIES.get(model_type)
     moe = fam.moe if fam else None
-    _check_expert_rules(plan, moe, table["model"]["model_type"])
+    _check_expert_rules(plan, moe, model_type)
     # rules first: the last matching rule wins, as in ModelOpt's ordered configs
     free = []
     for layer in layers:
