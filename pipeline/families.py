@@ -5,10 +5,10 @@ A family is named by its Hugging Face ``model_type`` (config.json). For each: it
 its decoder layers hold beyond Llama's (the checkpoint reader, pipeline/quant/checkpoint.py, reads them back: q/k/v biases as
 ``attention.qkv.bias``, per-head q/k norms as ``attention.q_layernorm`` / ``k_layernorm``), and the build
 targets that can serve it. The CPU runtime runs transformers' own modelling code for the family with its
-paged KV cache and batching, so it needs nothing per family. All are dense decoders: q/k/v fused into one GEMM
-(attention.qkv), gate/up separate in the TensorRT-LLM checkpoint and fused in the HF unified one
-(pipeline/quant/sensitivity.py ``fusion_groups_for``); nothing is kept in high precision by default beyond the
-plan's rules.
+paged KV cache and batching, so it needs nothing per family. In every family q/k/v are fused into one GEMM
+(attention.qkv); a dense MLP's gate/up stay separate in the TensorRT-LLM checkpoint and are fused in the HF
+unified one (pipeline/quant/sensitivity.py ``fusion_groups_for``). Dense families keep nothing in high precision
+by default beyond the plan's rules.
 
 Mixture-of-experts families (``Family.moe``) have, per decoder layer, a router (a linear giving each token's
 expert scores) and a list of experts, each a gated MLP. What is built for them: the sensitivity stage measures
@@ -21,8 +21,8 @@ Quantize and export: the experts in FP8, INT4 AWQ or W4A8 AWQ (what ModelOpt's T
 stacked experts), at tensor parallel size 1 (pipeline/quant/quantize.py ``MOE_EXPORT_FORMATS``); the checkpoint
 reader reads the stacked experts back per expert.
 
-The vllm target's export (pipeline/engines/vllm/export.py) writes Llama-shaped layers only: no biases, no
-q/k norms, so Qwen2 and Qwen3 are refused there before any work rather than exported without them.
+The vllm target's export (pipeline/engines/vllm/export.py) writes dense Llama-shaped layers only: no biases, no
+q/k norms, no experts, so the other families are refused there before any work rather than exported without them.
 """
 
 from __future__ import annotations
