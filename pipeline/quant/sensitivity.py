@@ -413,7 +413,7 @@ class _Stash:
         self.pieces: dict[str, list] = {}
         self.expert_rows: dict[str, list] = {}  # expert prefix (experts.3) -> [row ids per forward]
         self.unrouted: set[str] = set()  # experts measured on all rows: the router sent them none
-        self.route = None  # the current forward's routing: (selected experts [tokens, k], k)
+        self.route = None  # the current forward's routing: the experts each token was sent to, [tokens, top_k]
         self.rows = (0, 0)
         self.buffers: dict[str, object] = {}
         self.input_of: dict[str, str] = {}  # linear -> input buffer key
