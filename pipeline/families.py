@@ -2,10 +2,10 @@
 
 A family is named by its Hugging Face ``model_type`` (config.json). For each: its HF architecture, ModelOpt's
 ``decoder_type`` for ``export_tensorrt_llm_checkpoint`` (modelopt/torch/export/model_config_export.py), what
-its decoder layers hold beyond Llama's (the checkpoint reader, pipeline/quant/checkpoint.py, reads them back: q/k/v biases as
-``attention.qkv.bias``, per-head q/k norms as ``attention.q_layernorm`` / ``k_layernorm``), and the build
-targets that can serve it. The CPU runtime runs transformers' own modelling code for the family with its
-paged KV cache and batching, so it needs nothing per family. In every family q/k/v are fused into one GEMM
+its decoder layers hold beyond Llama's (the checkpoint reader, pipeline/quant/checkpoint.py, reads them back:
+q/k/v biases as ``attention.qkv.bias``, per-head q/k norms as ``attention.q_layernorm`` / ``k_layernorm``), and
+the build targets that can serve it. The CPU runtime runs transformers' own modelling code for the family with
+its paged KV cache and batching, so it needs nothing per family. In every family q/k/v are fused into one GEMM
 (attention.qkv); a dense MLP's gate/up stay separate in the TensorRT-LLM checkpoint and are fused in the HF
 unified one (pipeline/quant/sensitivity.py ``fusion_groups_for``). Dense families keep nothing in high precision
 by default beyond the plan's rules.

@@ -82,7 +82,16 @@ MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "mixtral": _mixtral, "qwen3_moe": _q
 RULES = {"mixtral": "{pattern: '*.experts.*', format: fp8}", "qwen3_moe": "{pattern: '*.experts.*', format: fp8}"}
 
 
+def _saved(model, path: Path, tokenizer_dir: Path) -> Path:
+    """The model saved with the tiny tokenizer beside it: a local model folder."""
+    model.save_pretrained(path, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy2(f, path / f.name)
+    return path
+
+
 def _with_rules(cfg: Path, *rules: str) -> Path:
+    """The tiny config with plan rules added after its lm_head one."""
     text = cfg.read_text().replace("rules: [{pattern: lm_head, keep_high_precision: true}]",
                                    "rules: [{pattern: lm_head, keep_high_precision: true}, " + ", ".join(rules) + "]")
     cfg.write_text(text)
@@ -96,10 +105,7 @@ def verified(request, tmp_path_factory, tiny_tokenizer_dir):
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp(request.param)
-    model_dir = root / "model"
-    MAKERS[request.param]().save_pretrained(model_dir, safe_serialization=True)
-    for f in tiny_tokenizer_dir.iterdir():
-        shutil.copy2(f, model_dir / f.name)
+    model_dir = _saved(MAKERS[request.param](), root / "model", tiny_tokenizer_dir)
     cfg = tiny_config(root, model_dir)
     if request.param in RULES:
         _with_rules(cfg, RULES[request.param])
@@ -163,8 +169,8 @@ def test_a_family_outside_the_table_and_a_target_that_cannot_serve_one_are_refus
                                          "pytorch or cpu"):
         families.family("qwen2", "vllm")
     assert families.family("qwen3", "cpu").decoder_type == "qwen"
-    with pytest.raises(InputError, match="the tensorrt target cannot serve qwen3_moe .*no moe section.*use build.target "
-                                         "pytorch or cpu"):
+    with pytest.raises(InputError, match="the tensorrt target cannot serve qwen3_moe .*no moe section.*"
+                                         "use build.target pytorch or cpu"):
         families.family("qwen3_moe", "tensorrt")
     # at the first stage that reads the model, before any compute
     model_dir = tmp_path / "gemma"
@@ -179,13 +185,6 @@ def test_a_family_outside_the_table_and_a_target_that_cannot_serve_one_are_refus
 
 # ---------------------------------------------------------------- mixture of experts (sensitivity and plan)
 
-def _saved(model, path: Path, tokenizer_dir: Path) -> Path:
-    model.save_pretrained(path, safe_serialization=True)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy2(f, path / f.name)
-    return path
-
-
 def test_moe_sensitivity_and_plan_then_quantize_refuses_experts_it_cannot_export(tmp_path, tiny_tokenizer_dir):
     """Each expert is measured on the tokens routed to it and summarised per expert type; routers stay in high
     precision; the experts of a layer share one format (a rule keeping one expert's w2 keeps its whole layer's
@@ -195,12 +194,8 @@ def test_moe_sensitivity_and_plan_then_quantize_refuses_experts_it_cannot_export
 
     torch.manual_seed(0)
     model_dir = _saved(_mixtral(), tmp_path / "model", tiny_tokenizer_dir)
-    cfg = tiny_config(tmp_path, model_dir).read_text().replace(
-        "rules: [{pattern: lm_head, keep_high_precision: true}]",
-        "rules: [{pattern: lm_head, keep_high_precision: true}, "
-        "{pattern: 'model.layers.1.*.experts.2.w2', keep_high_precision: true}]")
-    cfg_path = tmp_path / "moe.yaml"
-    cfg_path.write_text(cfg)
+    cfg_path = _with_rules(tiny_config(tmp_path, model_dir),
+                           "{pattern: 'model.layers.1.*.experts.2.w2', keep_high_precision: true}")
     work = tmp_path / "work"
     proc = run_invoke("sensitivity", "--config", str(cfg_path), "--work-root", str(work), timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -285,7 +280,7 @@ def _assert_rebuilt_experts_are_the_originals(work: Path, model_dir: Path, toler
         for h in hooks:
             h.remove()
         for layer, want_layer in zip(model.model.layers, original.model.layers):
-            if not hasattr(want_layer.mlp if family != "mixtral" else want_layer.block_sparse_moe, "experts"):
+            if moe.experts not in dict(want_layer.named_modules()):
                 continue  # a dense layer
             for got_expert, want_expert in zip(layer.get_submodule(moe.experts), want_layer.get_submodule(moe.experts)):
                 for kind in kinds:
@@ -300,9 +295,10 @@ def _assert_rebuilt_experts_are_the_originals(work: Path, model_dir: Path, toler
 
 
 def test_an_experts_figure_is_its_error_on_the_tokens_the_router_sent_it(tmp_path, tiny_tokenizer_dir):
-    """Checked against transformers' own forward pass: the input that reached the busiest expert's w2 in layer 0 (captured
-    by a hook on the whole model), W8A8-quantized by hand (per-tensor input, per-channel weight), gives the
-    table's figure. An expert the router sent no token is measured on all of its layer's tokens, and says so."""
+    """Checked against transformers' own forward pass: the input that reached the busiest expert's w2 in layer 0
+    (captured by a hook on the whole model), W8A8-quantized by hand (per-tensor input, per-channel weight), gives
+    the table's figure, in whole and per sample. An expert the router sent no token is measured on all of its
+    layer's tokens, and says so."""
     import torch
 
     from pipeline.config import QuantizationSection, SensitivitySection

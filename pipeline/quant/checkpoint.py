@@ -38,8 +38,8 @@ model_config_utils.py ``merge_qkv``) and checked on exports of SmolLM2 and tiny 
 - mixture-of-experts layers (a family with ``moe`` in pipeline/families.py): ``mlp.router`` (fp32, unquantized,
   the same on every rank) -> the router; the experts stacked, one tensor per expert type: ``mlp.fc`` [experts,
   2 x intermediate, hidden] holding each expert's up (w3) rows then its gate (w1) rows, ``mlp.proj`` [experts,
-  hidden, intermediate] its down (w2) (ModelOpt 0.47 layer_utils.py ``build_stacked_experts``). Their scales carry the
-  expert as their first dim (weights_scaling_factor [experts, 1] for FP8, [experts, out, in / group] for INT4;
+  hidden, intermediate] its down (w2) (ModelOpt 0.47 layer_utils.py ``build_stacked_experts``). Their scales
+  carry the expert as their first dim (weights_scaling_factor [experts, 1] for FP8, [experts, out, in / group] for INT4;
   prequant_scaling_factor [experts, in]; weights_scaling_factor_2 [experts, 1]); the activation scale is one for
   all the experts. Each expert is dequantized with its own scales. Read back at tensor parallel size 1 only.
 It checks what it reads: layers the plan keeps in high precision must be unquantized, quantized ones must
@@ -269,10 +269,7 @@ class CheckpointReader:
         found = {k: self._read(f"{name}.{k}", required=False) or [None] * self.tp for k in SCALE_NAMES}
         scales = [{k: v[r] for k, v in found.items()} for r in range(self.tp)]
         fmt, group = self._layer_format(name)
-        is_quant = weights[0].dtype in (torch.int8, torch.float8_e4m3fn)
-        if (fmt is not None) != is_quant:
-            raise IntegrityError(f"{name}: the checkpoint's config says {fmt or 'unquantized'} but the weight is "
-                                 f"stored as {weights[0].dtype}")
+        is_quant = self._stored_as_configured(name, fmt, weights[0].dtype)
         kept = self.kept
         if kept is not None and (hf_names[0] in kept) == is_quant:
             raise IntegrityError(f"{name}: the plan {'keeps' if hf_names[0] in kept else 'quantizes'} "
@@ -298,13 +295,10 @@ class CheckpointReader:
             if tuple(part.shape) != tuple(shape):
                 raise IntegrityError(f"{name}: shape {tuple(part.shape)} does not fit {hf_name} {tuple(shape)}")
         biased = self._read_bias(name, hf_names, kind, [w.shape[0] for w in full])
-        facts = self.facts
-        if fmt is None:
-            facts["high_precision_linears"] += len(hf_names) if first_read else 0
-            return full, None, biased
         if first_read:
-            facts["quantized_linears"] += len(hf_names)
-            facts["formats"][fmt] = facts["formats"].get(fmt, 0) + len(hf_names)
+            self._count(fmt, len(hf_names))
+        if fmt is None:
+            return full, None, biased
         pqs = [s["prequant_scaling_factor"] for s in scales]
         if pqs[0] is None:
             prequant = None
@@ -316,6 +310,22 @@ class CheckpointReader:
             prequant = pqs[0].float()
         asf = scales[0]["activation_scaling_factor"]
         return full, _fake_act(fmt, None if asf is None else asf.float().reshape(()), prequant), biased
+
+    def _stored_as_configured(self, name: str, fmt: str | None, dtype) -> bool:
+        """Whether ``name`` is stored quantized; an IntegrityError when that disagrees with its configured format."""
+        is_quant = _is_quantized(dtype)
+        if (fmt is not None) != is_quant:
+            raise IntegrityError(f"{name}: the checkpoint's config says {fmt or 'unquantized'} but the weight is "
+                                 f"stored as {dtype}")
+        return is_quant
+
+    def _count(self, fmt: str | None, linears: int) -> None:
+        """``linears`` HF linears read for the first time, in format ``fmt`` (None: high precision)."""
+        if fmt is None:
+            self.facts["high_precision_linears"] += linears
+        else:
+            self.facts["quantized_linears"] += linears
+            self.facts["formats"][fmt] = self.facts["formats"].get(fmt, 0) + linears
 
     def _read_bias(self, name: str, hf_names: list[str], kind: str, outputs: list[int]) -> dict:
         """{HF name: fp32 bias} of linear ``name`` (empty without one): each rank's piece split and joined as the
@@ -340,12 +350,11 @@ class CheckpointReader:
                 raise IntegrityError(f"{name}: bias of shape {tuple(b.shape)} does not fit {hf_name}'s {n} outputs")
         return dict(zip(hf_names, full))
 
-    def _read_experts(self, name: str, hf_names: list[list[str]], rows: list[int], shape_in: int):
+    def _read_experts(self, name: str, hf_p: str, names: list[list[str]], rows: list[int], shape_in: int):
         """A stacked expert tensor (``mlp.fc`` or ``mlp.proj``): per expert, its fp32 weights split into
-        ``rows`` (w3 | w1 for fc) and named ``hf_names[expert]``; returns ({HF name: weight}, {HF name: input
-        transform}). The plan must give every expert one format, as the checkpoint does."""
-        import torch
-
+        ``rows`` (up | gate for fc) and named ``names[expert]`` (relative to the decoder layer ``hf_p``); returns
+        ({name: weight}, {name: input transform}). The plan must give every expert one format, as the checkpoint
+        does."""
         if self.tp != 1:
             raise IntegrityError(f"{name}: mixture-of-experts checkpoints are read back at tensor parallel size 1 "
                                  f"only (this one has tp_size {self.tp})")
@@ -353,35 +362,28 @@ class CheckpointReader:
         w = self._read(f"{name}.weight")[0]
         scales = {k: v[0] for k in SCALE_NAMES if (v := self._read(f"{name}.{k}", required=False)) is not None}
         fmt, group = self._layer_format(name)
-        is_quant = w.dtype in (torch.int8, torch.float8_e4m3fn)
-        if (fmt is not None) != is_quant:
-            raise IntegrityError(f"{name}: the checkpoint's config says {fmt or 'unquantized'} but the experts are "
-                                 f"stored as {w.dtype}")
-        if self.kept is not None and any((names[0] in self.kept) == is_quant for names in hf_names):
+        is_quant = self._stored_as_configured(name, fmt, w.dtype)
+        if self.kept is not None and any((f"{hf_p}.{pair[0]}" in self.kept) == is_quant for pair in names):
             raise IntegrityError(f"{name}: the plan's formats for these experts differ from the checkpoint's "
                                  f"{w.dtype}")
-        if w.dim() != 3 or w.shape[0] != len(hf_names):
-            raise IntegrityError(f"{name}: expected {len(hf_names)} stacked experts, found shape {tuple(w.shape)}")
-        experts = len(hf_names)
+        experts = len(names)
+        if w.dim() != 3 or w.shape[0] != experts:
+            raise IntegrityError(f"{name}: expected {experts} stacked experts, found shape {tuple(w.shape)}")
         weights, transforms = {}, {}
-        for e, names in enumerate(hf_names):
+        for e, expert_names in enumerate(names):
             own = {k: (v[e] if v.dim() >= 2 and v.shape[0] == experts else v) for k, v in scales.items()}
             full = _dequantize(f"{name}[{e}]", fmt, w[e], own, group)
             if tuple(full.shape) != (sum(rows), shape_in):
                 raise IntegrityError(f"{name}: expert {e} of shape {tuple(full.shape)} does not fit "
                                      f"{(sum(rows), shape_in)}")
-            weights.update(zip(names, full.split(rows)))
+            weights.update(zip(expert_names, full.split(rows)))
             if fmt is not None:
                 asf, pqs = own.get("activation_scaling_factor"), own.get("prequant_scaling_factor")
                 transform = _fake_act(fmt, None if asf is None else asf.float().reshape(()),
                                       None if pqs is None else pqs.float())
-                transforms.update({n: transform for n in names})
-        n_linears = experts * len(rows)
+                transforms.update({n: transform for n in expert_names})
         if first_read:
-            key = "high_precision_linears" if fmt is None else "quantized_linears"
-            self.facts[key] += n_linears
-            if fmt is not None:
-                self.facts["formats"][fmt] = self.facts["formats"].get(fmt, 0) + n_linears
+            self._count(fmt, experts * len(rows))
         return weights, transforms
 
     def _load_moe(self, p: str, hf_p: str, layer, moe, state: dict, transforms: dict) -> None:
@@ -389,11 +391,11 @@ class CheckpointReader:
         import torch
 
         if f"{p}.mlp.router.weight" not in self._consumed:
-            self.facts["high_precision_linears"] += 1
+            self._count(None, 1)
         routers = self._read(f"{p}.mlp.router.weight")
         if any(not torch.equal(r, routers[0]) for r in routers[1:]):
             raise IntegrityError(f"{p}.mlp.router: the router differs between ranks")
-        if routers[0].dtype in (torch.int8, torch.float8_e4m3fn) or any(
+        if _is_quantized(routers[0].dtype) or any(
                 self._present(f"{p}.mlp.router.{k}", required=False) for k in SCALE_NAMES):
             raise IntegrityError(f"{p}.mlp.router: the router is quantized; it must stay in high precision")
         state[f"{moe.router}.weight"] = routers[0].float()
@@ -401,14 +403,11 @@ class CheckpointReader:
         gate, up = moe.fused
         inter, hidden = getattr(experts[0], gate).weight.shape
         names = [[f"{moe.experts}.{e}.{up}", f"{moe.experts}.{e}.{gate}"] for e in range(len(experts))]  # up first
-        weights, hooks = self._read_experts(f"{p}.mlp.fc", [[f"{hf_p}.{n}" for n in pair] for pair in names],
-                                            [inter, inter], hidden)
-        weights2, hooks2 = self._read_experts(f"{p}.mlp.proj", [[f"{hf_p}.{moe.experts}.{e}.{moe.down}"]
-                                                                for e in range(len(experts))], [hidden], inter)
-        for full, w in {**weights, **weights2}.items():
-            state[f"{full[len(hf_p) + 1:]}.weight"] = w
-        for full, t in {**hooks, **hooks2}.items():
-            transforms[full[len(hf_p) + 1:]] = t
+        weights, hooks = self._read_experts(f"{p}.mlp.fc", hf_p, names, [inter, inter], hidden)
+        downs = [[f"{moe.experts}.{e}.{moe.down}"] for e in range(len(experts))]
+        weights2, hooks2 = self._read_experts(f"{p}.mlp.proj", hf_p, downs, [hidden], inter)
+        state.update({f"{n}.weight": w for n, w in {**weights, **weights2}.items()})
+        transforms.update({**hooks, **hooks2})
 
     def load_layer(self, i: int, layer):
         """Decoder layer ``i`` into ``layer`` (an HF decoder layer, e.g. on the meta device): its parameters are
@@ -418,7 +417,8 @@ class CheckpointReader:
         there). Returns ``layer``."""
         p, hf_p = f"transformer.layers.{i}", f"model.layers.{i}"
         state = {f"{hf}.weight": self._read_replicated(f"{p}.{trt}.weight").float() for trt, hf in NORMS.items()}
-        state.update({f"{hf}.weight": self._read_replicated(f"{p}.{trt}.weight").float() for trt, hf in HEAD_NORMS.items()
+        state.update({f"{hf}.weight": self._read_replicated(f"{p}.{trt}.weight").float()
+                      for trt, hf in HEAD_NORMS.items()
                       if f"{p}.{trt}.weight" in self._keys[0]})
         transforms = {}
         linears = [("attention.qkv", [f"self_attn.{m}_proj" for m in "qkv"], "qkv")]
@@ -473,6 +473,12 @@ class CheckpointReader:
         if leftover:
             raise IntegrityError(f"{self.ckpt_dir}: tensors this reader does not know: {leftover[:4]}")
         return self.facts
+
+
+def _is_quantized(dtype) -> bool:
+    import torch
+
+    return dtype in (torch.int8, torch.float8_e4m3fn)
 
 
 def _has(module, path: str) -> bool:

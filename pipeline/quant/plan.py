@@ -130,20 +130,25 @@ def _align_fused(choices: dict, table: dict, base: str, g: int, widen: bool) -> 
         for gi, group in enumerate(groups):
             if short in group:
                 by_block.setdefault((prefix, gi), []).append(name)
+    _one_format_each(choices, table, by_block.values(), base, g, widen, lambda m: bits(choices[m].format),
+                     lambda leader, layer: f"fused with {layer['module']} in the checkpoint: follows its format")
+
+
+def _one_format_each(choices: dict, table: dict, groups, base: str, g: int, widen: bool, rank, why) -> None:
+    """Give each group of layers one format: the format of its highest-``rank`` member when ``widen``, else the
+    base format where a member has it; the others are rewritten with the reason ``why(leader, leader's layer)``."""
     layers = {l["name"]: l for l in table["layers"]}
-    for members in by_block.values():
-        formats = {choices[m].format for m in members}
-        if len(formats) < 2:
+    for members in groups:
+        if len({choices[m].format for m in members}) < 2:
             continue
         if widen:
-            leader = max(members, key=lambda m: bits(choices[m].format))
+            leader = max(members, key=rank)
         else:
             leader = next((m for m in members if choices[m].format == base), members[0])
         fmt = choices[leader].format
         for m in members:
             if choices[m].format != fmt:
-                why = f"fused with {leader.rsplit('.', 1)[-1]} in the checkpoint: follows its format"
-                choices[m] = _choice(layers[m], fmt, why, choices[m].error, g)
+                choices[m] = _choice(layers[m], fmt, why(leader, layers[leader]), choices[m].error, g)
 
 
 ROUTER_REASON = "MoE router: kept in high precision (ModelOpt exports it in fp32)"
@@ -165,24 +170,14 @@ def _align_experts(choices: dict, table: dict, moe, base: str, g: int, widen: bo
     """All the experts of a layer get one format: the checkpoint stacks them (one tensor per expert type) and
     TensorRT-LLM's fused MoE layer runs them with one quantization method. Threshold mode widens them to the
     widest any expert needs; budget mode narrows them to the base format."""
-    layers = {l["name"]: l for l in table["layers"]}
     by_block: dict[int, list[str]] = {}
-    for name, layer in layers.items():
+    for layer in table["layers"]:
         if layer["module"].startswith("experts."):
-            by_block.setdefault(layer["block"], []).append(name)
-    for block, members in by_block.items():
-        if len({choices[m].format for m in members}) < 2:
-            continue
-        if widen:
-            leader = max(members, key=lambda m: (bits(choices[m].format), choices[m].error or 0.0))
-        else:
-            leader = next((m for m in members if choices[m].format == base), members[0])
-        fmt = choices[leader].format
-        short = layers[leader]["module"]
-        for m in members:
-            if choices[m].format != fmt:
-                why = f"the experts of layer {block} share one format in the checkpoint: follows {short}"
-                choices[m] = _choice(layers[m], fmt, why, choices[m].error, g)
+            by_block.setdefault(layer["block"], []).append(layer["name"])
+    _one_format_each(choices, table, by_block.values(), base, g, widen,
+                     lambda m: (bits(choices[m].format), choices[m].error or 0.0),
+                     lambda leader, layer: f"the experts of layer {layer['block']} share one format in the "
+                                           f"checkpoint: follows {layer['module']}")
 
 
 def _choice(layer: dict, fmt: str, reason: str, error: float | None, g: int) -> LayerChoice:

@@ -296,9 +296,11 @@ def _int8_matmul(x_int, weight, fold, in_amax):
 def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant: QuantizationSection,
             fusion_groups: tuple[tuple[str, ...], ...] = TRTLLM_FUSION_GROUPS, device: str = "cpu",
             dtype_name: Optional[str] = None) -> dict:
-    """Run the analysis; return {"layers": [...], "embedding": {...}, "timing": {...}, "model": {...}}.
+    """Run the analysis; return {"layers": [...], "embedding": {...}, "timing": {...}, "model": {...},
+    "fusion_groups": [...]} (and "experts" for a mixture-of-experts model).
 
-    fusion_groups: the layers the target's checkpoint fuses (``fusion_groups_for(build.target)``).
+    fusion_groups: the layers the target's checkpoint fuses (``fusion_groups_for(build.target)``); an MoE
+    family's expert gate/up pair is added to them.
     device / dtype_name: where the reference runs and in what (default: the CPU, sensitivity.reference_dtype);
     one decoder layer's weights and the calibration set's activations live there, the rest on disk."""
     import torch
@@ -344,7 +346,7 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
                 y = layer(hidden[a:a + SAMPLES_PER_FORWARD], attention_mask=None, position_ids=positions,
                           position_embeddings=(cos, sin))
                 out[a:a + SAMPLES_PER_FORWARD] = y[0] if isinstance(y, tuple) else y
-            if stash.route is not None or stash.expert_rows:  # an MoE layer (a family may keep some dense)
+            if any(short.startswith("experts.") for short in linears):  # an MoE layer (some may be dense)
                 stash.run_unrouted_experts(layer.get_submodule(moe.experts))
             stash.stop_recording()
             hidden = out
@@ -371,6 +373,7 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
     result["layers"] = [r.__dict__ for r in analyser.records]
     if moe is not None:
         result["experts"] = expert_summary(result["layers"], section.formats)
+    result["fusion_groups"] = [list(g) for g in fusion_groups]
     result["timing"] = {"analysis_s": round(time.perf_counter() - t0, 2)}
     return result
 
@@ -607,8 +610,6 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
     # wall time goes to the manifest's summary, not into the table: an output that differed on every run
     # would change the inputs of every stage after this one
     timing = table.pop("timing")
-    moe = families.FAMILIES[table["model"]["model_type"]].moe
-    table["fusion_groups"] = [list(g) for g in fusion_groups_for(target)] + ([list(moe.fused)] if moe else [])
     (out_dir / artifacts.SENSITIVITY_TABLE_JSON).write_text(json.dumps(table, indent=1))
     col = decision or section.formats[0]
     (out_dir / artifacts.SENSITIVITY_TABLE_MD).write_text(table_markdown(table, section.threshold, col))
