@@ -30,7 +30,13 @@ from pydantic import (
 
 from pipeline import constants
 from pipeline.errors import ConfigError
-from pipeline.formats import DECISION_COLUMN, HIGH_PRECISION, NO_QUANT, VLLM_CPU_BLOCK_MULTIPLE, VLLM_SERVABLE
+from pipeline.formats import (
+    DECISION_COLUMN,
+    HIGH_PRECISION,
+    NO_QUANT,
+    VLLM_CPU_BLOCK_MULTIPLE,
+    VLLM_SERVABLE,
+)
 
 SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # usable as a directory / Triton model name
 _SAFE_NAME_RE = re.compile(SAFE_NAME)
@@ -845,16 +851,19 @@ def _check_vllm(cfg: PipelineConfig) -> None:
     q, b, v = cfg.quantization, cfg.build, cfg.vllm
     servable = [f for f, where in VLLM_SERVABLE.items() if v.device in where]
     if q.weight_format not in servable:
+        elsewhere = [d for d in VLLM_SERVABLE.get(q.weight_format, ()) if d != v.device]
         raise ValueError(
             f"build.target: vllm cannot serve quantization.weight_format {q.weight_format} on vllm.device "
-            f"{v.device}: this pipeline exports {', '.join(servable)} for vLLM there (INT8 W8A8 or INT4 W4A16 in "
-            f"compressed-tensors format, or unquantized). Use weight_format {', '.join(servable)}, or build.target "
-            f"tensorrt / cpu for {q.weight_format}")
-    wider = [f for f in (cfg.plan.budget.wider_formats if cfg.plan.budget is not None else ())
-             if f not in servable and f != HIGH_PRECISION]
-    if wider:
-        raise ValueError(f"plan.budget.wider_formats {wider} cannot be exported for vLLM on {v.device} "
-                         f"(it serves {', '.join(servable)})")
+            f"{v.device}: the vLLM export writes compressed-tensors INT8 W8A8 (int8_sq) and INT4 W4A16 (int4_awq) "
+            f"for any device, FP8 (fp8) and INT8 W8A16 (int8_wo) for cuda only (vLLM 0.32's CPU build has no "
+            f"working kernel for them). Use weight_format {', '.join(servable)}"
+            + (f", or vllm.device {elsewhere[0]}" if elsewhere else "")
+            + f", or build.target tensorrt / cpu for {q.weight_format}")
+    named = [("plan.budget.wider_formats", f) for f in (cfg.plan.budget.wider_formats if cfg.plan.budget else ())]
+    named += [(f"plan.rules {r.pattern!r}", r.format) for r in cfg.plan.rules if r.format is not None]
+    unservable = [f"{where}: {f}" for where, f in named if f not in servable and f != HIGH_PRECISION]
+    if unservable:
+        raise ValueError(f"{'; '.join(unservable)}: vLLM on {v.device} serves {', '.join(servable)}")
     if b.pipeline_parallel_size != 1:
         raise ValueError("build.target: vllm shards with build.tensor_parallel_size; pipeline_parallel_size must be 1")
     if v.device == "cpu":
@@ -863,9 +872,10 @@ def _check_vllm(cfg: PipelineConfig) -> None:
                              f"takes blocks of a multiple of {VLLM_CPU_BLOCK_MULTIPLE} tokens")
         if b.cuda_graphs.enabled:
             raise ValueError("build.cuda_graphs.enabled: there are no CUDA graphs on vllm.device cpu; set it false")
-        if q.weight_format != NO_QUANT and v.dtype == "float32":
-            raise ValueError(f"vllm.dtype float32 with {q.weight_format} weights: vLLM's CPU INT8 and INT4 GEMMs take "
-                             f"bfloat16 or float16 activations only; use vllm.dtype bfloat16")
+        quantized = sorted({q.weight_format, *(f for _, f in named)} - {NO_QUANT, HIGH_PRECISION})
+        if quantized and v.dtype == "float32":
+            raise ValueError(f"vllm.dtype float32 with {', '.join(quantized)} weights: vLLM's CPU INT8 and INT4 GEMMs "
+                             f"take bfloat16 or float16 activations only; use vllm.dtype bfloat16")
 
 
 # ---------------------------------------------------------------- loading

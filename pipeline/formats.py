@@ -62,11 +62,15 @@ NO_QUANT = "none"  # weight_format: none exports the unquantized baseline
 KV_CACHE_ALGOS: dict[str, Optional[str]] = {"int8": "INT8", "fp8": "FP8", "none": None}
 
 # vllm target: weight formats pipeline/engines/vllm/export.py writes -> vllm.device values whose kernels run
-# them (vLLM 0.32: compressed-tensors W8A8 INT8 has a CPU kernel, model_executor/kernels/linear/scaled_mm/cpu.py)
-# what the vLLM export writes (pipeline/engines/vllm/export.py) and where vLLM 0.32 runs it: INT8 W8A8 (oneDNN on
-# CPUs, CUTLASS on GPUs), INT4 W4A16 (CPUWNA16LinearKernel on CPUs, Marlin on GPUs)
+# them (vLLM 0.32, model_executor/kernels/linear): INT8 W8A8 (oneDNN on CPUs, CUTLASS on GPUs); INT4 W4A16
+# (CPUWNA16LinearKernel on CPUs, Marlin on GPUs); FP8 W8A8 with a static input scale (CUTLASS from compute
+# capability 8.9 and Marlin's W8A16 below it on GPUs; its CPU build fails it: a per-tensor weight scale is
+# requantized through a static_scaled_fp8_quant op the CPU build lacks, and per-channel weight scales meet a
+# per-tensor input scale in ChannelWiseTorchFP8ScaledMMLinearKernel, which narrows it as if per token: both
+# found loading the export on this CPU); INT8 W8A16 (Marlin on GPUs; no CPU kernel: mixed_precision/cpu.py
+# CPUWNA16LinearKernel takes uint4 / uint4b8 only, tests/test_vllm_export.py asks vLLM)
 VLLM_SERVABLE: dict[str, tuple[str, ...]] = {NO_QUANT: ("cpu", "cuda"), "int8_sq": ("cpu", "cuda"),
-                                             "int4_awq": ("cpu", "cuda")}
+                                             "int4_awq": ("cpu", "cuda"), "fp8": ("cuda",), "int8_wo": ("cuda",)}
 VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM 0.32 v1/attention/backends/cpu_attn.py: kernel block sizes MultipleOf(32)
 
 # derived views, for the code that only needs one column

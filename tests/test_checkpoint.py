@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -55,48 +56,56 @@ def tokens():
     return torch.randint(3, 512, (4, 48), generator=g), torch.randint(3, 512, (2, 48), generator=g)
 
 
+def quantize_and_export(original, case: str, calib, evals, out_of_tp) -> dict:
+    """ModelOpt quantizes a copy of ``original`` as ``case`` plans and exports a TensorRT-LLM checkpoint for each
+    tensor-parallel size ``out_of_tp`` names (tp -> a new folder): {"plan", "quant", "ckpt" (tp -> folder),
+    "fake_quant_logits" (the fake-quant model's on ``evals``)}."""
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    base, other = CASES[case]
+    plan = _plan(base, other)
+    quant = QuantizationSection(weight_format=base, kv_cache="none", awq_group_size=32)
+    model = copy.deepcopy(original)
+
+    def loop(m):
+        for b in range(0, calib.shape[0], 2):
+            m(calib[b:b + 2])
+
+    with torch.no_grad():
+        mtq.quantize(model, modelopt_config(plan, quant), loop)
+        for algorithm, layers in calibration_phases(plan, quant):
+            _calibrate_phase(model, algorithm, layers, loop)
+    entry = {"plan": plan, "quant": quant, "ckpt": {}}
+    model_config = json.loads((Path(original.name_or_path) / "config.json").read_text())
+    for tp, out in sorted(out_of_tp.items()):
+        exported_model = copy.deepcopy(model)
+        with torch.no_grad():
+            export_tensorrt_llm_checkpoint(exported_model, "llama", torch.float16, export_dir=out,
+                                           inference_tensor_parallel=tp)
+            if tp == 1:
+                # the export fuses q/k/v (one pre-quant scale, one FP8 scale) in the model it is given:
+                # this is the fake-quant model the checkpoint encodes
+                entry["fake_quant_logits"] = exported_model(evals).logits
+        _check_export(out, plan, quant, model_config, tp)
+        entry["ckpt"][tp] = out
+    return entry
+
+
 @pytest.fixture(scope="module")
 def exported(tiny_model_dir, tokens, tmp_path_factory):
     """case -> (plan, quant, checkpoint dir per tp, logits of ModelOpt's fake-quant model after the export)."""
-    from modelopt.torch.export import export_tensorrt_llm_checkpoint
     from transformers import AutoModelForCausalLM
 
     calib, evals = tokens
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    model_config = json.loads((tiny_model_dir / "config.json").read_text())
     cache: dict[str, dict] = {}
 
     def get(case: str) -> dict:
-        if case in cache:
-            return cache[case]
-        base, other = CASES[case]
-        plan = _plan(base, other)
-        quant = QuantizationSection(weight_format=base, kv_cache="none", awq_group_size=32)
-        model = copy.deepcopy(original)
-
-        def loop(m):
-            for b in range(0, calib.shape[0], 2):
-                m(calib[b:b + 2])
-
-        with torch.no_grad():
-            mtq.quantize(model, modelopt_config(plan, quant), loop)
-            for algorithm, layers in calibration_phases(plan, quant):
-                _calibrate_phase(model, algorithm, layers, loop)
-        entry = {"plan": plan, "quant": quant, "ckpt": {}}
-        for tp in (1, 2):
-            out = tmp_path_factory.mktemp(f"ckpt_{case.replace('+', '_')}_tp{tp}")
-            exported_model = copy.deepcopy(model)
-            with torch.no_grad():
-                export_tensorrt_llm_checkpoint(exported_model, "llama", torch.float16, export_dir=out,
-                                               inference_tensor_parallel=tp)
-                if tp == 1:
-                    # the export fuses q/k/v (one pre-quant scale, one FP8 scale) in the model it is given:
-                    # this is the fake-quant model the checkpoint encodes
-                    entry["fake_quant_logits"] = exported_model(evals).logits
-            _check_export(out, plan, quant, model_config, tp)
-            entry["ckpt"][tp] = out
-        cache[case] = entry
-        return entry
+        if case not in cache:
+            name = case.replace("+", "_")
+            cache[case] = quantize_and_export(original, case, calib, evals,
+                                              {tp: tmp_path_factory.mktemp(f"ckpt_{name}_tp{tp}") for tp in (1, 2)})
+        return cache[case]
 
     return get
 

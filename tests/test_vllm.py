@@ -45,6 +45,8 @@ def vllm_python() -> str:
 @pytest.mark.parametrize("override, says", [
     ("quantization.weight_format=fp8", "cannot serve quantization.weight_format fp8 on vllm.device cpu"),
     ("quantization.weight_format=w4a8_awq", "cannot serve quantization.weight_format w4a8_awq"),
+    ("quantization.weight_format=int8_wo", "int8_wo on vllm.device cpu.*or vllm.device cuda"),
+    ('plan.rules=[{pattern: "*.down_proj", format: fp8}]', r"plan.rules '\*.down_proj': fp8: vLLM on cpu serves"),
     ("build.kv_cache.tokens_per_block=16", "multiple of 32"),
     ("build.cuda_graphs.enabled=true", "no CUDA graphs on vllm.device cpu"),
     ("vllm.dtype=float32", "take bfloat16 or float16 activations only"),
@@ -54,6 +56,14 @@ def test_the_config_refuses_what_vllm_cannot_serve(override, says):
     """Refused when the config loads (every task, before any stage), naming the field and what would run."""
     with pytest.raises(ConfigError, match=says):
         load_config(VLLM_CONFIG, [override])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8_wo"])
+def test_fp8_and_int8_weight_only_are_exported_for_vllm_on_gpus(fmt):
+    """vLLM runs FP8 and INT8 W8A16 on GPUs (CUTLASS / Marlin), not on its CPU build: the same config loads with
+    vllm.device cuda."""
+    cfg = load_config(VLLM_CONFIG, [f"quantization.weight_format={fmt}", "vllm.device=cuda"]).config
+    assert cfg.quantization.weight_format == fmt
 
 
 def test_engine_arguments_come_from_the_build_section():
@@ -73,12 +83,15 @@ def test_engine_arguments_come_from_the_build_section():
 @needs_vllm
 def test_the_server_argv_is_what_vllms_own_parser_reads(vllm_python):
     """vLLM 0.32's OpenAI-server parser (make_arg_parser + EngineArgs.from_cli_args) reads our argv back to
-    the same values, for the CPU profile and a GPU one; and it has no --swap-space (the V1 engine dropped
-    it: the seeds' 16 GB swap is vllm.kv_offloading_gib)."""
+    the same values, for every vllm profile shipped and a GPU variant of the default; and it has no
+    --swap-space (the V1 engine dropped it: the seeds' 16 GB swap is vllm.kv_offloading_gib)."""
     script = REPO / "tests" / "bin" / "vllm-parse-args"
-    for overrides in ([], ["vllm.device=cuda", "build.cuda_graphs.enabled=true", "vllm.kv_offloading_gib=16",
-                           "build.tensor_parallel_size=1", "vllm.kv_cache_dtype=fp8_e4m3"]):
-        args = ea.engine_args(load_config(VLLM_CONFIG, overrides).config)
+    profiles = sorted((REPO / "engine_configs").glob("*vllm*.yaml"))
+    assert REPO / "engine_configs" / "llama-3.1-8b-h100-vllm-fp8.yaml" in profiles
+    for path, overrides in ([(p, []) for p in profiles] + [(VLLM_CONFIG, [
+            "vllm.device=cuda", "build.cuda_graphs.enabled=true", "vllm.kv_offloading_gib=16",
+            "build.tensor_parallel_size=1", "vllm.kv_cache_dtype=fp8_e4m3"])]):
+        args = ea.engine_args(load_config(path, overrides).config)
         argv = ["--model", "/models/m", "--host", "127.0.0.1", "--port", "8000", *ea.server_flags(args),
                 "--disable-uvicorn-access-log"]  # as pipeline.serving.launch.vllm_argv puts it together
         fields = [*args, "model"]

@@ -1,13 +1,17 @@
 """The vLLM export (pipeline.engines.vllm.export) on real ModelOpt exports of the tiny Llama: what it writes is
-compressed-tensors (W8A8 for INT8 SmoothQuant, W4A16 pack-quantized for INT4 AWQ, both for a mixed plan) with
-the plan's kept layers ignored, and it computes what the TensorRT-LLM checkpoint computes, with SmoothQuant's
-and AWQ's pre-quant scales folded into the norms and rows before each linear.
+compressed-tensors (W8A8 for INT8 SmoothQuant, FP8 W8A8, W8A16 and W4A16 pack-quantized for INT8 weight-only
+and INT4 AWQ, a group per format for a mixed plan) with the plan's kept layers ignored, and it computes what
+the TensorRT-LLM checkpoint computes, with SmoothQuant's and AWQ's pre-quant scales folded into the norms and
+rows before each linear.
 
 The model built here from the export is this test's own reading of the compressed-tensors format (vLLM 0.32,
 ``compressed_tensors_w8a8_int8.py``: W = code * weight_scale; x quantized with the static input_scale,
-round-to-nearest, clamped to [-128, 127]; ``compressed_tensors_wNa16.py`` with compressed-tensors'
-``unpack_from_int32``: eight 4-bit fields per int32 word, lowest first, each code + 8; W = code * the scale
-of its group), not the export's code. vLLM itself loading the export is tests/test_vllm.py."""
+round-to-nearest, clamped to [-128, 127]; ``compressed_tensors_w8a8_fp8.py``: W = fp8 * weight_scale, x cast
+to E4M3 after dividing by the static input_scale; ``compressed_tensors_wNa16.py`` with compressed-tensors'
+``unpack_from_int32``: 32 / bits fields per int32 word, lowest first, each code + 2^(bits - 1); W = code *
+the scale of its group or channel), not the export's code. What vLLM itself makes of each export's config and
+tensors is asked of vLLM in its own environment (``tests/bin/vllm-scheme-probe``); vLLM serving an export is
+tests/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("modelopt.torch.quantization")
 
+from conftest import REPO  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_checkpoint import _kept, exported, tokens  # noqa: E402,F401 - the ModelOpt exports, shared
 
@@ -39,16 +44,24 @@ def _model_from_export(folder, model_dir):
     for name, t in state.items():
         if name.endswith((".weight_scale", ".input_scale", ".weight_shape")):
             continue
-        if name.endswith(".weight_packed"):  # INT4: [out, in / 8] int32 words, activations not quantized
+        if name.endswith(".weight_packed"):  # INT4 / INT8: int32 words, activations not quantized
             base = name[:-len(".weight_packed")]
             out_f, in_f = state[f"{base}.weight_shape"].tolist()
-            fields = [(t >> (4 * j)) & 0xF for j in range(8)]  # [out, in / 8] each: the j-th input of every word
-            codes = torch.stack(fields, dim=2).reshape(out_f, in_f).float() - 8
+            per_word = in_f // t.shape[1]
+            bits = 32 // per_word
+            # [out, words] each: the j-th input of every word
+            fields = [(t >> (bits * j)) & ((1 << bits) - 1) for j in range(per_word)]
+            codes = torch.stack(fields, dim=2).reshape(out_f, in_f).float() - 2 ** (bits - 1)
             scale = state[f"{base}.weight_scale"].float()
             weights[f"{base}.weight"] = codes * scale.repeat_interleave(in_f // scale.shape[1], dim=1)
             continue
         base = name[:-len(".weight")]
-        if t.dtype == torch.int8:
+        if t.dtype == torch.float8_e4m3fn:
+            weights[name] = t.float() * state[f"{base}.weight_scale"].float()
+            scale = float(state[f"{base}.input_scale"])
+            model.get_submodule(base).register_forward_pre_hook(
+                lambda m, a, s=scale: ((a[0] / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s,))
+        elif t.dtype == torch.int8:
             weights[name] = t.float() * state[f"{base}.weight_scale"].float()
             scale = float(state[f"{base}.input_scale"])
             model.get_submodule(base).register_forward_pre_hook(
@@ -157,12 +170,12 @@ def test_kept_layers_and_norms_are_written_in_the_serving_dtype(exported, tiny_m
 
 
 def test_a_format_vllm_cannot_run_is_refused_before_export(exported, tiny_model_dir, tmp_path):  # noqa: F811
-    """An FP8 checkpoint reaching the export (the config check refuses the config first) is refused naming the
-    layer and the format, and nothing is written."""
+    """A W4A8 AWQ checkpoint reaching the export (the config check refuses the config first) is refused naming
+    the layer and the format, and nothing is written."""
     from pipeline.engines.vllm.export import export_for_vllm
 
-    e = exported("fp8")
-    with pytest.raises(InputError, match="FP8 cannot be exported for vLLM"):
+    e = exported("w4a8_awq")
+    with pytest.raises(InputError, match="W4A8_AWQ cannot be exported for vLLM"):
         export_for_vllm(e["ckpt"][1], tiny_model_dir, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []  # neither the folder nor its .partial sibling
 
@@ -208,7 +221,8 @@ def test_int4_awq_exports_as_packed_w4a16_computing_what_the_checkpoint_computes
     """INT4 AWQ (group 32): the checkpoint's codes and group scales packed as compressed-tensors W4A16, AWQ's
     pre-quant scales folded; joined across 2 ranks the same. With no activation rounding the export computes
     the rebuilt checkpoint's logits to float rounding. A mixed plan (INT4 with INT8 SmoothQuant in layer 1's
-    q/k/v and down_proj) gets a config group per format, the INT4 layers named in theirs."""
+    q/k/v and down_proj) gets a config group per format: INT4, the format of most layers, targets Linear, and
+    the INT8 layers are named in theirs."""
     from pipeline.engines.vllm.export import export_for_vllm
 
     e = exported(case)
@@ -225,11 +239,13 @@ def test_int4_awq_exports_as_packed_w4a16_computing_what_the_checkpoint_computes
         group = q["config_groups"]["group_0"]
         assert group["targets"] == ["Linear"] and group["weights"] == int4 and group["input_activations"] is None
     else:
-        int8_group, int4_group = q["config_groups"]["group_0"], q["config_groups"]["group_1"]
-        assert q["format"] == "mixed-precision" and int8_group["targets"] == ["Linear"]
+        int4_group, int8_group = q["config_groups"]["group_0"], q["config_groups"]["group_1"]
+        assert q["format"] == "mixed-precision" and int4_group["targets"] == ["Linear"]
         assert int8_group["format"] == "int-quantized" and int4_group["format"] == "pack-quantized"
-        assert int4_group["weights"] == int4 and "model.layers.0.self_attn.q_proj" in int4_group["targets"]
-        assert "model.layers.1.self_attn.q_proj" not in int4_group["targets"]
+        assert int4_group["weights"] == int4
+        assert sorted(int8_group["targets"]) == [f"model.layers.1.{m}" for m in
+                                                 ("mlp.down_proj", "self_attn.k_proj", "self_attn.q_proj",
+                                                  "self_attn.v_proj")]
         assert state["model.layers.1.self_attn.q_proj.weight"].dtype == torch.int8
     unfoldable = facts["dequantized_smoothing_not_foldable"]
     assert set(q["ignore"]) == {"lm_head", "model.layers.0.mlp.down_proj", *unfoldable}
@@ -269,3 +285,134 @@ def test_a_fused_pair_in_two_formats_is_written_in_high_precision_exactly():
     assert torch.allclose(x @ gate.weight.T, want, rtol=1e-5, atol=1e-5)
     one_format({"gate": gate, "up": up}, facts)  # one format already: nothing to do
     assert facts.unfused == ["gate"]
+
+
+@pytest.mark.parametrize("case, tp", [("fp8", 1), ("fp8", 2), ("int8_wo", 1), ("int8_wo", 2), ("int4_awq+int8_wo", 1)])
+def test_fp8_and_int8_weight_only_export_computing_what_the_checkpoint_computes(  # noqa: F811
+        exported, tiny_model_dir, tokens, tmp_path, case, tp):  # noqa: F811
+    """FP8: the checkpoint's E4M3 values, its one weight scale per tensor written per output channel (exact) and
+    its static input scale: compressed-tensors W8A8 FP8, float-quantized. INT8 weight-only: the codes packed
+    four to an int32 with per-channel scales (W8A16, pack-quantized). Neither has a pre-quant scale to fold;
+    joined across 2 ranks the same. The export computes the rebuilt checkpoint's logits: to float rounding
+    without activation rounding, within an FP8 step of an input with it. A plan mixing INT4 AWQ with INT8
+    weight-only in layer 1's q/k/v and down_proj names the INT8 layers in their group."""
+    from pipeline.engines.vllm.export import export_for_vllm
+
+    e = exported(case)
+    facts = export_for_vllm(e["ckpt"][tp], tiny_model_dir, tmp_path / "vllm", dtype="float32")
+    state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    q = json.loads((tmp_path / "vllm" / "config.json").read_text())["quantization_config"]
+    # INT4 o_proj under grouped-query attention: AWQ's smoothing not foldable, written in high precision (exact)
+    unfoldable = facts["dequantized_smoothing_not_foldable"]
+    assert unfoldable == ([] if case in ("fp8", "int8_wo") else [f"model.layers.{i}.self_attn.o_proj" for i in (0, 1)])
+    assert set(q["ignore"]) == {"lm_head", "model.layers.0.mlp.down_proj", *unfoldable}
+    channel8 = {"num_bits": 8, "symmetric": True, "strategy": "channel", "dynamic": False}
+    group = q["config_groups"]["group_0"]
+    if case == "fp8":
+        weight, scale = state["model.layers.1.mlp.gate_proj.weight"], state["model.layers.1.mlp.gate_proj.weight_scale"]
+        assert weight.dtype == torch.float8_e4m3fn and tuple(scale.shape) == (128, 1)
+        assert scale.dtype == torch.float32 and bool((scale == scale[0]).all())  # the checkpoint's one scale
+        assert state["model.layers.1.mlp.gate_proj.input_scale"].shape == (1,)
+        assert q["format"] == group["format"] == "float-quantized" and group["targets"] == ["Linear"]
+        assert group["weights"] == {"type": "float", **channel8}
+        assert group["input_activations"] == {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                                              "dynamic": False}
+        assert facts["input_scale_raised_to_its_fused_gemms"] == []  # gate and up read one input: one scale
+    else:
+        name = "model.layers.1.self_attn.q_proj" if case == "int8_wo" else "model.layers.1.mlp.down_proj"
+        packed = state[f"{name}.weight_packed"]
+        out_f, in_f = state[f"{name}.weight_shape"].tolist()
+        assert packed.dtype == torch.int32 and tuple(packed.shape) == (out_f, in_f // 4)
+        assert tuple(state[f"{name}.weight_scale"].shape) == (out_f, 1)
+        int8_group = group if case == "int8_wo" else q["config_groups"]["group_1"]
+        assert int8_group["weights"] == {"type": "int", **channel8} and int8_group["input_activations"] is None
+        assert int8_group["format"] == "pack-quantized"
+        if case != "int8_wo":
+            assert q["format"] == "mixed-precision" and group["targets"] == ["Linear"]
+            assert group["weights"]["num_bits"] == 4
+            assert sorted(int8_group["targets"]) == [f"model.layers.1.{m}" for m in
+                                                     ("mlp.down_proj", "self_attn.k_proj", "self_attn.q_proj",
+                                                      "self_attn.v_proj")]
+
+    want_model, _ = rebuild(e["ckpt"][tp], tiny_model_dir, _kept(e["plan"]))
+    requantized = facts["int4_requantized_to_share_a_prequant_scale"]
+    want_model = _reference_with_requantized_up(want_model, e["ckpt"][tp], requantized, group=32)
+    got_model = _model_from_export(tmp_path / "vllm", tiny_model_dir)
+    with torch.no_grad():
+        want, got = want_model(tokens[1]).logits, got_model(tokens[1]).logits
+    assert float((got - want).abs().max() / want.abs().max()) < (1e-2 if case == "fp8" else 1e-4)
+    lp, lq = want.log_softmax(-1), got.log_softmax(-1)
+    assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 1e-5
+
+
+SCHEME_OF = {torch.int8: "CompressedTensorsW8A8Int8", torch.float8_e4m3fn: "CompressedTensorsW8A8Fp8"}
+SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _vllm_layers(num_layers: int) -> dict:
+    """vLLM's Llama linears -> the export's linears they load (a fused one: its shards, in order)."""
+    layers = {"lm_head": ["lm_head"]}
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        for fused, parts in SHARDS.items():
+            layers[f"{p}.{fused}"] = [f"{p}.{part}" for part in parts]
+        for single in ("self_attn.o_proj", "mlp.down_proj"):
+            layers[f"{p}.{single}"] = [f"{p}.{single}"]
+    return layers
+
+
+@pytest.mark.parametrize("case", ["int8_sq", "fp8", "int8_wo", "int4_awq+int8_wo"])
+def test_vllm_reads_each_export_as_written(exported, tiny_model_dir, tmp_path, case):  # noqa: F811
+    """vLLM 0.32 itself, in its own environment, on each export's config.json: every linear gets the scheme of
+    the format written for it (the kept ones none), static input scales where the format has them, and the
+    parameters its scheme creates for the layer are the export's tensors, by name, shape and dtype (a fused
+    layer's shards stacked). INT8 weight-only has no kernel on a CPU (vLLM says so creating its weights),
+    which is why the config check gives it vllm.device cuda only."""
+    import subprocess
+
+    from pipeline.engines.vllm import runtime
+    from pipeline.engines.vllm.export import export_for_vllm
+    from pipeline.errors import EnvironmentProblem
+
+    try:
+        python = runtime.serving_python()
+    except EnvironmentProblem as e:
+        pytest.skip(f"vLLM's serving environment is not installed here ({e})")
+    e = exported(case)
+    export_for_vllm(e["ckpt"][1], tiny_model_dir, tmp_path / "vllm", dtype="bfloat16")
+    proc = subprocess.run([python, str(REPO / "tests" / "bin" / "vllm-scheme-probe"), str(tmp_path / "vllm"),
+                           str(tmp_path / "probe.json")], env=runtime.child_env({}), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    probe = json.loads((tmp_path / "probe.json").read_text())
+    state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    layers = _vllm_layers(2)
+    assert set(probe) == set(layers)
+    for name, parts in layers.items():
+        got = probe[name]
+        first = parts[0]
+        if f"{first}.weight_scale" not in state:
+            assert got["scheme"] is None, (name, got)  # kept in high precision: vLLM's unquantized linear
+            continue
+        packed = f"{first}.weight_packed" in state
+        want = "CompressedTensorsWNA16" if packed else SCHEME_OF[state[f"{first}.weight"].dtype]
+        assert got["scheme"] == want, name
+        if not packed:
+            assert got["static_input"] is True and got["input"]["strategy"] == "tensor", name
+            assert got["input"]["dynamic"] is False
+        bits = 32 * state[f"{first}.weight_packed"].shape[1] // state[f"{first}.weight_shape"][1] if packed else 8
+        assert got["weights"]["num_bits"] == bits, name
+        if bits == 8 and packed:  # INT8 W8A16: no CPU kernel in vLLM 0.32
+            assert "error" in got and "CPUWNA16LinearKernel" in got["error"], got
+            continue
+        assert "error" not in got, got
+        params = got["params"]
+        for suffix in ("weight", "weight_packed", "weight_scale"):
+            if f"{first}.{suffix}" in state:
+                tensors = [state[f"{part}.{suffix}"] for part in parts]
+                assert params[suffix][0] == [sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]], (name, suffix)
+                assert params[suffix][1] == str(tensors[0].dtype).replace("torch.", ""), (name, suffix)
+        if f"{first}.input_scale" in state:  # FP8: one per shard (vLLM takes the largest); INT8: one for the layer
+            assert params["input_scale"][0] == [len(parts) if got["scheme"].endswith("Fp8") else 1], name
+            assert len({float(state[f"{part}.input_scale"]) for part in parts}) == 1, name  # so any load order is right

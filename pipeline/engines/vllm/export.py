@@ -23,6 +23,21 @@ Formats (vLLM 0.32, ``model_executor/layers/quantization/compressed_tensors``):
   false``: its CPU kernel is oneDNN's or the AMX one, ``kernels/linear/scaled_mm/cpu.py``), format
   ``int-quantized``; tensors ``weight`` (I8 [out, in]), ``weight_scale`` (F32 [out, 1], W = code * scale)
   and ``input_scale`` (F32 [1], x_code = round(x / scale));
+- INT8 weight-only (W8A16): INT8 weights per output channel, activations in ``dtype``
+  (``CompressedTensorsWNA16``, strategy channel, 8 bits: Marlin on GPUs; vLLM 0.32 has no CPU kernel for it,
+  ``kernels/linear/mixed_precision/cpu.py`` takes 4-bit types only), format ``pack-quantized``; tensors
+  ``weight_packed`` (I32 [out, in / 4]: four codes per word, code + 128 in the 8 bits from bit 8j),
+  ``weight_scale`` ([out, 1] in ``dtype``) and ``weight_shape``;
+- FP8 (FP8): FP8 E4M3 weights and the checkpoint's static per-tensor FP8 input scale
+  (``CompressedTensorsW8A8Fp8``, ``dynamic: false``: on a CPU torch's ``_scaled_mm``, or AMX kernels,
+  ``kernels/linear/scaled_mm``; on GPUs CUTLASS from compute capability 8.9, Marlin's W8A16 below it),
+  format ``float-quantized``; tensors ``weight`` (F8_E4M3 [out, in]: W = fp8 * scale), ``weight_scale``
+  (F32 [out, 1]) and ``input_scale`` (F32 [1]: x_fp8 = x / scale). The checkpoint's one scale per tensor is
+  written per output channel (strategy channel), which is exact: with strategy tensor vLLM runs a fused
+  GEMM (q/k/v, gate/up) on its members' largest scale and rounds the others' FP8 values again
+  (``requantize_with_max_scale``), and its CPU build cannot even do that (its ``static_scaled_fp8_quant``
+  op is missing: found loading a tensor-strategy export). A fused GEMM takes one input scale, the largest
+  (``input_scale.max()``): the export writes that, so the files hold what runs (INT8 W8A8 likewise);
 - INT4 AWQ (W4A16_AWQ): INT4 weights in groups along the input, symmetric, activations in ``dtype``
   (``CompressedTensorsWNA16``, strategy group; on a CPU its ``CPUWNA16LinearKernel``, on GPUs Marlin),
   format ``pack-quantized``; tensors ``weight_packed`` (I32 [out, in / 8]: eight codes per word, code + 8 in
@@ -30,9 +45,9 @@ Formats (vLLM 0.32, ``model_executor/layers/quantization/compressed_tensors``):
   ([out, in / group] in ``dtype``: W = code * scale of its group) and ``weight_shape`` (I64 [2]: out, in).
   The codes and group scales are the checkpoint's; AWQ's pre-quant scale is folded like SmoothQuant's.
 
-Quantized layers are one config group per format: with one format its targets are ``Linear``; with two
-(a mixed INT4 + INT8 plan) the INT4 layers are named in their own group, which vLLM matches before the
-class. Layers the plan keeps in high precision are the config's ``ignore`` list (q/k/v and gate/up decide
+Quantized layers are one config group per format: the format with the most layers targets ``Linear``; the
+others (a mixed plan) name their layers, which vLLM matches before the class. Layers the plan keeps in high
+precision are the config's ``ignore`` list (q/k/v and gate/up decide
 together: vLLM fuses them and ModelOpt's plan gives each group one format). Unquantized tensors are written
 in ``dtype``.
 
@@ -54,47 +69,57 @@ from pipeline.errors import InputError, IntegrityError
 from pipeline.fsutil import atomic_write_text, remove_tree
 
 # TensorRT-LLM algos the export writes for vLLM; anything else is refused before export (config check)
-INT8_SQ, INT4_AWQ = "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ"
-EXPORTABLE_ALGOS = (INT8_SQ, INT4_AWQ)
+INT8_SQ, INT8_WO, FP8, INT4_AWQ = "W8A8_SQ_PER_CHANNEL", "W8A16", "FP8", "W4A16_AWQ"
+EXPORTABLE_ALGOS = (INT8_SQ, INT8_WO, FP8, INT4_AWQ)
+PACKED_BITS = {INT8_WO: 8, INT4_AWQ: 4}  # weight-only formats: codes packed into int32 words
 WEIGHTS_FILE = "model.safetensors"  # one shard; more: model-00001.safetensors ... and the index
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # a shard is written, and its tensors freed, once this much is pending
 QUANT_METHOD = "compressed-tensors"
-# the compressed-tensors scheme of every quantized linear (compressed_tensors.quantization.QuantizationArgs)
-W8A8_STATIC_SCHEME = {
-    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
-                          "dynamic": False},
-}
-FORMAT_OF = {INT8_SQ: "int-quantized", INT4_AWQ: "pack-quantized"}  # compressed-tensors' format names
 
 
-def w4a16_scheme(group_size: int) -> dict:
-    return {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                        "group_size": group_size, "dynamic": False},
-            "input_activations": None}
+def _args(num_bits: int, kind: str, strategy: str, **extra) -> dict:
+    """One compressed-tensors QuantizationArgs (symmetric, static)."""
+    return {"num_bits": num_bits, "type": kind, "symmetric": True, "strategy": strategy, **extra, "dynamic": False}
 
 
-def pack_int4(codes):
-    """[out, in] signed 4-bit codes (int8) -> [out, in / 8] int32: code + 8 in bits 4j..4j+3 of word
-    i // 8 for input i = 8 * word + j (compressed-tensors' pack_to_int32 with packed_dim 1)."""
+def scheme(algo: str, group_size: int = 0) -> dict:
+    """The compressed-tensors scheme of a linear in ``algo`` (compressed_tensors.quantization.QuantizationArgs)."""
+    if algo == INT8_SQ:
+        return {"weights": _args(8, "int", "channel"), "input_activations": _args(8, "int", "tensor")}
+    if algo == FP8:  # the per-tensor weight scale written per channel (see the module's docstring)
+        return {"weights": _args(8, "float", "channel"), "input_activations": _args(8, "float", "tensor")}
+    if algo == INT8_WO:
+        return {"weights": _args(8, "int", "channel"), "input_activations": None}
+    return {"weights": _args(4, "int", "group", group_size=group_size), "input_activations": None}
+
+
+FORMAT_OF = {INT8_SQ: "int-quantized", INT8_WO: "pack-quantized", FP8: "float-quantized",
+             INT4_AWQ: "pack-quantized"}  # compressed-tensors' format names
+
+
+def pack_codes(codes, bits: int):
+    """[out, in] signed ``bits``-bit codes (int8) -> [out, in * bits / 32] int32: code + 2^(bits-1) in bits
+    bits*j.. of word i // (32 / bits) for input i = (32 / bits) * word + j (compressed-tensors'
+    pack_to_int32 with packed_dim 1)."""
     import torch
 
+    per_word = 32 // bits
     out_f, in_f = codes.shape
-    if in_f % 8:
-        raise IntegrityError(f"INT4 weight of input width {in_f}: not a multiple of 8")
-    u = (codes.to(torch.int32) + 8).reshape(out_f, in_f // 8, 8)
-    shifts = torch.arange(8, dtype=torch.int32) * 4
+    if in_f % per_word:
+        raise IntegrityError(f"{bits}-bit weight of input width {in_f}: not a multiple of {per_word}")
+    u = (codes.to(torch.int32) + (1 << (bits - 1))).reshape(out_f, in_f // per_word, per_word)
+    shifts = torch.arange(per_word, dtype=torch.int32) * bits
     return (u << shifts).sum(dim=2, dtype=torch.int32)
 
 
 @dataclass
 class Linear:
-    """One HF linear on its way out: float weight, or INT8 / INT4 codes with their scales."""
+    """One HF linear on its way out: float weight, or INT8 / FP8 / INT4 values with their scales."""
 
-    weight: Any  # torch tensor: float [out, in], or int8 codes [out, in] (INT4 codes unpacked, in [-8, 7])
-    weight_scale: Any = None  # fp32, when quantized: INT8 [out]; INT4 [out, in / group_size]
-    input_scale: Any = None  # fp32 scalar: INT8 SmoothQuant's static input scale
+    weight: Any  # torch tensor: float [out, in]; int8 codes [out, in] (INT4 codes unpacked, in [-8, 7]); FP8 E4M3
+    weight_scale: Any = None  # fp32, when quantized: INT8 [out]; FP8 a scalar; INT4 [out, in / group_size]
+    input_scale: Any = None  # fp32 scalar: INT8 SmoothQuant's or FP8's static input scale
     prequant: Any = None  # fp32 [in]: the input multiplier still to fold
     algo: Optional[str] = None  # the checkpoint's quant_algo; None: high precision
     group_size: Optional[int] = None  # INT4
@@ -131,7 +156,8 @@ class Linear:
 
     def dequantize(self) -> None:
         """Codes -> float weight (the smoothing folded in), the layer then in high precision."""
-        scale = self.weight_scale[:, None] if self.weight_scale.dim() == 1 \
+        dims = self.weight_scale.dim()
+        scale = self.weight_scale if dims == 0 else self.weight_scale[:, None] if dims == 1 \
             else self.weight_scale.repeat_interleave(self.group_size, dim=1)
         self.weight = self.weight.float() * scale
         if self.prequant is not None:
@@ -147,6 +173,7 @@ class ExportFacts:
     folded: dict[str, int] = field(default_factory=dict)  # where pre-quant scales went -> count
     unfoldable: list[str] = field(default_factory=list)  # quantized in the checkpoint, high precision here
     requantized: list[str] = field(default_factory=list)  # INT4 requantized to share its fused group's scale
+    input_rescaled: list[str] = field(default_factory=list)  # on its fused GEMM's larger static input scale
     unfused: list[str] = field(default_factory=list)  # quantized, but fused in vLLM with a layer in another format
 
     def as_dict(self) -> dict:
@@ -154,6 +181,7 @@ class ExportFacts:
                 "ignore": len(self.ignore), "smoothing_folded_into": self.folded,
                 "dequantized_smoothing_not_foldable": self.unfoldable,
                 "int4_requantized_to_share_a_prequant_scale": self.requantized,
+                "input_scale_raised_to_its_fused_gemms": self.input_rescaled,
                 "dequantized_fused_with_another_format": self.unfused}
 
 
@@ -205,6 +233,7 @@ def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optiona
     else one Linear."""
     import torch
 
+    from pipeline.formats import FORMAT_OF_ALGO
     from pipeline.quant.checkpoint import unpack_int4
 
     algo, group_size = fmt
@@ -217,12 +246,14 @@ def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optiona
             raise IntegrityError(f"{name}: unquantized weight with quantization scales beside it")
     elif algo not in EXPORTABLE_ALGOS:
         raise InputError(f"{name}: {algo} cannot be exported for vLLM (exportable: {', '.join(EXPORTABLE_ALGOS)})")
-    elif weights[0].dtype != torch.int8 or scales["weights_scaling_factor"] is None \
-            or (algo == INT8_SQ and scales["activation_scaling_factor"] is None) \
-            or (algo == INT4_AWQ and (scales["prequant_scaling_factor"] is None or not group_size)):
-        raise IntegrityError(f"{name}: {algo} needs I8 codes and its scales (weights_scaling_factor, and "
-                             f"{'activation' if algo == INT8_SQ else 'prequant'}_scaling_factor)")
-    int4 = algo == INT4_AWQ
+    else:
+        stored = torch.float8_e4m3fn if algo == FP8 else torch.int8
+        needed = FORMAT_OF_ALGO[algo].checkpoint_scales
+        if weights[0].dtype != stored or any(scales[k] is None for k in needed) \
+                or (algo == INT4_AWQ and not group_size):
+            raise IntegrityError(f"{name}: {algo} needs {stored} weights and {', '.join(needed)}"
+                                 + (" with a group size" if algo == INT4_AWQ else ""))
+    int4, fp8 = algo == INT4_AWQ, algo == FP8
     if int4:
         weights = [unpack_int4(w) for w in weights]  # [out, in] codes; group scales [out, in / group]
 
@@ -233,6 +264,11 @@ def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optiona
                 raise IntegrityError(f"{name}: INT4 group scales of shape {tuple(w.shape)} do not fit a weight of "
                                      f"{tuple(weights[r].shape)} with group size {group_size}")
             return w
+        if fp8:  # one scale for the whole weight, taken before the split: the same on every rank
+            if w.numel() != 1 or not torch.equal(w, scales["weights_scaling_factor"][0].float()):
+                raise IntegrityError(f"{name}: an FP8 weight takes one scale, the same on every rank; found "
+                                     f"{[tuple(t.shape) for t in scales['weights_scaling_factor']]}")
+            return w.reshape(())
         w = w.reshape(-1)
         return w.expand(rows).clone() if w.numel() == 1 else w
 
@@ -241,7 +277,7 @@ def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optiona
         wsf: Any = wsf_of(r, w.shape[0]) if algo else None
         if split:
             ws = w.split(split)
-            ss = wsf.split(split) if algo else [None] * len(split)
+            ss = [wsf] * len(split) if fp8 else wsf.split(split) if algo else [None] * len(split)
             pieces.append(list(zip(ws, ss)))
         else:
             pieces.append([(w, wsf)])
@@ -250,14 +286,14 @@ def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optiona
         ws = [p[part][0] for p in pieces]
         if kind == "row":
             weight = _cat(ws, 1)
-            # per-channel INT8 scales are the same on every rank of a row-parallel linear; INT4 group scales
-            # are split with the input
+            # per-channel INT8 and FP8 scales are the same on every rank of a row-parallel linear; INT4 group
+            # scales are split with the input
             wsf = (_cat([p[part][1] for p in pieces], 1) if int4 else pieces[0][part][1]) if algo else None
         else:
             weight = _cat(ws, 0)
-            wsf = _cat([p[part][1] for p in pieces], 0) if algo else None
+            wsf = (pieces[0][part][1] if fp8 else _cat([p[part][1] for p in pieces], 0)) if algo else None
         lin = Linear(weight if algo else weight.float(), wsf, algo=algo, group_size=group_size if int4 else None)
-        if algo == INT8_SQ:
+        if algo in (INT8_SQ, FP8):
             lin.input_scale = scales["activation_scaling_factor"][0].float().reshape(())
         pqs = scales["prequant_scaling_factor"]
         if algo and pqs is not None:
@@ -276,13 +312,32 @@ def one_format(linears: dict[str, Linear], facts: ExportFacts) -> None:
     """vLLM runs q/k/v and gate/up each as one GEMM in one format; the plan may give gate and up different
     ones (TensorRT-LLM keeps them apart). Then the quantized members are written in high precision (their
     weights dequantized, their own pre-quant scales folded into their columns): exact, and the export says so.
+    A group with static input scales (INT8 W8A8, FP8) gets one, the largest.
     ``linears``: HF name -> Linear."""
-    if len({lin.algo for lin in linears.values()}) == 1:
+    algos = {lin.algo for lin in linears.values()}
+    if algos in ({FP8}, {INT8_SQ}):
+        _share_input_scale(linears, facts)
+    if len(algos) == 1:
         return
     for name, lin in linears.items():
         if lin.quantized:
             lin.dequantize()
             facts.unfused.append(name)
+
+
+def _share_input_scale(linears: dict[str, Linear], facts: ExportFacts) -> None:
+    """vLLM 0.32 quantizes a fused GEMM's input with one static scale: FP8 with its members' largest
+    (``input_scale.max()``, compressed_tensors_w8a8_fp8.py), INT8 with the one loaded last (one ``input_scale``
+    of shape [1] for the layer, compressed_tensors_w8a8_int8.py). The export writes the largest for every
+    member, so the files hold what runs either way (gate and up read the same input: their calibrated scales
+    normally agree, and q/k/v come fused from the checkpoint with one)."""
+    import torch
+
+    input_scale = max(float(lin.input_scale) for lin in linears.values())
+    for name, lin in linears.items():
+        if float(lin.input_scale) != input_scale:
+            lin.input_scale = torch.tensor(input_scale)
+            facts.input_rescaled.append(name)
 
 
 def _fold_into_norm(norm, linears: dict[str, Linear], where: str, facts: ExportFacts):
@@ -377,14 +432,32 @@ def quantization_config(by_algo: dict[str, list[str]], group_sizes: set[int], ig
     """config.json's quantization_config: one config group per format written (see the module's docstring)."""
     if len(group_sizes) > 1:
         raise IntegrityError(f"INT4 layers with several group sizes {sorted(group_sizes)}: one scheme takes one")
-    schemes = {INT8_SQ: W8A8_STATIC_SCHEME, INT4_AWQ: w4a16_scheme(next(iter(group_sizes), 0))}
-    algos = [a for a in (INT8_SQ, INT4_AWQ) if by_algo.get(a)]
+    algos = sorted((a for a in EXPORTABLE_ALGOS if by_algo.get(a)), key=lambda a: -len(by_algo[a]))
     groups = {}
-    for i, algo in enumerate(algos):  # one format: Linear; two: INT4's layers by name, matched before the class
-        targets = ["Linear"] if len(algos) == 1 or algo == INT8_SQ else list(by_algo[algo])
-        groups[f"group_{i}"] = {"targets": targets, **schemes[algo], "format": FORMAT_OF[algo]}
+    for i, algo in enumerate(algos):  # the most used format: Linear; the others by name, matched before the class
+        targets = ["Linear"] if i == 0 else list(by_algo[algo])
+        groups[f"group_{i}"] = {"targets": targets, **scheme(algo, next(iter(group_sizes), 0)),
+                                "format": FORMAT_OF[algo]}
     return {"quant_method": QUANT_METHOD, "format": FORMAT_OF[algos[0]] if len(algos) == 1 else "mixed-precision",
             "quantization_status": "compressed", "config_groups": groups, "ignore": ignore}
+
+
+def _write_linear(writer: ShardWriter, hf_name: str, lin: Linear, dtype) -> None:
+    """``lin``'s tensors as compressed-tensors names them (see the module's docstring for each format)."""
+    import torch
+
+    if lin.algo in PACKED_BITS:
+        writer.add(f"{hf_name}.weight_packed", pack_codes(lin.weight, PACKED_BITS[lin.algo]))
+        scale = lin.weight_scale if lin.algo == INT4_AWQ else lin.weight_scale.reshape(-1, 1)  # group / channel
+        writer.add(f"{hf_name}.weight_scale", scale.to(dtype).contiguous())
+        writer.add(f"{hf_name}.weight_shape", torch.tensor(list(lin.weight.shape), dtype=torch.int64))
+    elif lin.quantized:  # own copies: q/k/v are views of one fused tensor; safetensors refuses shared storage
+        writer.add(f"{hf_name}.weight", lin.weight.clone())
+        scale = lin.weight_scale.float().expand(lin.weight.shape[0]) if lin.algo == FP8 else lin.weight_scale.float()
+        writer.add(f"{hf_name}.weight_scale", scale.reshape(-1, 1).clone())  # per output channel [out, 1]
+        writer.add(f"{hf_name}.input_scale", lin.input_scale.float().reshape(1).clone())
+    else:
+        writer.add(f"{hf_name}.weight", lin.weight.to(dtype).clone())
 
 
 def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bfloat16",
@@ -430,21 +503,13 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     def put(hf_name: str, lin: Linear) -> None:
         if lin.prequant is not None:
             raise IntegrityError(f"{hf_name}: a pre-quant scale was left unfolded")  # a bug here, not bad input
-        if lin.algo == INT4_AWQ:
-            writer.add(f"{hf_name}.weight_packed", pack_int4(lin.weight))
-            writer.add(f"{hf_name}.weight_scale", lin.weight_scale.to(torch_dtype).contiguous())
-            writer.add(f"{hf_name}.weight_shape", torch.tensor(list(lin.weight.shape), dtype=torch.int64))
-            by_algo.setdefault(INT4_AWQ, []).append(hf_name)
-            group_sizes.add(int(lin.group_size or 0))
+        _write_linear(writer, hf_name, lin, torch_dtype)
+        if lin.quantized:
+            by_algo.setdefault(lin.algo or "", []).append(hf_name)
             facts.quantized_linears += 1
-        elif lin.quantized:  # own copies: q/k/v are views of one fused tensor; safetensors refuses shared storage
-            writer.add(f"{hf_name}.weight", lin.weight.clone())
-            writer.add(f"{hf_name}.weight_scale", lin.weight_scale.float().reshape(-1, 1).clone())
-            writer.add(f"{hf_name}.input_scale", lin.input_scale.float().reshape(1).clone())
-            by_algo.setdefault(INT8_SQ, []).append(hf_name)
-            facts.quantized_linears += 1
+            if lin.algo == INT4_AWQ:
+                group_sizes.add(int(lin.group_size or 0))
         else:
-            writer.add(f"{hf_name}.weight", lin.weight.to(torch_dtype).clone())
             facts.ignore.append(hf_name)
             facts.high_precision_linears += 1
 
