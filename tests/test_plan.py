@@ -157,3 +157,23 @@ def test_fused_qkv_share_a_format():
     budget = floor_bytes(t["layers"]) + extra(qkv[2]) + 4096  # room for v alone, not the group
     doc = make_plan(t, PlanSection(mode="budget", budget=PlanBudget(weight_bytes=budget)), S, Q)
     assert kept(doc) == set() and doc["summary"]["weight_bytes_planned"] <= budget
+
+
+def test_the_vllm_target_gives_gate_and_up_one_format():
+    """vLLM runs gate/up as one GEMM (TensorRT-LLM keeps them apart): a table made for the vllm target lists
+    them as a format group, and the plan keeps the pair together where one of them is sensitive."""
+    from pipeline.quant.sensitivity import TRTLLM_FUSION_GROUPS, format_groups
+
+    groups = [list(g) for g in TRTLLM_FUSION_GROUPS]
+    assert format_groups("tensorrt", groups) == groups == [["q_proj", "k_proj", "v_proj"]]
+    assert format_groups("vllm", groups) == [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]
+    t = table(layer("m.layers.0.mlp.gate_proj", 0.3, 128, 64, "gate_proj"),
+              layer("m.layers.0.mlp.up_proj", 0.01, 128, 64, "up_proj"),
+              layer("m.layers.0.mlp.down_proj", 0.01, 64, 128, "down_proj"))
+    apart = make_plan({**t, "fusion_groups": groups, "format_groups": format_groups("tensorrt", groups)},
+                      PlanSection(), S, Q)
+    assert kept(apart) == {"m.layers.0.mlp.gate_proj"}
+    together = make_plan({**t, "fusion_groups": groups, "format_groups": format_groups("vllm", groups)},
+                         PlanSection(), S, Q)
+    assert kept(together) == {"m.layers.0.mlp.gate_proj", "m.layers.0.mlp.up_proj"}
+    assert "fused with gate_proj into one GEMM" in together["layers"]["m.layers.0.mlp.up_proj"]["reason"]

@@ -120,10 +120,11 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
 
 
 def _align_fused(choices: dict, table: dict, base: str, g: int, widen: bool) -> None:
-    """Layers the checkpoint fuses into one GEMM (q/k/v; gate/up for the HF unified checkpoint) must share
-    a format. Threshold mode widens the group to its widest member's format (the sensitive one wins);
-    budget mode narrows it to the base format, which can only lower the bytes used."""
-    groups = table.get("fusion_groups") or [["q_proj", "k_proj", "v_proj"]]
+    """Layers the target runs as one GEMM (q/k/v; gate/up as well for the HF unified checkpoint and for vLLM:
+    the table's ``format_groups``) must share a format. Threshold mode widens the group to its widest member's
+    format (the sensitive one wins); budget mode narrows it to the base format, which can only lower the
+    bytes used."""
+    groups = table.get("format_groups") or table.get("fusion_groups") or [["q_proj", "k_proj", "v_proj"]]
     by_block: dict[tuple, list[str]] = {}
     for name in choices:
         prefix, short = name.rsplit(".", 1) if "." in name else ("", name)
@@ -131,7 +132,7 @@ def _align_fused(choices: dict, table: dict, base: str, g: int, widen: bool) -> 
             if short in group:
                 by_block.setdefault((prefix, gi), []).append(name)
     _one_format_each(choices, table, by_block.values(), base, g, widen, lambda m: bits(choices[m].format),
-                     lambda leader, layer: f"fused with {layer['module']} in the checkpoint: follows its format")
+                     lambda leader, layer: f"fused with {layer['module']} into one GEMM: follows its format")
 
 
 def _one_format_each(choices: dict, table: dict, groups, base: str, g: int, widen: bool, rank, why) -> None:

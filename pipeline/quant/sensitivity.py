@@ -57,6 +57,15 @@ HF_UNIFIED_FUSION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_pr
 
 def fusion_groups_for(target: str) -> tuple[tuple[str, ...], ...]:
     return HF_UNIFIED_FUSION_GROUPS if target == "pytorch" else TRTLLM_FUSION_GROUPS
+
+
+def format_groups(target: str, fusion_groups: list[list[str]]) -> list[list[str]]:
+    """Layers the target runs as one GEMM, which the plan gives one format: the checkpoint's fusion groups, and
+    for the vllm target gate/up too. It quantizes the TensorRT-LLM checkpoint (gate and up smoothed apart), but
+    vLLM's Llama runs q/k/v as qkv_proj and gate/up as gate_up_proj (its packed_modules_mapping), one GEMM in
+    one format each."""
+    extra = [list(g) for g in HF_UNIFIED_FUSION_GROUPS] if target == "vllm" else []
+    return [*fusion_groups, *(g for g in extra if g not in fusion_groups)]
 CHUNK_ELEMENTS = 4 * 1024 * 1024  # output elements per quantized-matmul chunk (16 MB of fp32; lm_head: ~85 rows)
 AWQ_SEARCH_TOKENS = 4096  # AWQ-lite's alpha search runs on the first tokens only (11 matmuls per layer)
 AWQ_ALPHAS = tuple(round(0.1 * i, 1) for i in range(11))
@@ -607,6 +616,7 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
                          "built yet; set it to false.")
     ids = load_file(str(calibration_file))[artifacts.TOKENS_KEY]
     table = analyse(model_dir, ids, section, quant, fusion_groups_for(target), device, dtype)
+    table["format_groups"] = format_groups(target, table["fusion_groups"])  # what the plan aligns
     # wall time goes to the manifest's summary, not into the table: an output that differed on every run
     # would change the inputs of every stage after this one
     timing = table.pop("timing")
