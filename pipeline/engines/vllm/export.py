@@ -29,14 +29,14 @@ Formats (vLLM 0.32, ``model_executor/layers/quantization/compressed_tensors``):
   ``weight_packed`` (I32 [out, in / 4]: four codes per word, code + 128 in the 8 bits from bit 8j),
   ``weight_scale`` ([out, 1] in ``dtype``) and ``weight_shape``;
 - FP8 (FP8): FP8 E4M3 weights and the checkpoint's static per-tensor FP8 input scale
-  (``CompressedTensorsW8A8Fp8``, ``dynamic: false``: on a CPU torch's ``_scaled_mm``, or AMX kernels,
-  ``kernels/linear/scaled_mm``; on GPUs CUTLASS from compute capability 8.9, Marlin's W8A16 below it),
-  format ``float-quantized``; tensors ``weight`` (F8_E4M3 [out, in]: W = fp8 * scale), ``weight_scale``
+  (``CompressedTensorsW8A8Fp8``, ``dynamic: false``: on GPUs CUTLASS from compute capability 8.9, Marlin's
+  W8A16 below it; vLLM 0.32's CPU build fails it, see pipeline.formats.VLLM_SERVABLE), format
+  ``float-quantized``; tensors ``weight`` (F8_E4M3 [out, in]: W = fp8 * scale), ``weight_scale``
   (F32 [out, 1]) and ``input_scale`` (F32 [1]: x_fp8 = x / scale). The checkpoint's one scale per tensor is
   written per output channel (strategy channel), which is exact: with strategy tensor vLLM runs a fused
   GEMM (q/k/v, gate/up) on its members' largest scale and rounds the others' FP8 values again
-  (``requantize_with_max_scale``), and its CPU build cannot even do that (its ``static_scaled_fp8_quant``
-  op is missing: found loading a tensor-strategy export). A fused GEMM takes one input scale, the largest
+  (``requantize_with_max_scale``; its CPU build cannot even do that: no ``static_scaled_fp8_quant`` op,
+  found loading a tensor-strategy export here). A fused GEMM takes one input scale, the largest
   (``input_scale.max()``): the export writes that, so the files hold what runs (INT8 W8A8 likewise);
 - INT4 AWQ (W4A16_AWQ): INT4 weights in groups along the input, symmetric, activations in ``dtype``
   (``CompressedTensorsWNA16``, strategy group; on a CPU its ``CPUWNA16LinearKernel``, on GPUs Marlin),
