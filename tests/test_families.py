@@ -6,6 +6,7 @@ tokens against the rebuilt model's. Refusals: a family outside the table, a targ
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from conftest import run_invoke, tiny_config
 
 from pipeline import artifacts, families
 from pipeline.errors import InputError
+from pipeline.quant.plots import heatmap_grid
 
 pytest.importorskip("modelopt.torch.quantization")
 pytest.importorskip("pytriton", reason="nvidia-pytriton provides the server")
@@ -213,6 +215,14 @@ def test_moe_sensitivity_and_plan_then_quantize_refuses_experts_it_cannot_export
     assert w1["fused_with"] == ["experts.0.w3"] and w1["activation"]["routed_tokens"] == \
         table["experts"][0]["routed_tokens"][0]
     assert "Experts per MoE layer" in (work / "tiny" / "sensitivity" / artifacts.SENSITIVITY_TABLE_MD).read_text()
+    # the heatmap draws each expert type's largest error per layer below the dense modules
+    rows, values = heatmap_grid(table, "int8_sq", [0, 1])
+    assert rows[-3:] == ["experts.w1 (max)", "experts.w2 (max)", "experts.w3 (max)"]
+    for summary in table["experts"]:
+        for kind in ("w1", "w2", "w3"):
+            assert values[rows.index(f"experts.{kind} (max)")][summary["layer"]] == \
+                summary["by_type"][kind]["int8_sq"]["max"]
+    assert all(math.isnan(v) for v in values[rows.index("gate_proj")])  # Mixtral has no dense MLP
 
     plan = yaml.safe_load((work / "tiny" / "plan" / artifacts.PLAN_FILE).read_text())["layers"]
     for block in (0, 1):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 MODULE_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -51,6 +52,22 @@ def table_markdown(table: dict, threshold: float, decision: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def heatmap_grid(table: dict, fmt: str, blocks: list[int]) -> tuple[list[str], list[list[float]]]:
+    """The heatmap's rows (the dense modules, then one row per expert type of an MoE model: the largest error
+    over a layer's experts, as the table's ``experts`` summary has it) and its values per decoder block (NaN:
+    the block has no such module)."""
+    kinds = sorted({kind for entry in table.get("experts", []) for kind in entry.get("by_type", {})})
+    rows = [*MODULE_ORDER, *(f"experts.{kind} (max)" for kind in kinds)]
+    values = [[math.nan] * len(blocks) for _ in rows]
+    for l in table["layers"]:
+        if l["block"] >= 0 and l["module"] in MODULE_ORDER:
+            values[MODULE_ORDER.index(l["module"])][blocks.index(l["block"])] = l["errors"][fmt]["error"]
+    for entry in table.get("experts", []):
+        for kind, by_format in entry.get("by_type", {}).items():
+            values[rows.index(f"experts.{kind} (max)")][blocks.index(entry["layer"])] = by_format[fmt]["max"]
+    return rows, values
+
+
 def heatmap_png(table: dict, formats: tuple[str, ...], path: Path) -> None:
     import matplotlib
 
@@ -62,12 +79,10 @@ def heatmap_png(table: dict, formats: tuple[str, ...], path: Path) -> None:
     fig, axes = plt.subplots(len(formats), 1, figsize=(max(8, len(blocks) * 0.35 + 2), 2.6 * len(formats) + 0.6),
                              squeeze=False)
     for ax, fmt in zip(axes[:, 0], formats):
-        grid = np.full((len(MODULE_ORDER), len(blocks)), np.nan)
-        for l in table["layers"]:
-            if l["block"] >= 0 and l["module"] in MODULE_ORDER:
-                grid[MODULE_ORDER.index(l["module"]), blocks.index(l["block"])] = l["errors"][fmt]["error"]
+        rows, values = heatmap_grid(table, fmt, blocks)
+        grid = np.array(values, dtype=float)
         im = ax.imshow(grid, aspect="auto", cmap="magma_r", interpolation="nearest")
-        ax.set_yticks(range(len(MODULE_ORDER)), MODULE_ORDER)
+        ax.set_yticks(range(len(rows)), rows)
         ax.set_xticks(range(len(blocks)), [str(b) for b in blocks], fontsize=7)
         head = next((l for l in table["layers"] if l["module"] == "lm_head"), None)
         extra = f"; lm_head {head['errors'][fmt]['error']:.3f}" if head else ""
