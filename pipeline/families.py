@@ -18,8 +18,8 @@ the router is measured and recorded; the plan keeps routers in high precision (M
 one tensor per expert type and TensorRT-LLM's fused MoE layer runs them with one quantization method
 (tensorrt_llm/_torch/modules/fused_moe: ``_get_quant_method`` reads the layer's one ``layer_quant_mode``).
 Quantize and export: the experts in FP8, INT4 AWQ or W4A8 AWQ (what ModelOpt's TensorRT-LLM export writes for
-stacked experts), at tensor parallel size 1 (pipeline/quant/quantize.py ``MOE_EXPORT_FORMATS``); the checkpoint
-reader reads the stacked experts back per expert.
+stacked experts; pipeline/quant/quantize.py ``MOE_EXPORT_FORMATS``), at any tensor parallel size that splits
+their intermediate size; the checkpoint reader reads the stacked experts back per expert, joining the ranks.
 
 The vllm target's export (pipeline/engines/vllm/export.py) writes dense Llama-shaped layers only: no biases, no
 q/k norms, no experts, so the other families are refused there before any work rather than exported without them.

@@ -52,11 +52,12 @@ def _qwen3():
     return model
 
 
-def _mixtral(experts: int = 4):
+def _mixtral(experts: int = 4, intermediate: int = 96):
     """Mixtral-8x7B's shape, scaled down: a router and ``experts`` gated-MLP experts per layer, top-2 routing."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=intermediate,
+                                            num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                             num_local_experts=experts, num_experts_per_tok=2, bos_token_id=1,
                                             eos_token_id=2))
@@ -383,3 +384,32 @@ def test_a_moe_model_quantized_layer_by_layer_reads_back_as_the_whole_model_did(
     assert read_back["always"]["perplexity_quantized"] == pytest.approx(read_back["never"]["perplexity_quantized"],
                                                                         rel=1e-4)
     assert read_back["always"]["top1_agreement"] == read_back["never"]["top1_agreement"]
+
+
+@pytest.mark.parametrize("fmt, algo", [("fp8", "FP8"), ("int4_awq", "W4A16_AWQ")])
+def test_a_moe_checkpoint_split_over_two_ranks_reads_back_as_one_rank(tmp_path, tiny_tokenizer_dir, fmt, algo):
+    """Tensor parallel 2 (tensorrt target): every rank holds a slice of every expert (fc's up and gate rows each
+    split on the intermediate dim, proj split on its input with its INT4 group scales and pre-quant scale).
+    The reader joins the ranks into the model the one-rank checkpoint gives: the same logits, and each expert
+    still the original within its format's error."""
+    import torch
+
+    from pipeline.quant.checkpoint import rebuild
+
+    torch.manual_seed(0)
+    model_dir = _saved(_mixtral(intermediate=128), tmp_path / "model", tiny_tokenizer_dir)  # 64 per rank: 2 groups
+    cfg = _with_rules(tiny_config(tmp_path, model_dir), f"{{pattern: '*.experts.*', format: {fmt}}}")
+    logits, tokens = {}, torch.tensor([PROMPTS[0]])
+    for tp in (1, 2):
+        work = tmp_path / f"tp{tp}"
+        sets = ("build.target=tensorrt", f"build.tensor_parallel_size={tp}", "quantization.awq_group_size=32")
+        proc = run_invoke("quantize", "--config", str(cfg), "--work-root", str(work),
+                          *(a for s in sets for a in ("--set", s)), timeout=900)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        read_back = _summary(work / "tiny", "quantize")["checkpoint"]["read_back"]
+        assert read_back["tp_size"] == tp and read_back["formats"][algo] == 24, read_back
+        model, _ = rebuild(work / "tiny" / "quantize" / artifacts.TRTLLM_CHECKPOINT_DIR, model_dir)
+        with torch.no_grad():
+            logits[tp] = model(tokens).logits
+    assert torch.allclose(logits[2], logits[1], rtol=0, atol=1e-5 * float(logits[1].abs().max()))
+    _assert_rebuilt_experts_are_the_originals(tmp_path / "tp2" / "tiny", model_dir, tolerance=0.3)

@@ -41,7 +41,9 @@ model_config_utils.py ``merge_qkv``) and checked on exports of SmolLM2 and tiny 
   hidden, intermediate] its down (w2) (ModelOpt 0.47 layer_utils.py ``build_stacked_experts``). Their scales
   carry the expert as their first dim (weights_scaling_factor [experts, 1] for FP8, [experts, out, in / group] for INT4;
   prequant_scaling_factor [experts, in]; weights_scaling_factor_2 [experts, 1]); the activation scale is one for
-  all the experts. Each expert is dequantized with its own scales. Read back at tensor parallel size 1 only.
+  all the experts. Each expert is dequantized with its own scales. Under tensor parallelism every rank holds a
+  slice of every expert: fc's up rows and gate rows each split on the intermediate dim (a rank's fc holds its
+  up rows, then its gate rows), proj split on its input dim with its INT4 group scales and pre-quant scale.
 It checks what it reads: layers the plan keeps in high precision must be unquantized, quantized ones must
 carry the scales their format needs with consistent shapes and dtypes, the stored dtype must agree with the
 format the config names, and shapes must match the model; a violation is an IntegrityError naming the layer.
@@ -350,37 +352,58 @@ class CheckpointReader:
                 raise IntegrityError(f"{name}: bias of shape {tuple(b.shape)} does not fit {hf_name}'s {n} outputs")
         return dict(zip(hf_names, full))
 
-    def _read_experts(self, name: str, hf_p: str, names: list[list[str]], rows: list[int], shape_in: int):
-        """A stacked expert tensor (``mlp.fc`` or ``mlp.proj``): per expert, its fp32 weights split into
-        ``rows`` (up | gate for fc) and named ``names[expert]`` (relative to the decoder layer ``hf_p``); returns
-        ({name: weight}, {name: input transform}). The plan must give every expert one format, as the checkpoint
-        does."""
-        if self.tp != 1:
-            raise IntegrityError(f"{name}: mixture-of-experts checkpoints are read back at tensor parallel size 1 "
-                                 f"only (this one has tp_size {self.tp})")
+    def _read_experts(self, name: str, hf_p: str, names: list[list[str]], rows: list[int], shape_in: int,
+                      kind: str):
+        """A stacked expert tensor (``mlp.fc``, kind column, or ``mlp.proj``, kind row): per expert, its fp32
+        weights split into ``rows`` (up | gate for fc) and named ``names[expert]`` (relative to the decoder layer
+        ``hf_p``); returns ({name: weight}, {name: input transform}). The plan must give every expert one format,
+        as the checkpoint does. Under tensor parallelism each rank holds every expert's slice (ModelOpt 0.47
+        postprocess.py ``_split_model_config_for_tp``, ExpertConfig): fc's up and gate rows each split on the
+        intermediate dim, a rank holding its up rows then its gate rows; proj split on its input (the
+        intermediate dim) with its AWQ group scales and pre-quant scale. Each rank is dequantized with its own
+        scales, then the pieces are joined."""
+        import torch
+
         first_read = f"{name}.weight" not in self._consumed
-        w = self._read(f"{name}.weight")[0]
-        scales = {k: v[0] for k in SCALE_NAMES if (v := self._read(f"{name}.{k}", required=False)) is not None}
+        ws = self._read(f"{name}.weight")
+        found = {k: v for k in SCALE_NAMES if (v := self._read(f"{name}.{k}", required=False)) is not None}
         fmt, group = self._layer_format(name)
-        is_quant = self._stored_as_configured(name, fmt, w.dtype)
+        is_quant = self._stored_as_configured(name, fmt, ws[0].dtype)
         if self.kept is not None and any((f"{hf_p}.{pair[0]}" in self.kept) == is_quant for pair in names):
             raise IntegrityError(f"{name}: the plan's formats for these experts differ from the checkpoint's "
-                                 f"{w.dtype}")
-        experts = len(names)
-        if w.dim() != 3 or w.shape[0] != experts:
-            raise IntegrityError(f"{name}: expected {experts} stacked experts, found shape {tuple(w.shape)}")
+                                 f"{ws[0].dtype}")
+        experts, tp = len(names), self.tp
+        if any(w.dim() != 3 or w.shape[0] != experts for w in ws):
+            raise IntegrityError(f"{name}: expected {experts} stacked experts on each rank, found shapes "
+                                 f"{[tuple(w.shape) for w in ws]}")
+        if (kind == "column" and any(n % tp for n in rows)) or (kind == "row" and shape_in % tp):
+            raise IntegrityError(f"{name}: the experts' intermediate size does not split over {tp} ranks")
+        rank_rows = [n // tp for n in rows] if kind == "column" else rows
+        rank_in = shape_in if kind == "column" else shape_in // tp
         weights, transforms = {}, {}
         for e, expert_names in enumerate(names):
-            own = {k: (v[e] if v.dim() >= 2 and v.shape[0] == experts else v) for k, v in scales.items()}
-            full = _dequantize(f"{name}[{e}]", fmt, w[e], own, group)
-            if tuple(full.shape) != (sum(rows), shape_in):
-                raise IntegrityError(f"{name}: expert {e} of shape {tuple(full.shape)} does not fit "
-                                     f"{(sum(rows), shape_in)}")
-            weights.update(zip(expert_names, full.split(rows)))
+            pieces, owns = [], []
+            for r in range(tp):
+                own = {k: (v[r][e] if v[r].dim() >= 2 and v[r].shape[0] == experts else v[r]) for k, v in found.items()}
+                part = _dequantize(f"{name}[{e}]", fmt, ws[r][e], own, group)
+                if tuple(part.shape) != (sum(rank_rows), rank_in):
+                    raise IntegrityError(f"{name}: expert {e} of shape {tuple(part.shape)} on rank {r} does not fit "
+                                         f"{(sum(rank_rows), rank_in)}")
+                pieces.append(part.split(rank_rows))
+                owns.append(own)
+            joined = [_join([piece[i] for piece in pieces], 0 if kind == "column" else 1) for i in range(len(rows))]
+            weights.update(zip(expert_names, joined))
             if fmt is not None:
-                asf, pqs = own.get("activation_scaling_factor"), own.get("prequant_scaling_factor")
-                transform = _fake_act(fmt, None if asf is None else asf.float().reshape(()),
-                                      None if pqs is None else pqs.float())
+                asf, pqs = owns[0].get("activation_scaling_factor"), [o.get("prequant_scaling_factor") for o in owns]
+                if pqs[0] is None:
+                    prequant = None
+                elif kind == "row":
+                    prequant = torch.cat([q.float() for q in pqs])
+                elif any(not torch.equal(q, pqs[0]) for q in pqs[1:]):
+                    raise IntegrityError(f"{name}[{e}]: column-parallel prequant_scaling_factor differs between ranks")
+                else:
+                    prequant = pqs[0].float()
+                transform = _fake_act(fmt, None if asf is None else asf.float().reshape(()), prequant)
                 transforms.update({n: transform for n in expert_names})
         if first_read:
             self._count(fmt, experts * len(rows))
@@ -403,9 +426,9 @@ class CheckpointReader:
         gate, up = moe.fused
         inter, hidden = getattr(experts[0], gate).weight.shape
         names = [[f"{moe.experts}.{e}.{up}", f"{moe.experts}.{e}.{gate}"] for e in range(len(experts))]  # up first
-        weights, hooks = self._read_experts(f"{p}.mlp.fc", hf_p, names, [inter, inter], hidden)
+        weights, hooks = self._read_experts(f"{p}.mlp.fc", hf_p, names, [inter, inter], hidden, "column")
         downs = [[f"{moe.experts}.{e}.{moe.down}"] for e in range(len(experts))]
-        weights2, hooks2 = self._read_experts(f"{p}.mlp.proj", hf_p, downs, [hidden], inter)
+        weights2, hooks2 = self._read_experts(f"{p}.mlp.proj", hf_p, downs, [hidden], inter, "row")
         state.update({f"{n}.weight": w for n, w in {**weights, **weights2}.items()})
         transforms.update({**hooks, **hooks2})
 

@@ -104,14 +104,16 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
     problems = []
     tp = build.tensor_parallel_size
     fam = families.FAMILIES.get(model_config.get("model_type"))
+    row_parallel = ROW_PARALLEL
     if fam is not None and fam.moe is not None:
-        problems += _moe_problems(plan_doc, fam, quant, tp)
+        problems += _moe_problems(plan_doc, fam, model_config, tp)
+        row_parallel = (*ROW_PARALLEL, fam.moe.down)  # an expert's down linear is split on its input too
     g = quant.awq_group_size
     for name, entry in plan_doc["layers"].items():
         if entry["format"] in AWQ_FORMATS:
             width = table_layers[name]["in_features"]
             # a row-parallel layer's input is split across the ranks: each rank's slice needs whole groups
-            per_rank = width // tp if name.rsplit(".", 1)[-1] in ROW_PARALLEL and tp > 1 else width
+            per_rank = width // tp if name.rsplit(".", 1)[-1] in row_parallel and tp > 1 else width
             if width % tp == 0 and per_rank % g == 0:
                 continue
             ok = [c for c in (128, 64, 32) if width % tp == 0 and per_rank % c == 0]
@@ -148,8 +150,8 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
         raise InputError("quantize: " + "; ".join(problems) + ".")
 
 
-def _moe_problems(plan_doc: dict, fam, quant: QuantizationSection, tp: int) -> list[str]:
-    """What the export and the read-back cannot do yet for a mixture-of-experts model."""
+def _moe_problems(plan_doc: dict, fam, model_config: dict, tp: int) -> list[str]:
+    """What the export cannot write, or the ranks cannot split, for a mixture-of-experts model."""
     problems = []
     bad = sorted({e["format"] for n, e in plan_doc["layers"].items()
                   if f".{fam.moe.experts}." in n and e["format"] not in (*MOE_EXPORT_FORMATS, HIGH_PRECISION)})
@@ -157,9 +159,10 @@ def _moe_problems(plan_doc: dict, fam, quant: QuantizationSection, tp: int) -> l
         problems.append(f"the plan gives experts {', '.join(bad)}, which ModelOpt's TensorRT-LLM export cannot write "
                         f"for stacked experts; give them {' or '.join(MOE_EXPORT_FORMATS)} with a plan rule such as "
                         f"{{pattern: '*.experts.*', format: fp8}}, or keep them in high precision")
-    if tp != 1:
-        problems.append(f"build.tensor_parallel_size {tp}: mixture-of-experts checkpoints are exported and read back "
-                        f"at tensor parallel size 1 only so far")
+    # each rank holds a slice of every expert's intermediate dim (ModelOpt's _split_model_config_for_tp)
+    inter = model_config.get("moe_intermediate_size") or model_config.get("intermediate_size")
+    if inter and inter % tp:
+        problems.append(f"build.tensor_parallel_size {tp} does not divide the experts' intermediate size {inter}")
     return problems
 
 
