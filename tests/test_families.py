@@ -413,3 +413,24 @@ def test_a_moe_checkpoint_split_over_two_ranks_reads_back_as_one_rank(tmp_path, 
             logits[tp] = model(tokens).logits
     assert torch.allclose(logits[2], logits[1], rtol=0, atol=1e-5 * float(logits[1].abs().max()))
     _assert_rebuilt_experts_are_the_originals(tmp_path / "tp2" / "tiny", model_dir, tolerance=0.3)
+
+
+def test_tensor_parallelism_that_cannot_split_the_experts_is_refused_before_any_work():
+    """Each rank holds a slice of every expert's intermediate dim: a size that does not divide it is refused
+    with the figures, as is an INT4 group size that does not divide an expert's per-rank down input."""
+    from pipeline.config import BuildSection, QuantizationSection
+    from pipeline.quant.quantize import check_rules
+
+    model_config = {"model_type": "mixtral", "num_attention_heads": 4, "num_key_value_heads": 4,
+                    "intermediate_size": 96}
+    build = BuildSection(target="tensorrt", tensor_parallel_size=4)
+    with pytest.raises(InputError, match="tensor_parallel_size 4 does not divide the experts' intermediate size 90"):
+        check_rules({"layers": {}}, QuantizationSection(), build, {**model_config, "intermediate_size": 90}, {})
+    down = "model.layers.0.block_sparse_moe.experts.0.w2"
+    plan = {"layers": {down: {"format": "int4_awq"}}}
+    with pytest.raises(InputError, match=r"awq_group_size 32 does not divide its input width 96 split over 4 ranks"):
+        check_rules(plan, QuantizationSection(weight_format="int4_awq", awq_group_size=32), build, model_config,
+                    {down: {"in_features": 96}})
+    check_rules(plan, QuantizationSection(weight_format="int4_awq", awq_group_size=32),  # 64 per rank: 2 groups
+                BuildSection(target="tensorrt", tensor_parallel_size=2), {**model_config, "intermediate_size": 128},
+                {down: {"in_features": 128}})
