@@ -21,8 +21,9 @@ Quantize and export: the experts in FP8, INT4 AWQ or W4A8 AWQ (what ModelOpt's T
 stacked experts; pipeline/quant/quantize.py ``MOE_EXPORT_FORMATS``), at any tensor parallel size that splits
 their intermediate size; the checkpoint reader reads the stacked experts back per expert, joining the ranks.
 
-The vllm target's export (pipeline/engines/vllm/export.py) writes dense Llama-shaped layers only: no biases, no
-q/k norms, no experts, so the other families are refused there before any work rather than exported without them.
+The vllm target's export (pipeline/engines/vllm/export.py) writes dense layers with their biases and q/k norms
+(Llama, Mistral, Qwen2, Qwen3), no experts yet, so the MoE families are refused there before any work rather
+than exported without them.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class Family:
 FAMILIES = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", "llama", "", ALL_TARGETS),
     Family("mistral", "MistralForCausalLM", "llama", "", ALL_TARGETS),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen", "q/k/v biases", ("tensorrt", "pytorch", "cpu")),
-    Family("qwen3", "Qwen3ForCausalLM", "qwen", "per-head q/k RMSNorms", ("tensorrt", "pytorch", "cpu")),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen", "q/k/v biases", ALL_TARGETS),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen", "per-head q/k RMSNorms", ALL_TARGETS),
     # ModelOpt's MODEL_NAME_TO_TYPE maps MixtralForCausalLM to the llama decoder (model_utils.py)
     Family("mixtral", "MixtralForCausalLM", "llama", "a router and experts per layer (MoE)",
            ("tensorrt", "pytorch", "cpu"),

@@ -16,6 +16,7 @@ mtq = pytest.importorskip("modelopt.torch.quantization")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from pipeline import families  # noqa: E402
 from pipeline.config import QuantizationSection  # noqa: E402
 from pipeline.errors import IntegrityError  # noqa: E402
 from pipeline.formats import HIGH_PRECISION  # noqa: E402
@@ -77,10 +78,11 @@ def quantize_and_export(original, case: str, calib, evals, out_of_tp) -> dict:
             _calibrate_phase(model, algorithm, layers, loop)
     entry = {"plan": plan, "quant": quant, "ckpt": {}}
     model_config = json.loads((Path(original.name_or_path) / "config.json").read_text())
+    decoder = families.FAMILIES[model_config["model_type"]].decoder_type
     for tp, out in sorted(out_of_tp.items()):
         exported_model = copy.deepcopy(model)
         with torch.no_grad():
-            export_tensorrt_llm_checkpoint(exported_model, "llama", torch.float16, export_dir=out,
+            export_tensorrt_llm_checkpoint(exported_model, decoder, torch.float16, export_dir=out,
                                            inference_tensor_parallel=tp)
             if tp == 1:
                 # the export fuses q/k/v (one pre-quant scale, one FP8 scale) in the model it is given:

@@ -24,7 +24,7 @@ pytest.importorskip("modelopt.torch.quantization")
 
 from conftest import REPO  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from test_checkpoint import _kept, exported, tokens  # noqa: E402,F401 - the ModelOpt exports, shared
+from test_checkpoint import _kept, exported, quantize_and_export, tokens  # noqa: E402,F401 - the ModelOpt exports
 
 from pipeline.errors import InputError  # noqa: E402
 from pipeline.quant.checkpoint import rebuild  # noqa: E402
@@ -416,3 +416,39 @@ def test_vllm_reads_each_export_as_written(exported, tiny_model_dir, tmp_path, c
         if f"{first}.input_scale" in state:  # FP8: one per shard (vLLM takes the largest); INT8: one for the layer
             assert params["input_scale"][0] == [len(parts) if got["scheme"].endswith("Fp8") else 1], name
             assert len({float(state[f"{part}.input_scale"]) for part in parts}) == 1, name  # so any load order is right
+
+
+@pytest.mark.parametrize("family, tp", [("qwen2", 1), ("qwen2", 2), ("qwen2_mha", 1), ("qwen3", 2)])
+def test_qwen_exports_carry_their_biases_and_qk_norms(tiny_tokenizer_dir, tokens, tmp_path, family, tp):  # noqa: F811
+    """Qwen2's q/k/v biases (joined across ranks as the rows are) and Qwen3's per-head q/k RMSNorms are written
+    beside the INT8 weights, and the export computes the rebuilt checkpoint's logits. With one KV head per
+    query head (qwen2_mha) o_proj's smoothing folds into v_proj's rows, and v_proj's bias is scaled with them."""
+    from test_families import _qwen2, _qwen3, _saved
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.engines.vllm.export import export_for_vllm
+
+    torch.manual_seed(0)
+    maker = {"qwen2": _qwen2, "qwen2_mha": lambda: _qwen2(kv_heads=4), "qwen3": _qwen3}[family]
+    model_dir = _saved(maker(), tmp_path / "model", tiny_tokenizer_dir)
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    calib, evals = tokens
+    e = quantize_and_export(original, "int8_sq", calib, evals, {n: tmp_path / f"ckpt{n}" for n in {1, tp}})
+    facts = export_for_vllm(e["ckpt"][tp], model_dir, tmp_path / "vllm", dtype="float32")
+    state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    if family.startswith("qwen2"):
+        for m in "qkv":
+            assert state[f"model.layers.1.self_attn.{m}_proj.bias"].dtype == torch.float32
+    else:
+        assert tuple(state["model.layers.1.self_attn.q_norm.weight"].shape) == (32,)  # head size
+    unfoldable = facts["dequantized_smoothing_not_foldable"]
+    folded_into_v = facts["smoothing_folded_into"].get("v_proj rows", 0)
+    assert (folded_into_v, len(unfoldable)) == ((2, 0) if family == "qwen2_mha" else (0, 2))
+    want_model, _ = rebuild(e["ckpt"][tp], model_dir, _kept(e["plan"]))
+    want_model = _reference_without_act_quant_on(want_model, e["ckpt"][1], unfoldable)  # reads rank 0 whole
+    got_model = _model_from_export(tmp_path / "vllm", model_dir)
+    with torch.no_grad():
+        want, got = want_model(evals).logits, got_model(evals).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-2
+    lp, lq = want.log_softmax(-1), got.log_softmax(-1)
+    assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 1e-5

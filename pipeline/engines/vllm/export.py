@@ -123,13 +123,17 @@ class Linear:
     prequant: Any = None  # fp32 [in]: the input multiplier still to fold
     algo: Optional[str] = None  # the checkpoint's quant_algo; None: high precision
     group_size: Optional[int] = None  # INT4
+    bias: Any = None  # fp32 [out] (Qwen2's q/k/v), unquantized
 
     @property
     def quantized(self) -> bool:
         return self.weight_scale is not None
 
     def scale_rows(self, s) -> None:
-        """Output rows times ``s`` (exact: for quantized rows, their per-channel or per-group scales)."""
+        """Output rows times ``s`` (exact: for quantized rows, their per-channel or per-group scales), the bias
+        with them."""
+        if self.bias is not None:
+            self.bias = self.bias * s
         if self.quantized:
             self.weight_scale = self.weight_scale * (s if self.weight_scale.dim() == 1 else s[:, None])
         else:
@@ -299,7 +303,26 @@ def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optiona
         if algo and pqs is not None:
             lin.prequant = _cat([p.float() for p in pqs], 0) if kind == "row" else pqs[0].float()
         out.append(lin)
+    for lin, bias in zip(out, _read_bias(ranks, name, kind, split)):
+        lin.bias = bias
     return out
+
+
+def _read_bias(ranks: _Ranks, name: str, kind: str, split: Optional[list[int]]) -> list:
+    """The linear's bias per output part (none: Nones), joined across ranks as its output rows are; a
+    row-parallel bias is the same on every rank."""
+    import torch
+
+    parts = len(split) if split else 1
+    if not ranks.has(f"{name}.bias"):
+        return [None] * parts
+    biases = [b.float() for b in ranks.each(f"{name}.bias")]
+    if kind == "row":
+        if any(not torch.equal(b, biases[0]) for b in biases[1:]):
+            raise IntegrityError(f"{name}: the row-parallel bias differs between ranks")
+        return [biases[0]]
+    pieces = [b.split(split) if split else (b,) for b in biases]
+    return [_cat([p[i] for p in pieces], 0) for i in range(parts)]
 
 
 def _same(a, b) -> bool:
@@ -458,6 +481,8 @@ def _write_linear(writer: ShardWriter, hf_name: str, lin: Linear, dtype) -> None
         writer.add(f"{hf_name}.input_scale", lin.input_scale.float().reshape(1).clone())
     else:
         writer.add(f"{hf_name}.weight", lin.weight.to(dtype).clone())
+    if lin.bias is not None:
+        writer.add(f"{hf_name}.bias", lin.bias.to(dtype).clone())
 
 
 def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bfloat16",
@@ -484,7 +509,7 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     from transformers import AutoConfig
 
     from pipeline.engines.build import copy_model_files
-    from pipeline.quant.checkpoint import _layer_formats
+    from pipeline.quant.checkpoint import HEAD_NORMS, _layer_formats
 
     ckpt_cfg = json.loads((ckpt_dir / "config.json").read_text())
     layer_format = _layer_formats(ckpt_dir, ckpt_cfg.get("quantization") or {})
@@ -542,6 +567,9 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
                                  f"(q/k/v {[l.algo for l in (q, k, v)]}, gate/up {[gate.algo, up.algo]})")
         writer.add(f"{h}.input_layernorm.weight", ln_in.to(torch_dtype))
         writer.add(f"{h}.post_attention_layernorm.weight", ln_post.to(torch_dtype))
+        for trt, hf_norm in HEAD_NORMS.items():  # Qwen3's per-head q/k RMSNorms, after the projections
+            if ranks.has(f"{p}.{trt}.weight"):
+                writer.add(f"{h}.{hf_norm}.weight", ranks.one(f"{p}.{trt}.weight").to(torch_dtype))
         for name, lin in (("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
                           ("self_attn.o_proj", o), ("mlp.gate_proj", gate), ("mlp.up_proj", up),
                           ("mlp.down_proj", down)):
