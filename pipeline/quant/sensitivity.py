@@ -66,6 +66,8 @@ def format_groups(target: str, fusion_groups: list[list[str]]) -> list[list[str]
     one format each."""
     extra = [list(g) for g in HF_UNIFIED_FUSION_GROUPS] if target == "vllm" else []
     return [*fusion_groups, *(g for g in extra if g not in fusion_groups)]
+
+
 CHUNK_ELEMENTS = 4 * 1024 * 1024  # output elements per quantized-matmul chunk (16 MB of fp32; lm_head: ~85 rows)
 AWQ_SEARCH_TOKENS = 4096  # AWQ-lite's alpha search runs on the first tokens only (11 matmuls per layer)
 AWQ_ALPHAS = tuple(round(0.1 * i, 1) for i in range(11))
@@ -588,8 +590,6 @@ def expert_summary(layers: list[dict], formats: tuple[str, ...]) -> list[dict]:
                 worst = max(errs, key=errs.get)
                 kind[fmt] = {"max": errs[worst], "mean": sum(errs.values()) / len(errs), "worst_expert": worst}
     return [out[b] for b in sorted(out)]
-
-
 
 
 def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySection,
