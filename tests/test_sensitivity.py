@@ -146,3 +146,22 @@ def test_the_int8_matmul_is_the_exact_integer_product(in_features):
     got = S._int8_matmul((x, torch.tensor(1.0)), w_int.float(), None, None)(0, 300)
     want = (x.to(torch.int64) @ w_int.t()).double().float()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("target, groups", [("cpu", [["q_proj", "k_proj", "v_proj"]]),
+                                            ("vllm", [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]])])
+def test_the_table_records_what_the_target_runs_as_one_gemm(tiny_model_dir, tmp_path, target, groups):
+    """The sensitivity stage's table says which layers the plan must give one format: q/k/v everywhere, gate/up
+    too for vLLM (one gate_up_proj GEMM), while the smoothing groups stay the TensorRT-LLM checkpoint's."""
+    from safetensors.torch import save_file
+
+    from pipeline import artifacts
+    from pipeline.quant.sensitivity import run_analysis
+
+    calibration = tmp_path / artifacts.CALIBRATION_TOKENS_FILE
+    save_file({artifacts.TOKENS_KEY: IDS}, str(calibration))
+    run_analysis(tiny_model_dir, calibration, SensitivitySection(formats=("int8_sq",)), QuantizationSection(),
+                 tmp_path, None, target)
+    table = json.loads((tmp_path / artifacts.SENSITIVITY_TABLE_JSON).read_text())
+    assert table["fusion_groups"] == [["q_proj", "k_proj", "v_proj"]]
+    assert table["format_groups"] == groups

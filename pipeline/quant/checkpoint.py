@@ -264,7 +264,6 @@ class CheckpointReader:
         """kind: qkv | column | row | vocab (column-parallel, padded). Dequantizes each rank, joins them, checks
         against the plan and the model's ``shapes``. Returns (fp32 weight per HF name, input transform or None,
         {HF name: fp32 bias} for those the checkpoint has one for)."""
-        import torch
 
         first_read = f"{name}.weight" not in self._consumed
         weights = self._read(f"{name}.weight")
@@ -301,15 +300,7 @@ class CheckpointReader:
             self._count(fmt, len(hf_names))
         if fmt is None:
             return full, None, biased
-        pqs = [s["prequant_scaling_factor"] for s in scales]
-        if pqs[0] is None:
-            prequant = None
-        elif kind == "row":
-            prequant = torch.cat([p.float() for p in pqs])
-        else:
-            if any(not torch.equal(p, pqs[0]) for p in pqs[1:]):
-                raise IntegrityError(f"{name}: column-parallel prequant_scaling_factor differs between ranks")
-            prequant = pqs[0].float()
+        prequant = _joined_prequant(name, [s["prequant_scaling_factor"] for s in scales], kind)
         asf = scales[0]["activation_scaling_factor"]
         return full, _fake_act(fmt, None if asf is None else asf.float().reshape(()), prequant), biased
 
@@ -332,21 +323,13 @@ class CheckpointReader:
     def _read_bias(self, name: str, hf_names: list[str], kind: str, outputs: list[int]) -> dict:
         """{HF name: fp32 bias} of linear ``name`` (empty without one): each rank's piece split and joined as the
         weight's output rows are (``outputs`` per HF name); a row-parallel bias is the same on every rank."""
-        import torch
 
         biases = self._read(f"{name}.bias", required=False)
         if biases is None:
             return {}
-        biases = [b.float() for b in biases]
-        if kind == "row":
-            if any(not torch.equal(b, biases[0]) for b in biases[1:]):
-                raise IntegrityError(f"{name}: the row-parallel bias differs between ranks")
-            full = [biases[0]]
-        elif kind == "qkv":
-            split = [b.split([n // self.tp for n in outputs]) for b in biases]
-            full = [_join([s[i] for s in split], 0) for i in range(3)]
-        else:
-            full = [_join(biases, 0)[:outputs[0]]]
+        full = join_biases(name, biases, kind, [n // self.tp for n in outputs] if kind == "qkv" else None)
+        if kind not in ("qkv", "row"):
+            full = [full[0][:outputs[0]]]  # a padded vocabulary
         for hf_name, b, n in zip(hf_names, full, outputs):
             if tuple(b.shape) != (n,):
                 raise IntegrityError(f"{name}: bias of shape {tuple(b.shape)} does not fit {hf_name}'s {n} outputs")
@@ -362,7 +345,6 @@ class CheckpointReader:
         intermediate dim, a rank holding its up rows then its gate rows; proj split on its input (the
         intermediate dim) with its AWQ group scales and pre-quant scale. Each rank is dequantized with its own
         scales, then the pieces are joined."""
-        import torch
 
         first_read = f"{name}.weight" not in self._consumed
         ws = self._read(f"{name}.weight")
@@ -394,15 +376,8 @@ class CheckpointReader:
             joined = [_join([piece[i] for piece in pieces], 0 if kind == "column" else 1) for i in range(len(rows))]
             weights.update(zip(expert_names, joined))
             if fmt is not None:
-                asf, pqs = owns[0].get("activation_scaling_factor"), [o.get("prequant_scaling_factor") for o in owns]
-                if pqs[0] is None:
-                    prequant = None
-                elif kind == "row":
-                    prequant = torch.cat([q.float() for q in pqs])
-                elif any(not torch.equal(q, pqs[0]) for q in pqs[1:]):
-                    raise IntegrityError(f"{name}[{e}]: column-parallel prequant_scaling_factor differs between ranks")
-                else:
-                    prequant = pqs[0].float()
+                asf = owns[0].get("activation_scaling_factor")
+                prequant = _joined_prequant(f"{name}[{e}]", [o.get("prequant_scaling_factor") for o in owns], kind)
                 transform = _fake_act(fmt, None if asf is None else asf.float().reshape(()), prequant)
                 transforms.update({n: transform for n in expert_names})
         if first_read:
@@ -510,6 +485,35 @@ def _has(module, path: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def _joined_prequant(name: str, pqs: list, kind: str):
+    """The ranks' pre-quant scales of one linear as one fp32 vector (None without one): a row-parallel linear's
+    are split with its input and joined; a column-parallel one's must be the same on every rank."""
+    import torch
+
+    if pqs[0] is None:
+        return None
+    if kind == "row":
+        return torch.cat([p.float() for p in pqs])
+    if any(not torch.equal(p, pqs[0]) for p in pqs[1:]):
+        raise IntegrityError(f"{name}: column-parallel prequant_scaling_factor differs between ranks")
+    return pqs[0].float()
+
+
+def join_biases(name: str, biases: list, kind: str, split: list[int] | None = None) -> list:
+    """The ranks' biases of linear ``name`` (fp32), joined as its output rows are: with ``split`` (each rank's
+    widths of a fused linear's parts) one bias per part, else one; a row-parallel bias is the same on every
+    rank."""
+    import torch
+
+    biases = [b.float() for b in biases]
+    if kind == "row":
+        if any(not torch.equal(b, biases[0]) for b in biases[1:]):
+            raise IntegrityError(f"{name}: the row-parallel bias differs between ranks")
+        return [biases[0]]
+    pieces = [b.split(split) if split else (b,) for b in biases]
+    return [_join([p[i] for p in pieces], 0) for i in range(len(pieces[0]))]
 
 
 def _join(parts: list, dim: int):

@@ -67,6 +67,7 @@ from typing import Any, Optional
 
 from pipeline.errors import InputError, IntegrityError
 from pipeline.fsutil import atomic_write_text, remove_tree
+from pipeline.quant.checkpoint import _join, _joined_prequant
 
 # TensorRT-LLM algos the export writes for vLLM; anything else is refused before export (config check)
 INT8_SQ, INT8_WO, FP8, INT4_AWQ = "W8A8_SQ_PER_CHANNEL", "W8A16", "FP8", "W4A16_AWQ"
@@ -225,12 +226,6 @@ class _Ranks:
         return sorted(set().union(*self.keys) - self.read_keys)
 
 
-def _cat(parts: list, dim: int):
-    import torch
-
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
 def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optional[list[int]] = None) -> list[Linear]:
     """The checkpoint linear ``name`` (``fmt``: its quant_algo and group size) joined across ranks: kind column
     (split on outputs) or row (on inputs); ``split``: the per-rank output widths to cut it into (fused q/k/v),
@@ -289,19 +284,18 @@ def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optiona
     for part in range(len(pieces[0])):
         ws = [p[part][0] for p in pieces]
         if kind == "row":
-            weight = _cat(ws, 1)
+            weight = _join(ws, 1)
             # per-channel INT8 and FP8 scales are the same on every rank of a row-parallel linear; INT4 group
             # scales are split with the input
-            wsf = (_cat([p[part][1] for p in pieces], 1) if int4 else pieces[0][part][1]) if algo else None
+            wsf = (_join([p[part][1] for p in pieces], 1) if int4 else pieces[0][part][1]) if algo else None
         else:
-            weight = _cat(ws, 0)
-            wsf = (pieces[0][part][1] if fp8 else _cat([p[part][1] for p in pieces], 0)) if algo else None
+            weight = _join(ws, 0)
+            wsf = (pieces[0][part][1] if fp8 else _join([p[part][1] for p in pieces], 0)) if algo else None
         lin = Linear(weight if algo else weight.float(), wsf, algo=algo, group_size=group_size if int4 else None)
         if algo in (INT8_SQ, FP8):
             lin.input_scale = scales["activation_scaling_factor"][0].float().reshape(())
-        pqs = scales["prequant_scaling_factor"]
-        if algo and pqs is not None:
-            lin.prequant = _cat([p.float() for p in pqs], 0) if kind == "row" else pqs[0].float()
+        if algo and scales["prequant_scaling_factor"] is not None:
+            lin.prequant = _joined_prequant(name, scales["prequant_scaling_factor"], kind)
         out.append(lin)
     for lin, bias in zip(out, _read_bias(ranks, name, kind, split)):
         lin.bias = bias
@@ -309,20 +303,12 @@ def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optiona
 
 
 def _read_bias(ranks: _Ranks, name: str, kind: str, split: Optional[list[int]]) -> list:
-    """The linear's bias per output part (none: Nones), joined across ranks as its output rows are; a
-    row-parallel bias is the same on every rank."""
-    import torch
+    """The linear's bias per output part (none: Nones), joined across ranks as its output rows are."""
+    from pipeline.quant.checkpoint import join_biases
 
-    parts = len(split) if split else 1
     if not ranks.has(f"{name}.bias"):
-        return [None] * parts
-    biases = [b.float() for b in ranks.each(f"{name}.bias")]
-    if kind == "row":
-        if any(not torch.equal(b, biases[0]) for b in biases[1:]):
-            raise IntegrityError(f"{name}: the row-parallel bias differs between ranks")
-        return [biases[0]]
-    pieces = [b.split(split) if split else (b,) for b in biases]
-    return [_cat([p[i] for p in pieces], 0) for i in range(parts)]
+        return [None] * (len(split) if split else 1)
+    return join_biases(name, ranks.each(f"{name}.bias"), kind, split)
 
 
 def _same(a, b) -> bool:
@@ -540,7 +526,7 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
 
     emb = ranks.each("transformer.vocab_embedding.weight")
     split_dim = ckpt_cfg.get("embedding_sharding_dim", 0) if tp > 1 and ckpt_cfg.get("use_parallel_embedding") else None
-    embed = (emb[0] if split_dim is None else _cat(emb, split_dim))[:hf.vocab_size]
+    embed = (emb[0] if split_dim is None else _join(emb, split_dim))[:hf.vocab_size]
     writer.add("model.embed_tokens.weight", embed.to(torch_dtype).contiguous())
     del emb, embed
     final_norm = ranks.one("transformer.ln_f.weight").float()  # written last: lm_head's smoothing may fold into it
