@@ -22,8 +22,8 @@ stacked experts; pipeline/quant/quantize.py ``MOE_EXPORT_FORMATS``), at any tens
 their intermediate size; the checkpoint reader reads the stacked experts back per expert, joining the ranks.
 
 The vllm target's export (pipeline/engines/vllm/export.py) writes dense layers with their biases and q/k norms
-(Llama, Mistral, Qwen2, Qwen3), no experts yet, so the MoE families are refused there before any work rather
-than exported without them.
+(Llama, Mistral, Qwen2, Qwen3) and MoE layers as vLLM's Mixtral and Qwen3-MoE load them: the router unquantized,
+each expert's gate/up/down under its HF name, a layer's experts in one compressed-tensors scheme.
 """
 
 from __future__ import annotations
@@ -62,15 +62,14 @@ FAMILIES = {f.model_type: f for f in (
     Family("qwen3", "Qwen3ForCausalLM", "qwen", "per-head q/k RMSNorms", ALL_TARGETS),
     # ModelOpt's MODEL_NAME_TO_TYPE maps MixtralForCausalLM to the llama decoder (model_utils.py)
     Family("mixtral", "MixtralForCausalLM", "llama", "a router and experts per layer (MoE)",
-           ("tensorrt", "pytorch", "cpu"),
+           ALL_TARGETS,
            MoE("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3"), "w2", "num_experts_per_tok")),
     # ModelOpt's TensorRT-LLM export writes Qwen3-MoE with the qwen decoder, but without tensorrt_llm installed
     # its config.json lacks the `moe` section (num_experts, top_k) an engine build needs: pytorch and cpu targets
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen",
-           "per-head q/k RMSNorms; a router and experts per layer (MoE)", ("pytorch", "cpu"),
+           "per-head q/k RMSNorms; a router and experts per layer (MoE)", ("pytorch", "cpu", "vllm"),
            MoE("mlp.gate", "mlp.experts", ("gate_proj", "up_proj"), "down_proj", "num_experts_per_tok"),
-           "ModelOpt's TensorRT-LLM checkpoint of it has no moe section for an engine build, and the vllm export "
-           "writes dense layers only"),
+           "ModelOpt's TensorRT-LLM checkpoint of it has no moe section for an engine build"),
 )}
 
 

@@ -75,11 +75,12 @@ def _model_from_export(folder, model_dir):
 
 def _reference_without_act_quant_on(model, ckpt, names):
     """The rebuilt checkpoint with the input of ``names`` only smoothed, not INT8-rounded: what the export
-    computes for a linear it had to write in high precision (its smoothing not foldable)."""
-    tensors = load_file(str(ckpt / "rank0.safetensors"))
+    computes for a linear it had to write in high precision (its smoothing not foldable). o_proj is
+    row-parallel: its pre-quant scale is split over the ranks along its input."""
+    ranks = [load_file(str(ckpt / f"rank{r}.safetensors")) for r in range(len(list(ckpt.glob("rank*.safetensors"))))]
     for name in names:
         i = int(name.split(".")[2])
-        s = tensors[f"transformer.layers.{i}.attention.dense.prequant_scaling_factor"].float()
+        s = torch.cat([t[f"transformer.layers.{i}.attention.dense.prequant_scaling_factor"].float() for t in ranks])
         module = model.get_submodule(name)
         module._forward_pre_hooks.clear()
         module.register_forward_pre_hook(lambda m, a, s=s: (a[0] * s,))
@@ -452,3 +453,140 @@ def test_qwen_exports_carry_their_biases_and_qk_norms(tiny_tokenizer_dir, tokens
     assert float((got - want).abs().max() / want.abs().max()) < 1e-2
     lp, lq = want.log_softmax(-1), got.log_softmax(-1)
     assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 1e-5
+
+
+# family -> (the MoE block in a decoder layer, the experts' (gate, down, up) names, experts, the MoE layers)
+MOE_LAYOUT = {"mixtral": ("block_sparse_moe", ("w1", "w2", "w3"), 4, (0, 1)),
+              "qwen3_moe": ("mlp", ("gate_proj", "down_proj", "up_proj"), 8, (0,))}  # layer 1: mlp_only_layers
+
+
+def _group_of(quantization_config: dict, name: str) -> dict:
+    """The config group that takes ``name`` as vLLM matches them: a group naming it, else the one targeting
+    the class (Linear)."""
+    groups = quantization_config["config_groups"].values()
+    return next((g for g in groups if name in g["targets"]), None) or next(g for g in groups
+                                                                            if g["targets"] == ["Linear"])
+
+
+@pytest.mark.parametrize("family, fmt, tp", [("mixtral", "int4_awq", 2), ("mixtral", "fp8", 1),
+                                             ("qwen3_moe", "int4_awq", 1)])
+def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_path, family, fmt, tp):
+    """A tiny Mixtral or Qwen3-MoE quantized through `invoke quantize` for the vllm target (attention INT8
+    SmoothQuant, experts INT4 AWQ or FP8, the router in high precision): the export writes every expert under
+    its HF name, the router unquantized and in the ignore list, the experts in one config group (FP8 experts
+    per tensor, as vLLM's FP8 MoE takes static input scales), a dense layer of an MoE model as a dense MLP
+    (Qwen3-MoE's mlp_only_layers), and it computes what the checkpoint computes: ModelOpt gives a layer's AWQ
+    experts one pre-quant scale per expert type, which folds into the norm (up/gate) and each expert's up rows
+    (down) exactly."""
+    from conftest import run_invoke, tiny_config
+    from test_families import _mixtral, _qwen3_moe, _saved, _with_rules
+
+    from pipeline import artifacts
+    from pipeline.engines.vllm.export import export_for_vllm
+
+    torch.manual_seed(0)
+    model = _mixtral(intermediate=128) if family == "mixtral" else _qwen3_moe()
+    model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
+    cfg = _with_rules(tiny_config(tmp_path, model_dir), f"{{pattern: '*.experts.*', format: {fmt}}}")
+    sets = ("build.target=vllm", f"build.tensor_parallel_size={tp}", "quantization.awq_group_size=32",
+            *(("vllm.device=cuda",) if fmt == "fp8" else ("vllm.device=cpu", "build.cuda_graphs.enabled=false")))
+    work = tmp_path / "work"
+    proc = run_invoke("quantize", "--config", str(cfg), "--work-root", str(work),
+                      *(a for s in sets for a in ("--set", s)), timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ckpt = work / "tiny" / "quantize" / artifacts.TRTLLM_CHECKPOINT_DIR
+    facts = export_for_vllm(ckpt, model_dir, tmp_path / "vllm", dtype="float32")
+    state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    q = json.loads((tmp_path / "vllm" / "config.json").read_text())["quantization_config"]
+    block, names, n_experts, moe_layers = MOE_LAYOUT[family]
+    experts = [f"model.layers.{i}.{block}.experts.{e}.{n}" for i in moe_layers for e in range(n_experts)
+               for n in names]
+    routers = [f"model.layers.{i}.{block}.gate" for i in moe_layers]
+    assert set(routers) <= set(q["ignore"]) and not set(experts) & set(q["ignore"])
+    for r in routers:
+        assert state[f"{r}.weight"].dtype == torch.float32 and f"{r}.weight_scale" not in state
+    assert all(_group_of(q, e) == _group_of(q, experts[0]) for e in experts)
+    group = _group_of(q, experts[0])
+    if fmt == "fp8":
+        assert group["weights"]["strategy"] == "tensor" and group["weights"]["type"] == "float"
+        assert group["input_activations"] == {**group["input_activations"], "strategy": "tensor", "dynamic": False}
+        assert tuple(state[f"{experts[0]}.weight_scale"].shape) == (1,)
+        assert state[f"{experts[0]}.weight"].dtype == torch.float8_e4m3fn
+    else:
+        assert group["weights"]["strategy"] == "group" and group["weights"]["group_size"] == 32
+        assert state[f"{experts[0]}.weight_packed"].dtype == torch.int32
+    dense = 2 - len(moe_layers)  # a dense layer's gate/up/down: INT8 SmoothQuant
+    assert ("model.layers.1.mlp.down_proj.weight" if dense else f"model.layers.1.{block}.gate.weight") in state
+    # the experts, q/k/v of both layers, a dense layer's MLP (o_proj in high precision: 4 heads share 2 KV heads,
+    # whose smoothing does not fold into v_proj), the routers and lm_head
+    assert facts["quantized_linears"] == len(experts) + 6 + 3 * dense
+    assert facts["high_precision_linears"] == 2 + len(routers) + 1
+    if fmt == "int4_awq":
+        assert facts["smoothing_folded_into"] == {"input_layernorm": 2, "post_attention_layernorm": 2,
+                                                  "expert up rows": n_experts * len(moe_layers),
+                                                  **({"up_proj rows": 1} if dense else {})}
+        assert facts["int4_requantized_to_share_a_prequant_scale"] == []
+    _assert_vllm_builds_the_experts(tmp_path / "vllm", state, fmt, family)
+    # the build's check before the export: INT4 experts on a CPU without AMX, which vLLM's CPU kernel needs
+    from pipeline.config import load_config
+    from pipeline.engines.vllm import runtime
+    from pipeline.errors import EnvironmentProblem
+
+    int4_layers = [f"transformer.layers.{i}.mlp" for i in moe_layers] if fmt == "int4_awq" else []
+    assert runtime.int4_expert_layers(ckpt) == int4_layers
+    if int4_layers:  # (FP8 experts are refused on vllm.device cpu by the config check)
+        cpu = load_config(cfg, sets).config
+        if torch.cpu._is_amx_tile_supported():
+            runtime.check_cpu_experts(cpu, ckpt)
+        else:
+            with pytest.raises(EnvironmentProblem, match=r"INT4 AWQ, and vLLM's CPU kernel for INT4 experts needs AMX"):
+                runtime.check_cpu_experts(cpu, ckpt)
+    unfoldable = facts["dequantized_smoothing_not_foldable"]
+    assert unfoldable == ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    want_model, _ = rebuild(ckpt, model_dir)
+    want_model = _reference_without_act_quant_on(want_model, ckpt, unfoldable)
+    got_model = _model_from_export(tmp_path / "vllm", model_dir)
+    ids = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = want_model(ids).logits, got_model(ids).logits
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert rel < 1e-2, rel
+    lp, lq = want.log_softmax(-1), got.log_softmax(-1)
+    assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 1e-5
+
+
+def _assert_vllm_builds_the_experts(folder, state, fmt, family):
+    """vLLM 0.32 itself, in its own environment: the routers unquantized, and each layer's experts built by its
+    fused-MoE factory with the MoE method of the format (FP8: per-tensor weight scales, one per expert and
+    shard, and static input scales; INT4: WNA16 group-wise). Its CPU INT4 MoE kernel needs AMX: without it
+    vLLM refuses the layer, which the probe records."""
+    import subprocess
+
+    from pipeline.engines.vllm import runtime
+    from pipeline.errors import EnvironmentProblem
+
+    try:
+        python = runtime.serving_python()
+    except EnvironmentProblem as e:
+        pytest.skip(f"vLLM's serving environment is not installed here ({e})")
+    proc = subprocess.run([python, str(REPO / "tests" / "bin" / "vllm-scheme-probe"), str(folder),
+                           str(folder.parent / "probe.json")], env=runtime.child_env({}), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    probe = json.loads((folder.parent / "probe.json").read_text())
+    block, names, n, moe_layers = MOE_LAYOUT[family]
+    w1 = state[f"model.layers.0.{block}.experts.0.{names[0]}.{'weight' if fmt == 'fp8' else 'weight_packed'}"]
+    for i in moe_layers:
+        assert probe[f"model.layers.{i}.{block}.gate"]["scheme"] is None
+        got = probe[f"model.layers.{i}.{block}.experts"]
+        if fmt == "fp8":
+            assert got["method"] == "CompressedTensorsW8A8Fp8MoEMethod" and "error" not in got, got
+            assert got["params"]["w13_weight"] == [[n, 2 * w1.shape[0], w1.shape[1]], "float8_e4m3fn"]
+            assert got["params"]["w13_weight_scale"][0] == [n, 2]  # one per expert and shard, as written
+            assert got["params"]["w13_input_scale"][0] == got["params"]["w2_input_scale"][0] == [n]
+        else:
+            assert got["method"] == "CompressedTensorsWNA16MoEMethod", got
+            if not got["amx"]:
+                assert "No WNA16 MoE backend" in got["error"], got
+                continue
+            assert got["params"]["w13_weight_packed"] == [[n, 2 * w1.shape[0], w1.shape[1]], "int32"], got

@@ -45,6 +45,16 @@ Formats (vLLM 0.32, ``model_executor/layers/quantization/compressed_tensors``):
   ([out, in / group] in ``dtype``: W = code * scale of its group) and ``weight_shape`` (I64 [2]: out, in).
   The codes and group scales are the checkpoint's; AWQ's pre-quant scale is folded like SmoothQuant's.
 
+Mixture-of-experts layers (Mixtral, Qwen3-MoE; pipeline/families.py ``Family.moe``) are written as vLLM's
+models load them from HF checkpoints: the router (``block_sparse_moe.gate`` / ``mlp.gate``) unquantized and in
+the ``ignore`` list, and every expert's gate/up/down under its own name (``experts.E.w1`` ...), read one expert
+at a time from the checkpoint's stacked tensors and joined across ranks. vLLM runs a layer's experts as one
+fused MoE with one scheme (``compressed_tensors_moe.py`` ``get_moe_method``): INT4 AWQ experts as
+``CompressedTensorsWNA16MoEMethod`` (the dense INT4 group; on a CPU only with AMX), FP8 experts as
+``CompressedTensorsW8A8Fp8MoEMethod``, which takes static input scales only with per-tensor weight scales, so
+FP8 experts are a group of their own with strategy ``tensor`` and ``weight_scale`` of shape [1] (exact: an
+expert's gate and up share one scale in the checkpoint).
+
 Quantized layers are one config group per format: the format with the most layers targets ``Linear``; the
 others (a mixed plan) name their layers, which vLLM matches before the class. Layers the plan keeps in high
 precision are the config's ``ignore`` list (q/k/v and gate/up decide
@@ -65,6 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from pipeline import families
 from pipeline.errors import InputError, IntegrityError
 from pipeline.fsutil import atomic_write_text, remove_tree
 from pipeline.quant.checkpoint import _join, _joined_prequant
@@ -73,6 +84,9 @@ from pipeline.quant.checkpoint import _join, _joined_prequant
 INT8_SQ, INT8_WO, FP8, INT4_AWQ = "W8A8_SQ_PER_CHANNEL", "W8A16", "FP8", "W4A16_AWQ"
 EXPORTABLE_ALGOS = (INT8_SQ, INT8_WO, FP8, INT4_AWQ)
 PACKED_BITS = {INT8_WO: 8, INT4_AWQ: 4}  # weight-only formats: codes packed into int32 words
+# FP8 experts: vLLM 0.32's FP8 MoE takes static input scales only with per-tensor weight scales
+# (compressed_tensors_moe_w8a8_fp8.py refuses channel weights with a static input), so they are their own group
+FP8_EXPERTS = "FP8 experts"
 WEIGHTS_FILE = "model.safetensors"  # one shard; more: model-00001.safetensors ... and the index
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # a shard is written, and its tensors freed, once this much is pending
@@ -90,13 +104,15 @@ def scheme(algo: str, group_size: int = 0) -> dict:
         return {"weights": _args(8, "int", "channel"), "input_activations": _args(8, "int", "tensor")}
     if algo == FP8:  # the per-tensor weight scale written per channel (see the module's docstring)
         return {"weights": _args(8, "float", "channel"), "input_activations": _args(8, "float", "tensor")}
+    if algo == FP8_EXPERTS:
+        return {"weights": _args(8, "float", "tensor"), "input_activations": _args(8, "float", "tensor")}
     if algo == INT8_WO:
         return {"weights": _args(8, "int", "channel"), "input_activations": None}
     return {"weights": _args(4, "int", "group", group_size=group_size), "input_activations": None}
 
 
 FORMAT_OF = {INT8_SQ: "int-quantized", INT8_WO: "pack-quantized", FP8: "float-quantized",
-             INT4_AWQ: "pack-quantized"}  # compressed-tensors' format names
+             FP8_EXPERTS: "float-quantized", INT4_AWQ: "pack-quantized"}  # compressed-tensors' format names
 
 
 def pack_codes(codes, bits: int):
@@ -209,15 +225,29 @@ class _Ranks:
             with safe_open(str(path), framework="pt") as f:
                 self.keys.append(set(f.keys()))
         self.read_keys: set[str] = set()
+        self.experts = 0  # the model's experts per MoE layer (0: dense), for ``each(key, expert)``
 
     def has(self, key: str) -> bool:
         return key in self.keys[0]
 
-    def each(self, key: str) -> list:
+    def each(self, key: str, expert: Optional[int] = None) -> list:
+        """``key`` on every rank; with ``expert``, that expert's slice of a stacked expert tensor (one whose first
+        dim counts the experts: weights and per-expert scales) or the tensor whole (the experts' one activation
+        scale), read without loading the other experts."""
+        from safetensors import safe_open
+
         from pipeline.quant.checkpoint import _get
 
         self.read_keys.add(key)
-        return [_get(path, key) for path in self.files]
+        if expert is None:
+            return [_get(path, key) for path in self.files]
+        out = []
+        for path in self.files:
+            with safe_open(str(path), framework="pt") as f:
+                stacked = f.get_slice(key)
+                shape = stacked.get_shape()
+                out.append(stacked[expert] if len(shape) >= 2 and shape[0] == self.experts else f.get_tensor(key))
+        return out
 
     def one(self, key: str):
         return self.each(key)[0]
@@ -226,18 +256,19 @@ class _Ranks:
         return sorted(set().union(*self.keys) - self.read_keys)
 
 
-def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optional[list[int]] = None) -> list[Linear]:
+def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optional[list[int]] = None,
+                 expert: Optional[int] = None) -> list[Linear]:
     """The checkpoint linear ``name`` (``fmt``: its quant_algo and group size) joined across ranks: kind column
-    (split on outputs) or row (on inputs); ``split``: the per-rank output widths to cut it into (fused q/k/v),
-    else one Linear."""
+    (split on outputs) or row (on inputs); ``split``: the per-rank output widths to cut it into (fused q/k/v,
+    an expert's up | gate), else one Linear; ``expert``: that expert of a stacked expert tensor."""
     import torch
 
     from pipeline.formats import FORMAT_OF_ALGO
     from pipeline.quant.checkpoint import unpack_int4
 
     algo, group_size = fmt
-    weights = ranks.each(f"{name}.weight")
-    scales: dict[str, Any] = {k: ranks.each(f"{name}.{k}") if ranks.has(f"{name}.{k}") else None
+    weights = ranks.each(f"{name}.weight", expert)
+    scales: dict[str, Any] = {k: ranks.each(f"{name}.{k}", expert) if ranks.has(f"{name}.{k}") else None
                               for k in ("weights_scaling_factor", "activation_scaling_factor",
                                         "prequant_scaling_factor")}
     if algo is None:
@@ -297,7 +328,8 @@ def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optiona
         if algo and scales["prequant_scaling_factor"] is not None:
             lin.prequant = _joined_prequant(name, scales["prequant_scaling_factor"], kind)
         out.append(lin)
-    for lin, bias in zip(out, _read_bias(ranks, name, kind, split)):
+    # experts have no biases (Mixtral, Qwen3-MoE)
+    for lin, bias in zip(out, [None] * len(out) if expert is not None else _read_bias(ranks, name, kind, split)):
         lin.bias = bias
     return out
 
@@ -374,6 +406,83 @@ def _fold_into_norm(norm, linears: dict[str, Linear], where: str, facts: ExportF
     return norm * s
 
 
+def _moe_shape(hf) -> tuple[Any, int, int]:
+    """The family's MoE layout (None: dense), its experts per layer and an expert's intermediate size (Mixtral:
+    num_local_experts, intermediate_size; Qwen3-MoE: num_experts, moe_intermediate_size)."""
+    fam = families.FAMILIES.get(hf.model_type)
+    if fam is None or fam.moe is None:
+        return None, 0, 0
+    return (fam.moe, getattr(hf, "num_local_experts", None) or hf.num_experts,
+            getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
+
+
+def _attention(ranks: _Ranks, p: str, h: str, layer_format, qkv_split: list[int], heads: tuple,
+               facts: ExportFacts) -> tuple[Any, dict[str, Linear]]:
+    """A layer's q/k/v and o_proj (HF name -> Linear) with q/k/v's smoothing folded into the input norm (returned)
+    and o_proj's into v_proj's rows where ``heads`` (query heads, KV heads, head dim) allow it."""
+    q, k, v = _read_linear(ranks, f"{p}.attention.qkv", layer_format(f"{p}.attention.qkv"), "qkv", qkv_split)
+    o, = _read_linear(ranks, f"{p}.attention.dense", layer_format(f"{p}.attention.dense"), "row")
+    qkv = {f"{h}.self_attn.{m}_proj": l for m, l in zip("qkv", (q, k, v))}
+    one_format(qkv, facts)
+    ln_in = _fold_into_norm(ranks.one(f"{p}.input_layernorm.weight").float(), qkv, "input_layernorm", facts)
+    _fold_into_rows(v, o, f"{h}.self_attn.o_proj", "v_proj rows", facts, heads=heads if heads[0] != heads[1] else None)
+    if len({l.algo for l in (q, k, v)}) != 1:
+        raise IntegrityError(f"{h}: vLLM fuses q/k/v, which must share one format ({[l.algo for l in (q, k, v)]})")
+    for key in ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor"):
+        if ranks.has(f"{p}.attention.{key}"):
+            ranks.read_keys.add(f"{p}.attention.{key}")  # the KV-cache scales: vLLM's own KV dtype decides
+    return ln_in, {**qkv, f"{h}.self_attn.o_proj": o}
+
+
+def _dense_mlp(ranks: _Ranks, p: str, h: str, layer_format, facts: ExportFacts) -> dict[str, Linear]:
+    """A dense MLP's gate/up/down (HF name -> Linear) with down_proj's smoothing folded into up_proj's rows;
+    gate/up's is left for the norm."""
+    gate, = _read_linear(ranks, f"{p}.mlp.fc", layer_format(f"{p}.mlp.fc"), "column")
+    up, = _read_linear(ranks, f"{p}.mlp.gate", layer_format(f"{p}.mlp.gate"), "column")
+    down, = _read_linear(ranks, f"{p}.mlp.proj", layer_format(f"{p}.mlp.proj"), "row")
+    one_format({f"{h}.mlp.gate_proj": gate, f"{h}.mlp.up_proj": up}, facts)
+    _fold_into_rows(up, down, f"{h}.mlp.down_proj", "up_proj rows", facts)
+    if gate.algo != up.algo:
+        raise IntegrityError(f"{h}: vLLM fuses gate/up, which must share one format ({[gate.algo, up.algo]})")
+    return {f"{h}.mlp.gate_proj": gate, f"{h}.mlp.up_proj": up, f"{h}.mlp.down_proj": down}
+
+
+def _moe_mlp(ranks: _Ranks, p: str, block: str, moe, inter: int, layer_format, norm,
+             facts: ExportFacts) -> tuple[Any, dict[str, Linear], dict[str, Linear]]:
+    """An MoE layer (``block``: its HF path, e.g. model.layers.3.block_sparse_moe): the router, kept in high
+    precision (it is in the config's ignore list), and every expert's gate/up/down read one at a time from the
+    stacked tensors (``inter``: an expert's intermediate rows per rank). vLLM runs a layer's experts as one
+    fused MoE with one quantization scheme for all their projections (compressed_tensors_moe.py
+    ``get_moe_method``: "All MoE projections need to have same quantization scheme"), so experts whose up/gate and
+    down differ in format are written in high precision, exactly. Each expert's down smoothing folds into its
+    up rows, and the up/gate smoothing into the norm (the router taking its inverse): exact, as ModelOpt 0.47
+    gives a layer's AWQ experts one pre-quant scale per expert type (layer_utils.py
+    ``update_experts_avg_prequant_scale``, their mean). Returns (norm, {router}, {experts' linears})."""
+    router = Linear(ranks.one(f"{p}.mlp.router.weight").float())
+    gate_name, up_name = moe.fused
+    leaf = moe.experts.rsplit(".", 1)[-1]
+    fc_fmt, proj_fmt = layer_format(f"{p}.mlp.fc"), layer_format(f"{p}.mlp.proj")
+    ups, gates, downs = {}, {}, {}
+    for e in range(ranks.experts):
+        x = f"{block}.{leaf}.{e}"
+        ups[f"{x}.{up_name}"], gates[f"{x}.{gate_name}"] = _read_linear(
+            ranks, f"{p}.mlp.fc", fc_fmt, "column", [inter, inter], expert=e)  # each rank: up rows, then gate rows
+        downs[f"{x}.{moe.down}"], = _read_linear(ranks, f"{p}.mlp.proj", proj_fmt, "row", expert=e)
+    one_format({**gates, **ups}, facts)
+    one_format(downs, facts)
+    if fc_fmt[0] != proj_fmt[0]:
+        one_format({**gates, **ups, **downs}, facts)  # formats differ: everything quantized goes high precision
+    for up, (down_name, down) in zip(ups.values(), downs.items()):
+        _fold_into_rows(up, down, down_name, "expert up rows", facts)
+    router_name = f"{block}.{moe.router.rsplit('.', 1)[-1]}"
+    norm = _fold_into_norm(norm, {router_name: router, **gates, **ups}, "post_attention_layernorm", facts)
+    every = {**gates, **ups, **downs}
+    experts = {name: every[name] for e in range(ranks.experts)  # the HF order: an expert's gate, up, down
+               for name in (f"{block}.{leaf}.{e}.{gate_name}", f"{block}.{leaf}.{e}.{up_name}",
+                            f"{block}.{leaf}.{e}.{moe.down}")}
+    return norm, {router_name: router}, experts
+
+
 def _fold_into_rows(target: Linear, lin: Linear, name: str, where: str, facts: ExportFacts,
                     heads: Optional[tuple] = None):
     """``lin``'s (HF ``name``) pre-quant scale into the output rows of ``target`` (which produces its input).
@@ -441,7 +550,7 @@ def quantization_config(by_algo: dict[str, list[str]], group_sizes: set[int], ig
     """config.json's quantization_config: one config group per format written (see the module's docstring)."""
     if len(group_sizes) > 1:
         raise IntegrityError(f"INT4 layers with several group sizes {sorted(group_sizes)}: one scheme takes one")
-    algos = sorted((a for a in EXPORTABLE_ALGOS if by_algo.get(a)), key=lambda a: -len(by_algo[a]))
+    algos = sorted((a for a in (*EXPORTABLE_ALGOS, FP8_EXPERTS) if by_algo.get(a)), key=lambda a: -len(by_algo[a]))
     groups = {}
     for i, algo in enumerate(algos):  # the most used format: Linear; the others by name, matched before the class
         targets = ["Linear"] if i == 0 else list(by_algo[algo])
@@ -451,9 +560,16 @@ def quantization_config(by_algo: dict[str, list[str]], group_sizes: set[int], ig
             "quantization_status": "compressed", "config_groups": groups, "ignore": ignore}
 
 
-def _write_linear(writer: ShardWriter, hf_name: str, lin: Linear, dtype) -> None:
-    """``lin``'s tensors as compressed-tensors names them (see the module's docstring for each format)."""
+def _write_linear(writer: ShardWriter, hf_name: str, lin: Linear, dtype, per_tensor: bool = False) -> None:
+    """``lin``'s tensors as compressed-tensors names them (see the module's docstring for each format);
+    ``per_tensor``: an FP8 expert, its one weight scale written as one ([1])."""
     import torch
+
+    if per_tensor:
+        writer.add(f"{hf_name}.weight", lin.weight.clone())
+        writer.add(f"{hf_name}.weight_scale", lin.weight_scale.float().reshape(1).clone())
+        writer.add(f"{hf_name}.input_scale", lin.input_scale.float().reshape(1).clone())
+        return
 
     if lin.algo in PACKED_BITS:
         writer.add(f"{hf_name}.weight_packed", pack_codes(lin.weight, PACKED_BITS[lin.algo]))
@@ -506,17 +622,19 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     tp = ranks.tp
     qkv_split = [n_heads // tp * head_dim, n_kv // tp * head_dim, n_kv // tp * head_dim]
     torch_dtype = getattr(torch, dtype)
+    moe, ranks.experts, expert_inter = _moe_shape(hf)
     facts = ExportFacts()
     writer = ShardWriter(out_dir, max_shard_bytes)
     by_algo: dict[str, list[str]] = {}  # quant_algo -> the HF linears written in it
     group_sizes: set[int] = set()
 
-    def put(hf_name: str, lin: Linear) -> None:
+    def put(hf_name: str, lin: Linear, expert: bool = False) -> None:
         if lin.prequant is not None:
             raise IntegrityError(f"{hf_name}: a pre-quant scale was left unfolded")  # a bug here, not bad input
-        _write_linear(writer, hf_name, lin, torch_dtype)
+        per_tensor = expert and lin.algo == FP8
+        _write_linear(writer, hf_name, lin, torch_dtype, per_tensor)
         if lin.quantized:
-            by_algo.setdefault(lin.algo or "", []).append(hf_name)
+            by_algo.setdefault(FP8_EXPERTS if per_tensor else lin.algo or "", []).append(hf_name)
             facts.quantized_linears += 1
             if lin.algo == INT4_AWQ:
                 group_sizes.add(int(lin.group_size or 0))
@@ -532,37 +650,24 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     final_norm = ranks.one("transformer.ln_f.weight").float()  # written last: lm_head's smoothing may fold into it
     for i in range(hf.num_hidden_layers):
         p, h = f"transformer.layers.{i}", f"model.layers.{i}"
-        q, k, v = _read_linear(ranks, f"{p}.attention.qkv", layer_format(f"{p}.attention.qkv"), "qkv", qkv_split)
-        o, = _read_linear(ranks, f"{p}.attention.dense", layer_format(f"{p}.attention.dense"), "row")
-        gate, = _read_linear(ranks, f"{p}.mlp.fc", layer_format(f"{p}.mlp.fc"), "column")
-        up, = _read_linear(ranks, f"{p}.mlp.gate", layer_format(f"{p}.mlp.gate"), "column")
-        down, = _read_linear(ranks, f"{p}.mlp.proj", layer_format(f"{p}.mlp.proj"), "row")
-        ln_in = ranks.one(f"{p}.input_layernorm.weight").float()
+        ln_in, attention = _attention(ranks, p, h, layer_format, qkv_split, (n_heads, n_kv, head_dim), facts)
         ln_post = ranks.one(f"{p}.post_layernorm.weight").float()
-        one_format({f"{h}.self_attn.{m}_proj": l for m, l in zip("qkv", (q, k, v))}, facts)
-        one_format({f"{h}.mlp.gate_proj": gate, f"{h}.mlp.up_proj": up}, facts)
-        ln_in = _fold_into_norm(ln_in, {f"{h}.self_attn.{m}_proj": l for m, l in zip("qkv", (q, k, v))},
-                                "input_layernorm", facts)
-        ln_post = _fold_into_norm(ln_post, {f"{h}.mlp.gate_proj": gate, f"{h}.mlp.up_proj": up},
-                                  "post_attention_layernorm", facts)
-        _fold_into_rows(up, down, f"{h}.mlp.down_proj", "up_proj rows", facts)
-        _fold_into_rows(v, o, f"{h}.self_attn.o_proj", "v_proj rows", facts,
-                        heads=(n_heads, n_kv, head_dim) if n_kv != n_heads else None)
-        if len({l.algo for l in (q, k, v)}) != 1 or gate.algo != up.algo:
-            raise IntegrityError(f"{h}: vLLM fuses q/k/v and gate/up, which must share one format "
-                                 f"(q/k/v {[l.algo for l in (q, k, v)]}, gate/up {[gate.algo, up.algo]})")
+        if moe is not None and ranks.has(f"{p}.mlp.router.weight"):  # a family may keep some layers dense
+            ln_post, mlp, experts = _moe_mlp(ranks, p, f"{h}.{moe.experts.rsplit('.', 1)[0]}", moe,
+                                             expert_inter // tp, layer_format, ln_post, facts)
+        else:
+            mlp, experts = _dense_mlp(ranks, p, h, layer_format, facts), {}
+            ln_post = _fold_into_norm(ln_post, {n: mlp[n] for n in (f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj")},
+                                      "post_attention_layernorm", facts)
         writer.add(f"{h}.input_layernorm.weight", ln_in.to(torch_dtype))
         writer.add(f"{h}.post_attention_layernorm.weight", ln_post.to(torch_dtype))
         for trt, hf_norm in HEAD_NORMS.items():  # Qwen3's per-head q/k RMSNorms, after the projections
             if ranks.has(f"{p}.{trt}.weight"):
                 writer.add(f"{h}.{hf_norm}.weight", ranks.one(f"{p}.{trt}.weight").to(torch_dtype))
-        for name, lin in (("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
-                          ("self_attn.o_proj", o), ("mlp.gate_proj", gate), ("mlp.up_proj", up),
-                          ("mlp.down_proj", down)):
-            put(f"{h}.{name}", lin)
-        for key in ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor"):
-            if ranks.has(f"{p}.attention.{key}"):
-                ranks.read_keys.add(f"{p}.attention.{key}")  # the KV-cache scales: vLLM's own KV dtype decides
+        for name, lin in {**attention, **mlp}.items():
+            put(name, lin)
+        for name, lin in experts.items():
+            put(name, lin, expert=True)
     tied = getattr(hf, "tie_word_embeddings", False)
     if ranks.has("lm_head.weight"):
         head, = _read_linear(ranks, "lm_head", layer_format("lm_head"), "column")

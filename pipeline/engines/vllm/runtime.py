@@ -49,6 +49,37 @@ def check_cpu(cfg) -> None:
             f"timeout) and refuses an FP8 KV cache. {WITHOUT_VLLM}")
 
 
+def check_cpu_experts(cfg, ckpt_dir: Path) -> None:
+    """Stop before the export where the checkpoint has INT4 experts, vLLM runs on this CPU and the CPU has no
+    AMX: vLLM 0.32's only CPU kernel for INT4 experts on x86 (fused_moe/experts/cpu_moe.py ``CPUExpertsInt4``)
+    needs AMX, and without it vLLM refuses the layer ("No WNA16 MoE backend supports the deployment
+    configuration", found on an AVX2 machine by tests/bin/vllm-scheme-probe)."""
+    import torch
+
+    layers = int4_expert_layers(ckpt_dir)
+    if cfg.vllm.device == "cpu" and layers and not torch.cpu._is_amx_tile_supported():
+        raise EnvironmentProblem(
+            f"the experts of {len(layers)} MoE layers (first: {layers[0]}) are INT4 AWQ, and vLLM's CPU kernel for "
+            f"INT4 experts needs AMX, which this CPU lacks. Keep the experts in high precision (plan rule "
+            f"{{pattern: '*.experts.*', keep_high_precision: true}}), serve them on vllm.device cuda, or use "
+            f"build.target cpu")
+
+
+def int4_expert_layers(ckpt_dir: Path) -> list[str]:
+    """The checkpoint's MoE layers (``transformer.layers.N.mlp``) whose stacked experts are INT4 (W4A16 AWQ)."""
+    from safetensors import safe_open
+
+    from pipeline.quant.checkpoint import _layer_formats
+
+    cfg = json.loads((ckpt_dir / "config.json").read_text())
+    fmt = _layer_formats(ckpt_dir, cfg.get("quantization") or {})
+    with safe_open(str(ckpt_dir / "rank0.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    return [f"transformer.layers.{i}.mlp" for i in range(cfg["num_hidden_layers"])
+            if f"transformer.layers.{i}.mlp.router.weight" in keys
+            and fmt(f"transformer.layers.{i}.mlp.fc")[0] == "W4A16_AWQ"]
+
+
 def unusable_reason(cfg) -> Optional[str]:
     """Why the vllm target cannot run here (no serving environment, or the CPU), or None where it can."""
     try:
