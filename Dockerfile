@@ -6,6 +6,8 @@
 #   builder  the Triton TensorRT-LLM image plus the pipeline, for engine-build Jobs (deploy/jobs/)
 #   vllm-cpu the vllm build (vllm.device cpu): a slim Python image with vllm-cpu, vLLM's OpenAI server
 #   vllm-gpu the vllm build (vllm.device cuda): vLLM's own OpenAI-server image
+#   vllm-triton-cpu  the vllm build (vllm.device cpu) with vllm.frontends [triton, ...]: the Triton server of
+#            nvidia-pytriton, its Python models run by the vllm-cpu venv (vLLM's async engine in the Python backend)
 # Two inputs are BuildKit named contexts, never part of the main context (see .dockerignore):
 #   model_repository  the published Triton model repository (<work dir>/publish/model_repository)
 #   release_files     provenance.json, image.json and, for a release, the build report (<work dir>/image/release_files)
@@ -197,6 +199,86 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
   CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
 # vLLM's OpenAI API, its /health and its Prometheus /metrics, all on port 8000.
 ENTRYPOINT ["python3", "/opt/launch.py", "vllm", "--model-repository=/models", "--host=0.0.0.0", "--port=8000"]
+CMD []
+ARG IMAGE_TITLE=unset
+ARG IMAGE_VERSION=unset
+ARG SOURCE_REVISION=unset
+ARG PIPELINE_VERSION=unset
+ARG CONFIG_NAME=unset
+ARG MODEL_NAME=unset
+ARG MODEL_SOURCE=unset
+ARG MODEL_REVISION=unset
+ARG QUANTIZATION=unset
+ARG BUILD_TARGET=unset
+ARG TRTLLM_VERSION=unset
+ARG REPOSITORY_DIGEST=unset
+ARG REPORT_SHA256=none
+LABEL org.opencontainers.image.title="${IMAGE_TITLE}" \
+      org.opencontainers.image.version="${IMAGE_VERSION}" \
+      org.opencontainers.image.revision="${SOURCE_REVISION}" \
+      trtllm-pipeline.pipeline.version="${PIPELINE_VERSION}" \
+      trtllm-pipeline.config="${CONFIG_NAME}" \
+      trtllm-pipeline.model.name="${MODEL_NAME}" \
+      trtllm-pipeline.model.source="${MODEL_SOURCE}" \
+      trtllm-pipeline.model.revision="${MODEL_REVISION}" \
+      trtllm-pipeline.quantization="${QUANTIZATION}" \
+      trtllm-pipeline.build.target="${BUILD_TARGET}" \
+      trtllm-pipeline.trtllm.version="${TRTLLM_VERSION}" \
+      trtllm-pipeline.repository.digest="${REPOSITORY_DIGEST}" \
+      trtllm-pipeline.report.sha256="${REPORT_SHA256}"
+
+# ------------------------------------------------------------------------------------------------ vllm-triton-cpu
+# vLLM's venv again, with numpy < 2: the Triton 2.51 Python-backend stub returns empty outputs with numpy 2 (vLLM's
+# text path runs on 1.26), as scripts/setup-env pins .venv-vllm.
+FROM vllm-cpu-deps AS vllm-triton-cpu-deps
+RUN --mount=type=secret,id=pip_conf,required=false \
+    if [ -f /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; else export PIP_CONFIG_FILE=/dev/null; fi \
+ && /opt/vllm/bin/pip install --no-cache-dir --disable-pip-version-check "numpy>=1.26,<2"
+
+# The Triton server alone (nvidia-pytriton's bundled tritonserver and Python backend), with the Python-backend
+# stub for this Python copied in beside the backend, as in cpu-deps.
+FROM ${PYTHON_IMAGE} AS triton-server-deps
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN --mount=type=secret,id=pip_conf,required=false \
+    if [ -f /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; else export PIP_CONFIG_FILE=/dev/null; fi \
+ && python -m venv /opt/triton \
+ && /opt/triton/bin/pip install --no-cache-dir --disable-pip-version-check nvidia-pytriton==0.7.0 \
+ && triton_dir="$(/opt/triton/bin/python -c 'import os, pytriton; print(os.path.dirname(pytriton.__file__))')/tritonserver" \
+ && py="$(/opt/triton/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
+ && cp "${triton_dir}/python_backend_stubs/${py}/triton_python_backend_stub" "${triton_dir}/backends/python/" \
+ && ln -s "${triton_dir}/bin/tritonserver" /opt/triton/bin/tritonserver \
+ && ln -s "${triton_dir}/backends" /opt/triton/tritonserver-backends
+
+FROM ${PYTHON_IMAGE} AS vllm-triton-cpu
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN groupadd --system --gid 10001 triton-llm \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/triton-llm \
+      --shell /usr/sbin/nologin triton-llm
+COPY --from=vllm-triton-cpu-deps /opt/vllm /opt/vllm
+COPY --from=triton-server-deps /opt/triton /opt/triton
+# vLLM's python3 first on PATH: the Python-backend stub runs the model files with it (vLLM, transformers and
+# numpy < 2 from its venv); the models set a UTF-8 locale and fork vLLM's engine core themselves.
+ENV PATH=/opt/vllm/bin:${PATH} \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    VLLM_NO_USAGE_STATS=1 \
+    VLLM_CPU_KVCACHE_SPACE=4
+# Named build contexts again (DL3022 cannot know them; see the gpu stage).
+# hadolint ignore=DL3022
+COPY --from=model_repository . /models
+# hadolint ignore=DL3022
+COPY --from=release_files . /opt/release
+USER 10001:10001
+EXPOSE 8000 8001 8002
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
+  CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status != 200)"]
+# As the cpu image: no GPU metrics, no pinned host memory pool.
+ENTRYPOINT ["/opt/triton/bin/tritonserver", "--model-repository=/models", \
+            "--backend-directory=/opt/triton/tritonserver-backends", \
+            "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
+            "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true", \
+            "--pinned-memory-pool-byte-size=0", "--strict-readiness=true", "--disable-auto-complete-config"]
 CMD []
 ARG IMAGE_TITLE=unset
 ARG IMAGE_VERSION=unset

@@ -223,7 +223,7 @@ def test_from_images_are_pinned_or_arg_driven_with_pinned_defaults():
     default_version = BuildSection().trtllm_version
     assert args["TRITON_TAG"] == image_tags.triton_tags_for(default_version)[0]
     assert image_tags.trtllm_version_of_tag(args["TRITON_TAG"]) == default_version
-    assert {"gpu", "cpu", "builder", "vllm-cpu", "vllm-gpu"} <= names
+    assert {"gpu", "cpu", "builder", "vllm-cpu", "vllm-gpu", "vllm-triton-cpu"} <= names
 
 
 def copy_sources_checked() -> set[str]:
@@ -275,11 +275,12 @@ def test_dockerignore_keeps_everything_else_out():
 def test_serving_stages_run_tritonserver_non_root_with_health_metrics_and_provenance_labels():
     ins = dockerfile_instructions()
     by_name = {st["name"]: st for st in stages(ins)}
-    for name in ("gpu", "cpu"):
+    for name in ("gpu", "cpu", "vllm-triton-cpu"):
         body = by_name[name]["body"]
         kinds = [k for _, k, _ in body]
         entry = json.loads(next(a for _, k, a in body if k == "ENTRYPOINT"))
-        assert "tritonserver" in entry and f"--model-repository={img.IMAGE_MODEL_REPOSITORY}" in entry
+        assert any(e.split("/")[-1] == "tritonserver" for e in entry)
+        assert f"--model-repository={img.IMAGE_MODEL_REPOSITORY}" in entry
         assert "--allow-metrics=true" in entry and "--allow-http=true" in entry
         health = next(a for _, k, a in body if k == "HEALTHCHECK")
         assert "/v2/health/ready" in health and "CMD" in health
@@ -547,3 +548,36 @@ def test_vllm_images_serve_the_export_with_launch_non_root_with_health_and_label
         assert options(cmd, "--target") == [target]
         assert options(cmd, "--tag") == [f"trtllm-pipeline:smollm2-int8_sq-kvint8-vllm0.32.0-{pub.repository_digest[:12]}"]
         assert build_args(cmd)["BUILD_TARGET"] == "vllm" and build_args(cmd)["TRTLLM_VERSION"] == "none"
+
+
+def test_a_vllm_build_served_by_triton_gets_the_triton_image_with_vllms_python(tmp_path):
+    """triton first in vllm.frontends (vllm.device cpu): the vllm-triton-cpu image runs nvidia-pytriton's
+    tritonserver on the published repository, with the vllm-cpu venv (numpy < 2) first on PATH, the Python the
+    Python-backend stub runs the models with, and its stub copied beside the backend; on cuda that
+    combination is refused, naming the fix."""
+    by_name = {st["name"]: st for st in stages(dockerfile_instructions())}
+    body = by_name["vllm-triton-cpu"]["body"]
+    entry = json.loads(next(a for _, k, a in body if k == "ENTRYPOINT"))
+    assert entry[0] == "/opt/triton/bin/tritonserver" and "--backend-directory=/opt/triton/tritonserver-backends" in entry
+    env = " ".join(a for _, k, a in body if k == "ENV")
+    assert "PATH=/opt/vllm/bin:${PATH}" in env
+    copies = [a for _, k, a in body if k == "COPY"]
+    assert "--from=vllm-triton-cpu-deps /opt/vllm /opt/vllm" in copies
+    assert "--from=triton-server-deps /opt/triton /opt/triton" in copies
+    deps = " ".join(a for _, k, a in by_name["vllm-triton-cpu-deps"]["body"] if k == "RUN")
+    assert '"numpy>=1.26,<2"' in deps and by_name["vllm-triton-cpu-deps"]["image"] == "vllm-cpu-deps"
+    server = " ".join(a for _, k, a in by_name["triton-server-deps"]["body"] if k == "RUN")
+    assert "nvidia-pytriton==" in server and "python_backend_stubs/${py}/triton_python_backend_stub" in server
+
+    vllm_config = REPO / "engine_configs" / "smollm2-135m-vllm.yaml"
+    make_published(tmp_path, config_name="smollm2-135m-vllm", target="vllm")
+    done = run_invoke("image", "--dry-run", "--config", str(vllm_config), "--work-root", str(tmp_path),
+                      "--set", "vllm.frontends=[triton, openai]")
+    assert done.returncode == 0, done.stderr
+    (cmd,) = printed_commands(done.stdout)
+    assert options(cmd, "--target") == ["vllm-triton-cpu"]
+    refused = run_invoke("image", "--dry-run", "--config", str(vllm_config), "--work-root", str(tmp_path),
+                         "--set", "vllm.frontends=[triton]", "--set", "vllm.device=cuda",
+                         "--set", "build.cuda_graphs.enabled=true")
+    assert refused.returncode != 0 and "vllm.frontends starts with triton on vllm.device cuda" in refused.stderr
+    assert "Put openai first" in refused.stderr

@@ -40,8 +40,8 @@ def _duration(seconds: int) -> str:
 
 def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[dict]:
     """The alerting rules for the release ``name`` (its pods are ``<name>-...``), thresholds from ``section``
-    (a config AlertsSection): on Triton's series, or with ``engine="vllm"`` on vLLM's (the GPU rules only with
-    ``gpu``)."""
+    (a config AlertsSection): on Triton's series, or with ``engine="vllm"`` on vLLM's; the GPU rules only with
+    ``gpu``."""
     if engine == "vllm":
         return _vllm_rules(section, name) + (_pod_rules(section, name, "Vllm") + (_gpu_rules(section) if gpu else []))
     pods = f'pod=~"{name}-.*"'
@@ -79,7 +79,7 @@ def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[
               "Latency is unpredictable: mixed prompt and output lengths under load; see TritonLatencyTail's runbook, "
               "and compare the token-gap jitter on the dashboard (high: decode steps stall)."),
     ]
-    return out + _pod_rules(section, name, "Triton") + _gpu_rules(section)
+    return out + _pod_rules(section, name, "Triton") + (_gpu_rules(section) if gpu else [])
 
 
 def _vllm_rules(section, name: str) -> list[dict]:

@@ -12,7 +12,9 @@ tolerance serves every metric of an HPA). The cpu target scales on CPU utilisati
 The vllm target runs vLLM's image (``launch.py vllm``): one port (8000) for the OpenAI API, ``/health`` (the
 probes) and ``/metrics`` (the PodMonitor); the queue is vLLM's ``vllm:num_requests_waiting``, utilisation the
 DCGM exporter's on GPUs and the CPU's with ``vllm.device: cpu``. Its alert rules read vLLM's own series
-(pipeline/release/alerts.py; the GPU rules only with ``vllm.device: cuda``).
+(pipeline/release/alerts.py; the GPU rules only with ``vllm.device: cuda``). A vllm build whose image is Triton
+(``triton`` first in ``vllm.frontends``: the ``vllm-triton-cpu`` image) keeps the Triton manifests, metrics and
+alert rules, with the cpu target's CPU resources.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
         doc["metadata"]["name"] = name
         _relabel(doc, name)
         kind = doc["kind"]
-        if pub.target == "vllm":
+        if serves_vllm_openai(cfg, pub.target):
             _to_vllm(doc, cfg.vllm.device)
         if kind == "Deployment":
             doc["metadata"]["annotations"] = dict(annotations)
@@ -172,10 +174,16 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
     return out
 
 
+def serves_vllm_openai(cfg: PipelineConfig, target: str) -> bool:
+    """Whether the image runs vLLM's OpenAI server (the vllm target with openai first in vllm.frontends), not
+    Triton (pipeline.release.image.docker_target)."""
+    return target == "vllm" and cfg.vllm.frontends[0] == "openai"
+
+
 def alert_engine(cfg: PipelineConfig, target: str) -> tuple[str, bool]:
     """(whose series the alert rules read, whether the GPU rules apply) for a build of ``target``."""
     if target == "vllm":
-        return "vllm", cfg.vllm.device == "cuda"
+        return "vllm" if serves_vllm_openai(cfg, target) else "triton", cfg.vllm.device == "cuda"
     return "triton", True
 
 

