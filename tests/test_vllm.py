@@ -22,6 +22,7 @@ from pipeline.config import load_config
 from pipeline.engines.vllm import engine_args as ea
 from pipeline.engines.vllm import runtime
 from pipeline.errors import ConfigError, EnvironmentProblem
+from pipeline.serving import verify_vllm
 
 VLLM_CONFIG = REPO / "engine_configs" / "smollm2-135m-vllm.yaml"
 NAME = "smollm2-135m-vllm"
@@ -204,7 +205,8 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     assert names >= {"completions", "completions_stream", "chat_completions", "malformed_requests", "metrics",
                      "triton_http_infer_ensemble", "triton_grpc_infer_ensemble", "triton_http_generate_stream",
                      "triton_grpc_stream", "triton_concurrent_16", "triton_malformed_requests"}
-    assert all(r["equal"] and r["text_is_decoding"] for r in verify["checks"][0]["results"])
+    for r in verify["checks"][0]["results"]:  # the offline tokens, or first different at a near-tie of the server's
+        assert r["text_is_decoding"] and (r["equal"] or 0 <= r["margin"] <= verify_vllm.BF16_TIE_BOUND), r
     by_name = {c["name"]: c for c in verify["checks"]}
     for name in ("triton_http_infer_ensemble", "triton_grpc_stream"):  # Triton gives the offline engine's tokens
         assert all(r["equal"] and r["text_equals_decode"] for r in by_name[name]["results"]), by_name[name]
