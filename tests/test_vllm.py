@@ -208,8 +208,9 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     for r in verify["checks"][0]["results"]:  # the offline tokens, or first different at a near-tie of the server's
         assert r["text_is_decoding"] and (r["equal"] or 0 <= r["margin"] <= verify_vllm.BF16_TIE_BOUND), r
     by_name = {c["name"]: c for c in verify["checks"]}
-    for name in ("triton_http_infer_ensemble", "triton_grpc_stream"):  # Triton gives the offline engine's tokens
-        assert all(r["equal"] and r["text_equals_decode"] for r in by_name[name]["results"]), by_name[name]
+    for name in ("triton_http_infer_ensemble", "triton_grpc_stream"):  # Triton gives the offline engine's tokens,
+        for r in by_name[name]["results"]:  # or leaves them at the same near-tie as the OpenAI server
+            assert r["text_equals_decode"] and (r["equal"] or 0 <= r["margin"] <= verify_vllm.BF16_TIE_BOUND), r
     bench = json.loads((work / "bench" / "bench_results.json").read_text())
     assert [(t["target"], t["frontend"]) for t in bench["targets"]] == [("vllm", "openai"), ("vllm", "triton")] + (
         [("cpu", "triton")] if compared else [])
