@@ -219,6 +219,7 @@ def completion_order_with_classes(http_url: str, model: str, queue_formed, hogs:
     in the order their answers came back."""
     import concurrent.futures
     import time
+    import urllib.error
     import urllib.request
 
     done: dict[str, float] = {}
@@ -226,8 +227,11 @@ def completion_order_with_classes(http_url: str, model: str, queue_formed, hogs:
     def ask(name: str, max_tokens: int = 16, **priority) -> None:
         body = json.dumps({"text_input": f"Request {name}:", "max_tokens": max_tokens, **priority}).encode()
         req = urllib.request.Request(f"http://{http_url}/v2/models/{model}/generate", data=body, method="POST")
-        with urllib.request.urlopen(req, timeout=600) as r:
-            assert json.loads(r.read())["output_ids"]
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                assert json.loads(r.read())["output_ids"]
+        except urllib.error.HTTPError as e:  # the server's own words, for a failure seen once under this burst
+            raise AssertionError(f"{name!r}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from e
         done[name] = time.perf_counter()
 
     with concurrent.futures.ThreadPoolExecutor(hogs + 3) as pool:
