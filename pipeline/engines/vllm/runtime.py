@@ -53,11 +53,13 @@ def check_cpu_experts(cfg, ckpt_dir: Path) -> None:
     """Stop before the export where the checkpoint has INT4 experts, vLLM runs on this CPU and the CPU has no
     AMX: vLLM 0.32's only CPU kernel for INT4 experts on x86 (fused_moe/experts/cpu_moe.py ``CPUExpertsInt4``)
     needs AMX, and without it vLLM refuses the layer ("No WNA16 MoE backend supports the deployment
-    configuration", found on an AVX2 machine by tests/bin/vllm-scheme-probe)."""
+    configuration", found on an AVX-512 machine without AMX by tests/bin/vllm-scheme-probe)."""
     import torch
 
+    if cfg.vllm.device != "cpu" or torch.cpu._is_amx_tile_supported():
+        return  # nothing to read: the checkpoint is only opened where it could matter
     layers = int4_expert_layers(ckpt_dir)
-    if cfg.vllm.device == "cpu" and layers and not torch.cpu._is_amx_tile_supported():
+    if layers:
         raise EnvironmentProblem(
             f"the experts of {len(layers)} MoE layers (first: {layers[0]}) are INT4 AWQ, and vLLM's CPU kernel for "
             f"INT4 experts needs AMX, which this CPU lacks. Keep the experts in high precision (plan rule "
@@ -69,6 +71,7 @@ def int4_expert_layers(ckpt_dir: Path) -> list[str]:
     """The checkpoint's MoE layers (``transformer.layers.N.mlp``) whose stacked experts are INT4 (W4A16 AWQ)."""
     from safetensors import safe_open
 
+    from pipeline.engines.vllm.export import INT4_AWQ
     from pipeline.quant.checkpoint import _layer_formats
 
     cfg = json.loads((ckpt_dir / "config.json").read_text())
@@ -77,7 +80,7 @@ def int4_expert_layers(ckpt_dir: Path) -> list[str]:
         keys = set(f.keys())
     return [f"transformer.layers.{i}.mlp" for i in range(cfg["num_hidden_layers"])
             if f"transformer.layers.{i}.mlp.router.weight" in keys
-            and fmt(f"transformer.layers.{i}.mlp.fc")[0] == "W4A16_AWQ"]
+            and fmt(f"transformer.layers.{i}.mlp.fc")[0] == INT4_AWQ]
 
 
 def unusable_reason(cfg) -> Optional[str]:
