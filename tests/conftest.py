@@ -238,8 +238,12 @@ def completion_order_with_classes(http_url: str, model: str, queue_formed, hogs:
         futures = [pool.submit(ask, f"long {i}", hog_tokens) for i in range(hogs)]
         deadline = time.monotonic() + 120
         while not queue_formed() and time.monotonic() < deadline:
+            failed = next((f for f in futures if f.done() and f.exception()), None)
+            if failed:
+                failed.result()  # a long request failed: its name and the server's words, not a timeout
             time.sleep(0.1)
-        assert queue_formed(), "the long requests never queued in the runtime"
+        finished = sum(f.done() for f in futures)
+        assert queue_formed(), f"the long requests never queued in the runtime ({finished} of {hogs} answered)"
         for name, priority in (("none", {}), ("level 2", {"priority": 2}), ("level 1", {"priority": 1})):
             futures.append(pool.submit(ask, name, **priority))
             time.sleep(0.2)  # sent in this order

@@ -364,12 +364,39 @@ def test_a_more_urgent_request_pauses_a_less_urgent_running_one_which_resumes_fi
 
         hog = rt.submit(PROMPTS[0], long, priority=2)
         next(hog.stream())
-        urgent = rt.submit(PROMPTS[1], SamplingParams(max_new_tokens=60, end_id=-1), priority=1)
+        urgent = rt.submit(PROMPTS[1], SamplingParams(max_new_tokens=16, end_id=-1), priority=1)
         next(urgent.stream())
         assert rt.stats()["requests_paused"] == 1
         hog.cancel()
-        assert len(urgent.result(timeout=120)) == 60 and hog.result(timeout=120) and hog.finish_reason == "cancelled"
+        assert len(urgent.result(timeout=120)) == 16 and hog.result(timeout=120) and hog.finish_reason == "cancelled"
         assert rt.stats()["requests_paused"] == 0 and rt.pool.free_blocks == rt.pool.num_blocks
+
+
+def test_an_urgent_request_longer_than_the_pool_beside_the_running_one_waits_for_it(bundle):
+    """max_running 1: the pool holds one max_seq_len sequence (32 blocks of 4 tokens). A priority-1 request whose
+    full length does not fit beside the running one's (27 + 16 blocks) waits for it instead of pausing it, and
+    both are answered in full: admitted beside it, it would run the pool dry and fail every request in flight
+    (seen as "KV block pool exhausted" through Triton). Then a paused sequence resumes where the most urgent
+    waiting request does not fit beside it, so that request does not wait forever for the blocks it holds."""
+    long = SamplingParams(max_new_tokens=100, end_id=-1)
+    with CpuRuntime.load(bundle / "cpu_bundle", max_running=1) as rt:
+        assert rt.pool.num_blocks == 32
+        hog = rt.submit(PROMPTS[0], long, priority=2)
+        next(hog.stream())
+        urgent = rt.submit(PROMPTS[1], SamplingParams(max_new_tokens=60, end_id=-1), priority=1)
+        assert len(hog.result(timeout=120)) == 100 and len(urgent.result(timeout=120)) == 60
+        assert (hog.finish_reason, urgent.finish_reason) == ("length", "length")
+        assert hog.finished_at < urgent.first_token_at and rt.steps["paused"] == 0
+
+        hog = rt.submit(PROMPTS[0], long, priority=3)
+        next(hog.stream())
+        with rt._lock:  # both queued before the scheduler looks again
+            short = rt.submit(PROMPTS[1], SamplingParams(max_new_tokens=4, end_id=-1), priority=1)
+            big = rt.submit(PROMPTS[3], SamplingParams(max_new_tokens=60, end_id=-1), priority=1)
+        assert len(short.result(timeout=120)) == 4  # it paused the hog; the big one fits beside neither
+        assert len(big.result(timeout=120)) == 60 and len(hog.result(timeout=120)) == 100
+        assert short.finished_at < hog.finished_at < big.first_token_at and rt.steps["paused"] == 1
+        assert rt.pool.free_blocks == rt.pool.num_blocks
 
 
 def test_with_chunked_prefill_a_more_urgent_prompt_is_prefilled_first(bundle):

@@ -400,7 +400,7 @@ class CpuRuntime:
         come, first served. When every slot is taken, a request of a more urgent class pauses the least urgent
         running sequence of a less urgent one (the latest admitted among equals), as TensorRT-LLM's scheduler
         pauses requests: its KV blocks stay in the pool, and it resumes, ahead of its class's waiting requests, when
-        a slot frees. A sequence is only paused where the pool holds the urgent request's blocks beside it."""
+        a slot frees. A sequence is only paused where the pool holds the urgent request's full length beside it."""
         prompt = [int(t) for t in prompt_ids]
         params.check()
         vocab = self.model.config.vocab_size
@@ -505,14 +505,23 @@ class CpuRuntime:
         """The waiting requests to admit this step (holding the lock). Paused sequences and waiting requests take
         free slots most urgent first: the lowest priority value, the earliest submitted among equals (so a
         paused sequence resumes before its class's waiting requests). With every slot taken, a request more
-        urgent than the least urgent running sequence pauses it."""
+        urgent than the least urgent running sequence pauses it.
+
+        A request is admitted only where the pool holds its full length (prompt and max_new_tokens) beside the
+        full lengths of every admitted sequence, paused ones included: a running sequence never finds the pool
+        empty. Where the most urgent request does not fit, nothing waiting overtakes it, but paused sequences
+        resume into free slots (their blocks are already theirs), so the blocks they hold come back."""
         self._paused = self._without_cancelled(self._paused)
         admit: list[Request] = []
         while self._waiting or self._paused:
             key, i, is_paused = min([((r.priority, r.id), i, False) for i, r in enumerate(self._waiting)]
                                     + [((s.request.priority, s.request.id), i, True) for i, s in enumerate(self._paused)])
-            if not is_paused and self._blocks_for(len(self._waiting[i].prompt_ids) + 1) > self._spare_blocks(admit):
-                break  # it waits for blocks; nothing less urgent overtakes it
+            if not is_paused and self._full_blocks(self._waiting[i]) > self._spare_blocks(admit):
+                slots = self._batch_limit() - len(self._prefilling) - len(self._running) - len(admit)
+                self._paused.sort(key=lambda s: (s.request.priority, s.request.id))
+                self._running += self._paused[:max(slots, 0)]
+                del self._paused[:max(slots, 0)]
+                break  # it waits for blocks; nothing waiting and less urgent overtakes it
             if len(self._prefilling) + len(self._running) + len(admit) >= self._batch_limit():
                 victims = [s for s in self._running if s.finish is None and s.request.priority > key[0]]
                 if not victims:
@@ -533,11 +542,15 @@ class CpuRuntime:
     def _blocks_for(self, positions: int) -> int:
         return -(-positions // self.tokens_per_block)
 
+    def _full_blocks(self, req: Request) -> int:
+        """The blocks a request holds at its full length: its prompt and every token it may generate."""
+        return self._blocks_for(len(req.prompt_ids) + req.params.max_new_tokens)
+
     def _spare_blocks(self, admitting: list[Request]) -> int:
         """Free blocks not promised to admitted sequences (each may grow to its full length)."""
-        promised = sum(self._blocks_for(len(s.request.prompt_ids) + s.request.params.max_new_tokens) - len(s.blocks)
+        promised = sum(self._full_blocks(s.request) - len(s.blocks)
                        for s in self._prefilling + self._running + self._paused)
-        promised += sum(self._blocks_for(len(r.prompt_ids) + r.params.max_new_tokens) for r in admitting)
+        promised += sum(self._full_blocks(r) for r in admitting)
         return self.pool.free_blocks - promised
 
     def _admit(self, req: Request) -> None:
