@@ -17,9 +17,10 @@
 
 **Triton** with the vLLM Python-backend model (triton_repo/tensorrt_llm_vllm) behind the same ensemble as
 every target: pipeline.serving.verify's checks (HTTP and gRPC infer, generate, both streams, concurrent,
-malformed), each answer judged against the same offline tokens; a concurrent answer may leave them only at a
-near-tie of the OpenAI run's log-probabilities (Triton's outputs carry none), so with the Triton frontend alone
-concurrent answers must be equal. Its checks are named ``triton_<check>``.
+malformed), each answer judged against the same offline tokens. An answer may leave them only where it is the
+OpenAI server's answer to the same prompt, or leaves that one at a near-tie of its log-probabilities (Triton's
+outputs carry none), so with the Triton frontend alone answers must be equal. Its checks are named
+``triton_<check>``.
 
 Every server runs on 127.0.0.1 with free ports and is stopped whatever happens.
 """
@@ -65,18 +66,26 @@ def batch_tie(rows: list[dict[int, float]], solo: list[int], got: list[int]) -> 
 
 class OfflineTokens:
     """What Triton's answers are judged against (pipeline.serving.verify.Verifier's ``expected``): the offline
-    engine's greedy tokens per prompt; a different answer passes only at a near-tie of ``rows``."""
+    engine's greedy tokens per prompt. A different answer passes only where the OpenAI server answered the same
+    prompt (``served``, which verify already judged against the offline tokens) and Triton's answer is equal to
+    it or first different at a near-tie of that answer's own log-probabilities (``rows``, along ``served``: at
+    any other position they belong to another prefix, so the offline tokens are not compared with them)."""
 
-    def __init__(self, tokens: list[list[int]], rows: list[list[dict[int, float]]]):
-        self.tokens, self.rows = tokens, rows
+    def __init__(self, tokens: list[list[int]], rows: list[list[dict[int, float]]],
+                 served: Optional[list[list[int]]] = None):
+        self.tokens, self.rows, self.served = tokens, rows, served or []
 
     def judge(self, i: int, got: list[int]) -> dict:
         n = min(len(got), len(self.tokens[i]))  # the build's check may have asked for another length
         want = self.tokens[i][:n]
-        verdict = batch_tie(self.rows[i] if i < len(self.rows) else [], want, got[:n])
-        if not got:
-            verdict = {"ok": False, "equal": False, "diverged_at": 0, "margin": None}
-        return verdict if verdict["equal"] else {**verdict, "offline_tokens": want, "got_tokens": got}
+        if got and got[:n] == want:
+            return {"ok": True, "equal": True}
+        served = self.served[i][:n] if i < len(self.served) else []
+        if not got or not served:  # no answer, or no OpenAI run to judge a different one by
+            return {"ok": False, "equal": False, "margin": None, "offline_tokens": want, "got_tokens": got}
+        verdict = batch_tie(self.rows[i] if i < len(self.rows) else [], served, got[:n])
+        return {**verdict, "equal": False, "equal_to_openai": verdict["equal"], "offline_tokens": want,
+                "openai_tokens": served, "got_tokens": got}
 
 
 class VllmVerifier:
@@ -224,19 +233,22 @@ def verify_vllm(repo: Path, prov: dict, out_dir: Path, prompts: tuple[str, ...],
     latency_ms: dict[str, list[float]] = {}
     servers: dict[str, dict] = {}
     rows: list[list[dict[int, float]]] = []
+    served: list[list[int]] = []
     logs = {f: artifacts.SERVER_LOG_FILE if i == 0 else f"server_{f}.log" for i, f in enumerate(frontends)}
     for frontend in frontends:
         if frontend == "openai":
             v = _openai_checks(repo, out_dir / logs[frontend], tokenizer, list(prompts), expected, max_tokens,
                                concurrent)
             rows = [v.top_logprobs.get((p, tuple(solo))) or [] for p, solo in zip(prompts, v.solo)]
+            served = list(v.solo)
             checks += [{**c, "frontend": "openai"} for c in v.checks]
             latency_ms.update({f"openai_{k}": x for k, x in v.latency_ms.items()})
             servers["openai"] = {"startup_s": v.server.startup_s, "log": logs[frontend],
                                  "binary": f"vLLM OpenAI server ({check.get('vllm_version')})"}
         else:
             startup_s, t_checks, t_latency, died = _triton_checks(repo, prov, out_dir / logs[frontend], tokenizer,
-                                                                  list(prompts), OfflineTokens(expected, rows),
+                                                                  list(prompts), OfflineTokens(expected, rows,
+                                                                                               served),
                                                                   max_tokens, concurrent)
             checks += [{**c, "name": f"triton_{c['name']}", "frontend": "triton"} for c in t_checks]
             latency_ms.update({f"triton_{k}": x for k, x in t_latency.items()})
