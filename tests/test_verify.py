@@ -349,7 +349,15 @@ def _ctrl_c(proc) -> None:
     """Stop `invoke serve` as a user does; it exits 130. What it still prints while it stops is read: left in
     the pipe, its shutdown log would fill the pipe's buffer and block it on a write, and it would never exit."""
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
+    try:
+        proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired as e:  # seen once in a full local run, never alone: what it said and ran
+        ps = subprocess.run(["ps", "-o", "pid,pgid,stat,etime,args", "--ppid", str(proc.pid), "-p", str(proc.pid)],
+                            capture_output=True, text=True).stdout
+        said = e.output or ""
+        raise AssertionError(f"`invoke serve` did not stop within 120 s of SIGINT. It printed:\n"
+                             f"{said[-3000:] if isinstance(said, str) else said[-3000:].decode(errors='replace')}\n"
+                             f"Its processes:\n{ps}") from None
     assert proc.returncode == 130
 
 
