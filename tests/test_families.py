@@ -53,11 +53,12 @@ def _qwen3():
     return model
 
 
-def _mixtral(experts: int = 4, intermediate: int = 96):
-    """Mixtral-8x7B's shape, scaled down: a router and ``experts`` gated-MLP experts per layer, top-2 routing."""
+def _mixtral(experts: int = 4, intermediate: int = 96, hidden: int = 64):
+    """Mixtral-8x7B's shape, scaled down: a router and ``experts`` gated-MLP experts per layer, top-2 routing
+    (4 query heads of ``hidden`` / 4)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=intermediate,
+    return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,
                                             num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                             num_local_experts=experts, num_experts_per_tok=2, bos_token_id=1,

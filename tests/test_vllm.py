@@ -13,9 +13,10 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
-from conftest import REPO, completion_order_with_classes, metric, read_until, run_invoke
+from conftest import REPO, completion_order_with_classes, metric, read_until, run_invoke, tiny_config
 
 from pipeline import constants
 from pipeline.config import load_config
@@ -131,6 +132,90 @@ def test_vllms_engine_takes_a_priority_and_a_priority_policy(vllm_python):
     assert "priority" in got["policies"] and got["arg"]
     assert "smaller value of `priority` are processed first" in got["queue"]
     load_config(VLLM_CONFIG, ["triton.priority_levels=2"])  # allowed on the vllm target
+
+def test_a_head_size_vllms_cpu_attention_cannot_take_is_refused_before_the_export(vllm_python, tmp_path):
+    """The head sizes vLLM's CPU attention takes, and the FP8 KV cache's rule, read from the installed vLLM
+    (CPUAttentionBackend.get_supported_head_sizes; ``_get_attn_isa`` refusing fp8 for 80-wide heads): the build
+    refuses the same before the export, saying what to change (found on a tiny Mixtral with 16-wide heads, which
+    vLLM refused only once its engine started). A GPU build does not ask."""
+    probe = textwrap.dedent("""
+        import json, torch
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+        def refuses(head, kv):
+            try:
+                _get_attn_isa(torch.bfloat16, 32, head, kv)
+            except NotImplementedError as e:
+                return str(e)
+        print(json.dumps({"sizes": CPUAttentionBackend.get_supported_head_sizes(),
+                          "fp8": {h: refuses(h, "fp8") for h in (64, 80, 96, 112, 128)},
+                          "auto": {h: refuses(h, "auto") for h in (64, 80, 96, 112, 128)}}))
+    """)
+    out = subprocess.run([vllm_python, "-c", probe], capture_output=True, text=True, timeout=300,
+                         env=runtime.child_env({}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert tuple(got["sizes"]) == runtime.CPU_HEAD_SIZES
+    assert {int(h) for h, why in got["fp8"].items() if why} == {h for h in (64, 80, 96, 112, 128)
+                                                               if h % runtime.CPU_FP8_KV_HEAD_MULTIPLE}
+    assert not any(got["auto"].values())
+
+    def model(hidden: int, heads: int, **extra) -> Path:
+        folder = tmp_path / f"h{hidden}-{heads}-{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"hidden_size": hidden, "num_attention_heads": heads, **extra}))
+        return folder
+
+    cfg = load_config(VLLM_CONFIG).config  # fp8 KV cache on vllm.device cpu
+    assert ea.kv_cache_dtype(cfg) == "fp8"
+    runtime.check_cpu_attention(cfg, model(576, 9))  # SmolLM2-135M: 64-wide heads
+    with pytest.raises(EnvironmentProblem, match="heads are 16 wide, and vLLM's CPU attention takes heads of 32, 64"):
+        runtime.check_cpu_attention(cfg, model(64, 4))
+    with pytest.raises(EnvironmentProblem, match="FP8 KV cache only for heads a multiple of 32 wide .* set "
+                                                 "vllm.kv_cache_dtype auto"):
+        runtime.check_cpu_attention(cfg, model(2560, 32))  # 80-wide heads
+    runtime.check_cpu_attention(load_config(VLLM_CONFIG, ["vllm.kv_cache_dtype=auto"]).config, model(2560, 32))
+    runtime.check_cpu_attention(cfg, model(64, 4, head_dim=32))  # an explicit head_dim is the one that counts
+    runtime.check_cpu_attention(load_config(VLLM_CONFIG, ["vllm.device=cuda", "build.cuda_graphs.enabled=true"]).config,
+                                model(64, 2, head_dim=16))
+
+
+@pytest.mark.skipif(not runtime.cpu_runs_vllm(), reason="vLLM's CPU build needs AVX-512 or AMX (this CPU has "
+                    "neither); the build refuses it, as tested above")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@needs_vllm
+def test_moe_models_are_built_and_checked_by_vllm_on_this_cpu(tiny_tokenizer_dir, tmp_path, family):
+    """`invoke build` on the vllm target for a tiny Mixtral and Qwen3-MoE, attention INT8 SmoothQuant and the
+    experts in bfloat16 (the one expert format vLLM 0.32 runs on a CPU without AMX: FP8 experts are refused on
+    a CPU, INT4 ones need AMX): vLLM's engine loads the export, builds its fused MoE layers and passes the
+    build's check against the simulated model (perplexity, top-1 agreement, greedy tokens equal or first
+    different at a near-tie)."""
+    import torch
+    from safetensors import safe_open
+    from test_families import _mixtral, _qwen3_moe, _saved, _with_rules
+
+    torch.manual_seed(0)
+    model = _mixtral(intermediate=128, hidden=128) if family == "mixtral" else _qwen3_moe()  # heads 32 wide
+    model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
+    cfg = _with_rules(tiny_config(tmp_path, model_dir), "{pattern: '*.experts.*', keep_high_precision: true}")
+    sets = ["build.target=vllm", "vllm.device=cpu", "vllm.dtype=bfloat16", "build.cuda_graphs.enabled=false",
+            "build.kv_cache.tokens_per_block=32"]
+    proc = run_invoke("build", "--config", str(cfg), "--work-root", str(tmp_path / "work"),
+                      *(a for s in sets for a in ("--set", s)), timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    export = tmp_path / "work" / "tiny" / "build" / "vllm_model"
+    check = json.loads((export / "vllm_check.json").read_text())
+    assert check["perplexity_increase_pct"] < 10 and check["top1_agreement_with_simulated"] > 0.8, check
+    assert check["evaluation_tokens"] > 100
+    assert all(p["ok"] for p in check["greedy_tokens"]["prompts"]), check["greedy_tokens"]
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    ignore = set(json.loads((export / "config.json").read_text())["quantization_config"]["ignore"])
+    expert = f"model.layers.0.{block}.experts.3.{'w2' if family == 'mixtral' else 'down_proj'}"
+    assert {f"model.layers.0.{block}.gate", expert} <= ignore
+    assert "model.layers.0.self_attn.q_proj" not in ignore
+    with safe_open(str(export / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor(f"{expert}.weight").dtype == torch.bfloat16
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.int8
+
 
 def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path):
     """No vLLM Python, or a Python without vLLM: the build's preflight stops every task that would build,

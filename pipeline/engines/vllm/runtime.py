@@ -49,6 +49,35 @@ def check_cpu(cfg) -> None:
             f"timeout) and refuses an FP8 KV cache. {WITHOUT_VLLM}")
 
 
+# vLLM 0.32's CPU attention (v1/attention/backends/cpu_attn.py): the head sizes its backend takes
+# (CPUAttentionBackend.get_supported_head_sizes; tests/test_vllm.py reads them from the installed vLLM), and an FP8
+# KV cache only where the head size is a multiple of 32 (``_get_attn_isa`` raises otherwise)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_FP8_KV_HEAD_MULTIPLE = 32
+
+
+def check_cpu_attention(cfg, model_dir: Path) -> None:
+    """Stop before the export where vLLM's CPU attention cannot take the model's head size, or not with the FP8
+    KV cache the config asks for (vLLM would refuse it only when its engine starts, after the export)."""
+    from pipeline.engines.vllm.engine_args import kv_cache_dtype
+
+    if cfg.vllm.device != "cpu":
+        return
+    hf = json.loads((model_dir / "config.json").read_text())
+    text = hf.get("text_config") or hf
+    head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if head not in CPU_HEAD_SIZES:
+        raise EnvironmentProblem(
+            f"the model's attention heads are {head} wide, and vLLM's CPU attention takes heads of "
+            f"{', '.join(map(str, CPU_HEAD_SIZES))} only: serve it on vllm.device cuda, or use build.target cpu")
+    kv = kv_cache_dtype(cfg)
+    if kv.startswith("fp8") and head % CPU_FP8_KV_HEAD_MULTIPLE:
+        raise EnvironmentProblem(
+            f"the model's attention heads are {head} wide, and vLLM's CPU attention keeps an FP8 KV cache only for "
+            f"heads a multiple of {CPU_FP8_KV_HEAD_MULTIPLE} wide (vllm.kv_cache_dtype is {kv}): set "
+            f"vllm.kv_cache_dtype auto (or quantization.kv_cache none), or serve it on vllm.device cuda")
+
+
 def check_cpu_experts(cfg, ckpt_dir: Path) -> None:
     """Stop before the export where the checkpoint has INT4 experts, vLLM runs on this CPU and the CPU has no
     AMX: vLLM 0.32's only CPU kernel for INT4 experts on x86 (fused_moe/experts/cpu_moe.py ``CPUExpertsInt4``)

@@ -88,6 +88,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     python = runtime.serving_python()
     version = runtime.vllm_version(python)
     export_dir = out_dir / EXPORT_DIR
+    runtime.check_cpu_attention(cfg, model_dir)
     runtime.check_cpu_experts(cfg, ckpt_dir)
     exported, _ = run_in_child(export_for_vllm, ckpt_dir, model_dir, export_dir, cfg.vllm.dtype, log_path=log_path,
                                what="the vLLM export")
