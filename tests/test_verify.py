@@ -376,7 +376,9 @@ def test_request_classes_reach_the_runtime_through_the_ensemble(tiny):
     """triton.priority_levels 2 and max_running 1 (published last: the repository keeps these settings): behind
     a queue of long requests of the default level (2), a request with no priority and one of level 2 wait their
     turn, and a later one of level 1 overtakes them all: long requests sent before it are answered after it.
-    Triton's own queues take the levels too; a level outside 1..2 is a 400 that says what to send."""
+    Triton's own queues take the levels too; a level outside 1..2 is a 400 that says what to send. (The level-1
+    request does not pause the long one running: their full lengths do not fit the pool of max_running 1
+    together, so it runs next; admitted beside it, it ran the pool dry and failed every request in flight.)"""
     cfg, work_root, work, _ = tiny
     _run(cfg, work_root, "publish", "triton.priority_levels=2", "triton.max_running=1")
     repo = work / "publish" / "model_repository"
@@ -391,8 +393,14 @@ def test_request_classes_reach_the_runtime_through_the_ensemble(tiny):
             urllib.request.urlopen(req, timeout=60)
         assert bad.value.code == 400 and "priority 5 is outside 1..2" in bad.value.read().decode()
         order = completion_order_with_classes(server.http_url, "llm", lambda: _waiting(server.metrics_url) >= 8)
-        assert order.index("level 1") < order.index("none") < order.index("level 2"), order
-        assert sum(n.startswith("long") for n in order[order.index("level 1"):]) >= 3, order  # it overtook the queue
+        overtaken = {name: sum(n.startswith("long") for n in order[order.index(name):])
+                     for name in ("level 1", "none", "level 2")}
+        assert order.index("level 1") < min(order.index("none"), order.index("level 2")), order
+        assert overtaken["level 1"] >= 3, order  # it overtook the queue
+        # the default level waits its turn behind the long requests. Between the no-priority and the level-2
+        # request, arrival order is the runtime's (tests/test_cpu_runtime.py): a client here can see both
+        # answers come back in one burst, in either order (seen under load), so it is not asserted
+        assert max(overtaken["none"], overtaken["level 2"]) < overtaken["level 1"], order
         greedy = _generate(server.http_url, "llm", "Request level 1:", max_tokens=16)["output_ids"]
         assert _generate(server.http_url, "llm", "Request level 1:", max_tokens=16, priority=1)["output_ids"] == greedy
 
