@@ -19,8 +19,8 @@
 every target: pipeline.serving.verify's checks (HTTP and gRPC infer, generate, both streams, concurrent,
 malformed), each answer judged against the same offline tokens. An answer may leave them only where it is the
 OpenAI server's answer to the same prompt, or leaves that one at a near-tie of its log-probabilities (Triton's
-outputs carry none), so with the Triton frontend alone answers must be equal. Its checks are named
-``triton_<check>``.
+outputs carry none), so with the Triton frontend alone answers must be equal. The OpenAI server is checked
+first whatever the order of ``vllm.frontends``. Its checks are named ``triton_<check>``.
 
 Every server runs on 127.0.0.1 with free ports and is stopped whatever happens.
 """
@@ -235,7 +235,8 @@ def verify_vllm(repo: Path, prov: dict, out_dir: Path, prompts: tuple[str, ...],
     rows: list[list[dict[int, float]]] = []
     served: list[list[int]] = []
     logs = {f: artifacts.SERVER_LOG_FILE if i == 0 else f"server_{f}.log" for i, f in enumerate(frontends)}
-    for frontend in frontends:
+    # the OpenAI server first wherever it serves: its answers and log-probabilities judge Triton's near-ties
+    for frontend in sorted(frontends, key=lambda f: f != "openai"):
         if frontend == "openai":
             v = _openai_checks(repo, out_dir / logs[frontend], tokenizer, list(prompts), expected, max_tokens,
                                concurrent)
