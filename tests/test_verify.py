@@ -376,11 +376,13 @@ def test_request_classes_reach_the_runtime_through_the_ensemble(tiny):
     """triton.priority_levels 2 and max_running 1 (published last: the repository keeps these settings): behind
     a queue of long requests of the default level (2), a request with no priority and one of level 2 wait their
     turn, and a later one of level 1 overtakes them all: long requests sent before it are answered after it.
-    Triton's own queues take the levels too; a level outside 1..2 is a 400 that says what to send. (The level-1
-    request does not pause the long one running: their full lengths do not fit the pool of max_running 1
-    together, so it runs next; admitted beside it, it ran the pool dry and failed every request in flight.)"""
+    Triton's own queues take the levels too; a level outside 1..2 is a 400 that says what to send. (The pool of
+    max_running 1 holds one 512-token sequence: the level-1 request's full length fits beside a long one's, so
+    it pauses it; where it did not fit but was admitted, it ran the pool dry and failed every request in
+    flight.)"""
     cfg, work_root, work, _ = tiny
-    _run(cfg, work_root, "publish", "triton.priority_levels=2", "triton.max_running=1")
+    # long requests of 400 tokens (see completion_order_with_classes): sequences up to the tiny model's 512
+    _run(cfg, work_root, "publish", "triton.priority_levels=2", "triton.max_running=1", "build.max_seq_len=512")
     repo = work / "publish" / "model_repository"
     names = pub.model_names("llm")
     llm = pub.read_config(repo / names.tensorrt_llm / "config.pbtxt")
@@ -392,7 +394,8 @@ def test_request_classes_reach_the_runtime_through_the_ensemble(tiny):
         with pytest.raises(urllib.error.HTTPError) as bad:
             urllib.request.urlopen(req, timeout=60)
         assert bad.value.code == 400 and "priority 5 is outside 1..2" in bad.value.read().decode()
-        order = completion_order_with_classes(server.http_url, "llm", lambda: _waiting(server.metrics_url) >= 8)
+        order = completion_order_with_classes(server.http_url, "llm", lambda: _waiting(server.metrics_url), 8,
+                                              hog_tokens=400)
         overtaken = {name: sum(n.startswith("long") for n in order[order.index(name):])
                      for name in ("level 1", "none", "level 2")}
         assert order.index("level 1") < min(order.index("none"), order.index("level 2")), order
