@@ -73,6 +73,12 @@ FAMILIES = {f.model_type: f for f in (
 )}
 
 
+def head_dim(hf) -> int:
+    """An attention head's width from a transformers config: its ``head_dim`` where it sets one (Qwen3, Gemma),
+    else the hidden size over the query heads."""
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
 def family(model_type: str, target: str | None = None) -> Family:
     """The family of ``model_type``; an InputError naming the supported ones when it is not in the table, or
     the targets that serve it when ``target`` is not one of them."""

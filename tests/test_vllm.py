@@ -162,7 +162,8 @@ def test_a_head_size_vllms_cpu_attention_cannot_take_is_refused_before_the_expor
     def model(hidden: int, heads: int, **extra) -> Path:
         folder = tmp_path / f"h{hidden}-{heads}-{len(list(tmp_path.iterdir()))}"
         folder.mkdir()
-        (folder / "config.json").write_text(json.dumps({"hidden_size": hidden, "num_attention_heads": heads, **extra}))
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": hidden,
+                                                        "num_attention_heads": heads, **extra}))
         return folder
 
     cfg = load_config(VLLM_CONFIG).config  # fp8 KV cache on vllm.device cpu

@@ -40,7 +40,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from pipeline import artifacts
+from pipeline import artifacts, families
 from pipeline.errors import InputError, IntegrityError
 
 log = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ class CpuRuntime:
         scales = kv_cache_scales(ckpt, cfg.num_hidden_layers) if kv_algo else None
         # the pool the build sized for max_batch_size sequences of max_seq_len, cut to the running limit's share
         num_blocks = -(-settings["num_blocks"] * limit // settings["max_batch_size"])
-        pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, _head_dim(cfg), settings["tokens_per_block"],
+        pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, families.head_dim(cfg), settings["tokens_per_block"],
                            num_blocks, kv_algo, scales)
         eos = getattr(model.generation_config, "eos_token_id", None) or cfg.eos_token_id
         if isinstance(eos, (list, tuple)):
@@ -722,10 +722,6 @@ def bundle_model(bundle: Path, settings: dict, layer_streaming: Optional[str] = 
     return model.eval(), facts, streamed, why
 
 
-def _head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
 # Room for a step's activations and temporaries and the request threads. The libraries (torch and
 # transformers: 0.27 GB of anonymous memory, CPU wheels, measured) are loaded by the time the bound is
 # taken, which already leaves them out (the cgroup's holdings, or the available RAM).
@@ -755,7 +751,7 @@ def weights_streamed(bundle: Path, settings: dict, mode: str) -> tuple[bool, str
     whole = 4 * sum(p.numel() for p in model.parameters())
     layer = 4 * max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
     pool = 2 * hf.num_hidden_layers * settings["num_blocks"] * settings["tokens_per_block"] * \
-        hf.num_key_value_heads * _head_dim(hf) * (1 if settings.get("kv_cache_quant_algo") else 4)
+        hf.num_key_value_heads * families.head_dim(hf) * (1 if settings.get("kv_cache_quant_algo") else 4)
     section = _Margin(settings.get("memory_margin", 0.1))
     bound = compute.host_memory_bound(section)
     need = whole + pool + RUNTIME_HEADROOM_BYTES

@@ -213,7 +213,7 @@ class CheckpointReader:
         if heads % tp or kv % tp:
             raise IntegrityError(f"{ckpt_dir}: tp_size {tp} does not divide the model's {heads} heads / {kv} KV heads")
         self.tp, self.kept = tp, kept
-        self._heads = heads, kv, getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        self._heads = heads, kv, families.head_dim(hf)
         self._embedding_split = cfg.get("embedding_sharding_dim", 0) if tp > 1 and cfg.get("use_parallel_embedding") \
             else None  # split on the (padded) vocabulary, or on the hidden dim; else each rank holds all of it
         self._files = rank_files

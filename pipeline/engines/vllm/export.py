@@ -617,7 +617,7 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     layer_format = _layer_formats(ckpt_dir, ckpt_cfg.get("quantization") or {})
     hf = AutoConfig.from_pretrained(model_dir)
     n_heads, n_kv = hf.num_attention_heads, hf.num_key_value_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
+    head_dim = families.head_dim(hf)
     ranks = _Ranks(ckpt_dir)
     tp = ranks.tp
     qkv_split = [n_heads // tp * head_dim, n_kv // tp * head_dim, n_kv // tp * head_dim]

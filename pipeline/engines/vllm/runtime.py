@@ -59,13 +59,14 @@ CPU_FP8_KV_HEAD_MULTIPLE = 32
 def check_cpu_attention(cfg, model_dir: Path) -> None:
     """Stop before the export where vLLM's CPU attention cannot take the model's head size, or not with the FP8
     KV cache the config asks for (vLLM would refuse it only when its engine starts, after the export)."""
+    from transformers import AutoConfig
+
+    from pipeline import families
     from pipeline.engines.vllm.engine_args import kv_cache_dtype
 
     if cfg.vllm.device != "cpu":
         return
-    hf = json.loads((model_dir / "config.json").read_text())
-    text = hf.get("text_config") or hf
-    head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    head = families.head_dim(AutoConfig.from_pretrained(model_dir).get_text_config())
     if head not in CPU_HEAD_SIZES:
         raise EnvironmentProblem(
             f"the model's attention heads are {head} wide, and vLLM's CPU attention takes heads of "
