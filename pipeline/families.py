@@ -53,6 +53,13 @@ class Family:
     targets: tuple[str, ...]  # what has run end to end where is the README's table ("Model families")
     moe: MoE | None = None
     why_not: str = ""  # why the other targets cannot serve it (default: its extras are not in their export)
+    # False: quantize exports the HF unified checkpoint only (the pytorch target's), read back and gated by
+    # pipeline.quant.hf_checkpoint; the TensorRT-LLM checkpoint, which the engine, the CPU runtime and the vLLM
+    # export start from, cannot be written here
+    trtllm_checkpoint: bool = True
+    # the linears the family stores fused that TensorRT-LLM's pytorch backend splits itself on loading, and the
+    # formats that survive that split (None: no such linears); others must stay in high precision
+    fused_formats: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -70,7 +77,49 @@ FAMILIES = {f.model_type: f for f in (
            "per-head q/k RMSNorms; a router and experts per layer (MoE)", ("pytorch", "cpu", "vllm"),
            MoE("mlp.gate", "mlp.experts", ("gate_proj", "up_proj"), "down_proj", "num_experts_per_tok"),
            "ModelOpt's TensorRT-LLM checkpoint of it has no moe section for an engine build"),
+    # Phi-3 / Phi-3.5 / Phi-4-mini: Llama's layer with q/k/v as one linear (qkv_proj) and gate/up as one
+    # (gate_up_proj). ModelOpt 0.47 writes a TensorRT-LLM checkpoint config for it only through tensorrt_llm's
+    # own Phi3 config class (tensorrt_llm_utils.py convert_to_tensorrt_llm_config: its manual path raises
+    # NotImplementedError for phi3), so here it is the HF unified checkpoint, served by the pytorch target
+    Family("phi3", "Phi3ForCausalLM", "phi3", "fused q/k/v (qkv_proj) and gate/up (gate_up_proj) linears",
+           ("pytorch",), why_not="ModelOpt writes no TensorRT-LLM checkpoint of it without tensorrt_llm installed: "
+           "the engine, the CPU runtime and the vLLM export start from that checkpoint", trtllm_checkpoint=False,
+           # TensorRT-LLM's pytorch Phi3ForCausalLM.load_weights splits qkv_proj / gate_up_proj by rows and hands
+           # the halves per-tensor scales only: FP8 loads; a per-channel INT8 scale, SmoothQuant's pre-quant scale
+           # and packed INT4 rows do not (tests/data/upstream/pytorch_fused_loaders.json)
+           fused_formats=(("qkv_proj", "gate_up_proj"), ("fp8",))),
+    # Gemma 3 text models (1B; the larger ones are Gemma3ForConditionalGeneration): (1 + w) RMSNorms before and
+    # after attention and the MLP, embeddings scaled by sqrt(hidden), per-head q/k norms, sliding-window layers
+    # with their own rotary base. ModelOpt 0.47 writes no TensorRT-LLM config for it without tensorrt_llm (as phi3)
+    Family("gemma3_text", "Gemma3ForCausalLM", "gemma3",
+           "(1 + w) norms around attention and MLP, scaled embeddings, q/k norms, sliding-window layers",
+           ("pytorch",), why_not="ModelOpt writes no TensorRT-LLM checkpoint of it without tensorrt_llm installed: "
+           "the engine, the CPU runtime and the vLLM export start from that checkpoint", trtllm_checkpoint=False),
 )}
+
+
+def embedding_scale(hf) -> float:
+    """What the model multiplies its embedding rows by before the first decoder layer: sqrt(hidden size) for
+    Gemma (transformers' Gemma3TextScaledWordEmbedding), 1 for the others. For code that runs the decoder layers
+    one at a time (the sensitivity stage)."""
+    return hf.hidden_size ** 0.5 if hf.model_type in ("gemma3_text",) else 1.0
+
+
+def position_kwargs(model, hf, hidden, positions) -> dict:
+    """The rotary position embeddings a decoder layer of ``model`` takes, as keyword arguments: one pair
+    (``position_embeddings``) for most families; for Gemma 3 a global pair and a local one, its sliding-window
+    layers rotating with ``rope_local_base_freq`` and no scaling (transformers 4.57 Gemma3TextModel builds its
+    ``rotary_emb_local`` so). Made on ``hidden``'s device from the config: ``model`` may be a meta skeleton."""
+    import copy
+
+    global_ = type(model.model.rotary_emb)(config=hf).to(hidden.device)(hidden, positions)
+    if not hasattr(model.model, "rotary_emb_local"):
+        return {"position_embeddings": global_}
+    local_cfg = copy.deepcopy(hf)
+    local_cfg.rope_theta = hf.rope_local_base_freq
+    local_cfg.rope_scaling = {"rope_type": "default"}
+    local = type(model.model.rotary_emb_local)(config=local_cfg).to(hidden.device)(hidden, positions)
+    return {"position_embeddings_global": global_, "position_embeddings_local": local}
 
 
 def head_dim(hf) -> int:

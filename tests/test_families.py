@@ -186,6 +186,110 @@ def test_a_family_outside_the_table_and_a_target_that_cannot_serve_one_are_refus
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+# ---------------------------------------------------------------- families exported as the HF unified checkpoint only
+
+def _phi3():
+    """Phi-3-mini's shape, scaled down: q/k/v as one linear (qkv_proj), gate/up as one (gate_up_proj), GQA."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return Phi3ForCausalLM(Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False))
+
+
+def _gemma3():
+    """Gemma-3-1B's shape, scaled down: (1 + w) norms around attention and the MLP, embeddings scaled by
+    sqrt(hidden), q/k norms, a head size that is not hidden / heads, tied embeddings, one sliding-window layer
+    (its own rotary base) and one global one."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=512,
+        layer_types=["sliding_attention", "full_attention"], rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True))
+    for name, p in model.named_parameters():  # (1 + w) norms start at w = 0: give them weight, as trained ones have
+        if name.endswith("norm.weight"):
+            p.data.normal_(0.0, 0.3)
+    return model
+
+
+HF_ONLY = {"phi3": (_phi3, {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
+           "gemma3_text": (_gemma3, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})}
+
+
+@pytest.mark.parametrize("family", sorted(HF_ONLY))
+def test_a_family_with_only_an_hf_unified_export_reaches_a_gated_checkpoint(tmp_path, tiny_tokenizer_dir, family):
+    """Phi-3 and Gemma 3 through download, sensitivity, plan and quantize on the pytorch target: their linears
+    measured on the inputs the real model gives them, the HF unified checkpoint the only export, read back and
+    gated; the targets that start from a TensorRT-LLM checkpoint refused before any work."""
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.runner import Runner
+    from pipeline.stages import STAGES
+
+    make, modules = HF_ONLY[family]
+    torch.manual_seed(0)
+    model = make().eval()
+    model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
+    cfg = tiny_config(tmp_path, model_dir)
+    with pytest.raises(InputError, match=f"the cpu target cannot serve {family} .*without tensorrt_llm installed.*"
+                                         "use build.target pytorch"):
+        Runner(load_config(cfg, []), STAGES, tmp_path / "refused").run(["quantize"], echo=lambda line: None)
+    assert not (tmp_path / "refused" / "tiny" / "sensitivity").exists()
+    with pytest.raises(InputError, match=f"{family} is exported as the HF unified checkpoint only"):
+        Runner(load_config(cfg, ["build.target=pytorch", "quantization.weight_format=none", "quantization.kv_cache=none"]),
+               STAGES, tmp_path / "refused").run(["quantize"], echo=lambda line: None)
+    overrides = ["build.target=pytorch", "quantization.export_hf_checkpoint=true", "quantization.kv_cache=fp8"]
+    if family == "phi3":  # its fused linears load in TensorRT-LLM's pytorch backend in FP8 only (upstream facts)
+        with pytest.raises(InputError, match="model.layers.0.mlp.gate_up_proj .*int8_sq.*splits phi3's qkv_proj "
+                                             "and gate_up_proj itself .*pattern: '\\*.qkv_proj', format: fp8"):
+            Runner(load_config(cfg, overrides), STAGES, tmp_path / "refused").run(["quantize"], echo=lambda line: None)
+        _with_rules(cfg, "{pattern: '*.qkv_proj', format: fp8}", "{pattern: '*.gate_up_proj', format: fp8}")
+    Runner(load_config(cfg, overrides), STAGES, tmp_path / "work").run(["quantize"], echo=lambda line: None)
+    work = tmp_path / "work" / "tiny"
+
+    table = json.loads((work / "sensitivity" / "sensitivity_table.json").read_text())
+    assert {l["module"] for l in table["layers"]} == modules | {"lm_head"}
+    # every linear's input as the sensitivity stage ran the layers one at a time (embedding scale, rotary
+    # embeddings) is the input the whole model gives it
+    from safetensors.torch import load_file
+
+    calib = load_file(str(work / "text" / artifacts.CALIBRATION_TOKENS_FILE))[artifacts.TOKENS_KEY]
+    amax: dict[str, float] = {}
+
+    def record(name):
+        return lambda mod, args: amax.__setitem__(name, max(amax.get(name, 0.0), float(args[0].abs().max())))
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_pre_hook(record(name))
+    with torch.no_grad():
+        model.float()(calib)
+    for l in table["layers"]:
+        assert l["activation"]["amax"] == pytest.approx(amax[l["name"]], rel=1e-4), l["name"]
+
+    plan = yaml.safe_load((work / "plan" / "plan.yaml").read_text())
+    algo = {"int8_sq": "W8A8_SQ_PER_CHANNEL", "fp8": "FP8"}
+    formats: dict[str, int] = {}
+    for e in plan["layers"].values():
+        if e["format"] != "high_precision":
+            formats[algo[e["format"]]] = formats.get(algo[e["format"]], 0) + 1
+    out = work / "quantize"
+    assert not (out / artifacts.TRTLLM_CHECKPOINT_DIR).exists() and (out / artifacts.HF_CHECKPOINT_DIR).is_dir()
+    summary = _summary(work, "quantize")
+    assert summary["hf_checkpoint"] is None and summary["checkpoint"]["read_back"]["formats"] == formats
+    assert summary["checkpoint"]["quant_algo"] == ("MIXED_PRECISION" if family == "phi3" else "W8A8_SQ_PER_CHANNEL")
+    assert summary["checkpoint"]["read_back"]["kv_cache_scales"] == 2 * 2
+    acc = summary["accuracy"]
+    assert "from_hf_checkpoint" not in acc and acc["from_checkpoint"]["top1_agreement"] >= 0.8
+    # the read-back computes what the gate measured, up to the export's resmoothing of q/k/v and gate/up
+    # (Phi-3's are single linears: nothing to resmooth)
+    assert acc["from_checkpoint"]["perplexity_quantized"] == pytest.approx(
+        acc["perplexity_quantized"], rel=1e-3 if family == "phi3" else 2e-2)
+
+
 # ---------------------------------------------------------------- mixture of experts (sensitivity and plan)
 
 def test_moe_sensitivity_and_plan_then_quantize_refuses_experts_it_cannot_export(tmp_path, tiny_tokenizer_dir):

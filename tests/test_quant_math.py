@@ -43,6 +43,17 @@ def test_int8_per_tensor_matches_modelopt_exactly(tensors):
     assert torch.equal(_modelopt({"num_bits": 8, "axis": None}, x), qm.int_fake_quant(x, x.abs().amax()))
 
 
+def test_int8_values_beyond_the_calibrated_amax_saturate_as_modelopt_does(tensors):
+    """An activation larger than any the calibration saw: ModelOpt's range is not narrow, so -amax * 128 / 127
+    and below come out as -128 steps, as TensorRT-LLM's INT8 saturation gives (the checkpoint reader's
+    activations; found reading an HF unified export back)."""
+    x, _ = tensors
+    amax = x.abs().amax() / 4
+    ours = qm.int_fake_quant(x, amax)
+    assert torch.equal(_modelopt({"num_bits": 8, "axis": None}, x, amax), ours)
+    assert float(ours.min()) == pytest.approx(-128 / 127 * float(amax)) and float(ours.max()) == pytest.approx(float(amax))
+
+
 def test_int8_per_channel_weights_match_modelopt_exactly(tensors):
     _, w = tensors
     assert torch.equal(_modelopt({"num_bits": 8, "axis": 0}, w), qm.int_fake_quant(w, qm.per_channel_amax(w)))

@@ -165,6 +165,15 @@ def test_the_hf_unified_checkpoint_is_written_from_a_fresh_copy_and_says_what_th
     assert trtllm["kv_cache_quant_algo"] == "FP8"
     summary = json.loads((out / "manifest.json").read_text())["summary"]
     assert summary["hf_checkpoint"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
+    # read back by the HF reader (tests/test_hf_checkpoint.py) and gated: every quantized layer, both KV scales
+    # of both layers; the same figures as the TensorRT-LLM checkpoint's read-back, to the resmoothing of gate/up
+    read = summary["hf_checkpoint"]["read_back"]
+    assert read["formats"] == {"W8A8_SQ_PER_CHANNEL": len(plan["layers"]) - len(kept)}
+    assert read["kv_cache_scales"] == 2 * 2
+    acc = summary["accuracy"]
+    assert acc["from_hf_checkpoint"]["perplexity_quantized"] == pytest.approx(
+        acc["from_checkpoint"]["perplexity_quantized"], rel=2e-2)
+    assert acc["from_hf_checkpoint"]["top1_agreement"] >= 0.9
 
 
 def test_tensor_parallel_2_writes_two_ranks_that_read_back_to_the_tp1_logits(tmp_path, tiny_model_dir):

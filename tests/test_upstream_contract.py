@@ -313,6 +313,20 @@ def test_the_hf_unified_checkpoint_names_algos_the_loader_knows():
     assert {"quantization.quant_algo", "quantization.kv_cache_quant_algo", "quantization.quantized_layers"} <= read
 
 
+def test_phi3s_fused_linears_are_planned_in_the_formats_the_pytorch_backend_loads():
+    """Phi-3 on the pytorch target: TensorRT-LLM's own Phi3ForCausalLM.load_weights splits qkv_proj and
+    gate_up_proj and hands the halves per-tensor scales only; the family table allows exactly the formats that
+    survive that (pytorch_fused_loaders.json), and the quantize stage refuses the others before any work."""
+    from pipeline import families
+
+    facts = upstream("pytorch_fused_loaders.json")["phi3"]
+    fused, loadable = families.FAMILIES["phi3"].fused_formats
+    assert set(fused) == {f.rsplit(".", 1)[-1] for f in facts["fused_linears"]}
+    assert set(loadable) == {f for f, how in facts["formats"].items() if how.startswith("loads:")}
+    assert set(facts["formats"]) == set(formats.FORMATS)  # every format the pipeline writes was looked at
+    assert "pre_quant_scale" in facts["not_carried"] and not formats.FORMATS["fp8"].awq
+
+
 def test_the_serving_keys_reach_the_llm_api_and_the_backend_as_upstream_names_and_values():
     """triton.max_running / scheduler_policy / kv_cache_free_gpu_memory_fraction / adaptive_batch, as publish
     hands them to each GPU target: the pytorch target's LLM-API options, the tensorrt target's parameters."""

@@ -102,15 +102,18 @@ def unpack_int4(packed):
     return codes.reshape(packed.shape[0] * 2, packed.shape[1]).to(torch.int8)
 
 
-def _dequantize(name: str, algo: str | None, w, s: dict, group_size: int | None):
-    """One rank's weight as float32, from its codes and its scales; checks the scales' shapes."""
+def _dequantize(name: str, algo: str | None, w, s: dict, group_size: int | None,
+                required: tuple[str, ...] | None = None):
+    """One rank's weight as float32, from its codes and its scales (by their TensorRT-LLM names); checks the
+    scales' shapes. ``required``: the scales it must carry (default: its format's ``checkpoint_scales``)."""
     import torch
 
     from pipeline.quant import quant_math as qm
 
     if algo is None:
         return w.float()
-    missing = [k for k in FORMAT_OF_ALGO[algo].checkpoint_scales if s.get(k) is None]
+    needed = FORMAT_OF_ALGO[algo].checkpoint_scales if required is None else required
+    missing = [k for k in needed if s.get(k) is None]
     if missing:
         raise IntegrityError(f"{name}: {algo} weight without {', '.join(missing)}")
     wsf = s["weights_scaling_factor"].float()
@@ -147,35 +150,47 @@ def _dequantize(name: str, algo: str | None, w, s: dict, group_size: int | None)
 
 def _layer_formats(ckpt_dir: Path, qcfg: dict):
     """A function trtllm module name -> (quant_algo or None, group size), from config.json / quant_cfg.json."""
-    algo = qcfg.get("quant_algo")
-    if algo == "MIXED_PRECISION":
+    layers = None
+    if qcfg.get("quant_algo") == "MIXED_PRECISION":
         path = ckpt_dir / artifacts.QUANT_CFG_FILE
         if not path.is_file():
             raise IntegrityError(f"{ckpt_dir}: quant_algo MIXED_PRECISION without {artifacts.QUANT_CFG_FILE}")
         layers = json.loads(path.read_text()).get("quantized_layers") or {}
-        for name, entry in layers.items():
+    return layer_formats(qcfg, layers, f"{ckpt_dir}", artifacts.QUANT_CFG_FILE)
+
+
+def layer_formats(qcfg: dict, layers: dict | None, where: str, listed_in: str):
+    """A function module name -> (quant_algo or None, group size): from ``qcfg``'s quant_algo, exclude_modules
+    (fnmatch patterns) and group_size, or for MIXED_PRECISION from ``layers`` ({module or pattern: {quant_algo,
+    group_size}}, read from ``listed_in``; a module not listed is unquantized). The same rules in both of
+    ModelOpt's checkpoints: the TensorRT-LLM one (config.json, quant_cfg.json) and the HF unified one
+    (hf_quant_config.json, which holds ``quantized_layers`` itself)."""
+    algo = qcfg.get("quant_algo")
+    if algo == "MIXED_PRECISION":
+        listed = layers or {}
+        for name, entry in listed.items():
             if entry.get("quant_algo") not in READABLE_ALGOS:
-                raise IntegrityError(f"{name}: quant_algo {entry.get('quant_algo')} in {artifacts.QUANT_CFG_FILE} cannot be "
+                raise IntegrityError(f"{name}: quant_algo {entry.get('quant_algo')} in {listed_in} cannot be "
                                      f"read back (readable: {', '.join(READABLE_ALGOS)})")
 
-        def fmt(module: str):
-            for pattern, entry in layers.items():
+        def mixed(module: str):
+            for pattern, entry in listed.items():
                 if module == pattern or fnmatch.fnmatchcase(module, pattern):
                     return entry["quant_algo"], entry.get("group_size")
             return None, None
 
-        return fmt
+        return mixed
     if algo is not None and algo not in READABLE_ALGOS:
-        raise IntegrityError(f"{ckpt_dir}: quant_algo {algo} cannot be read back "
+        raise IntegrityError(f"{where}: quant_algo {algo} cannot be read back "
                              f"(readable: {', '.join(READABLE_ALGOS)}, MIXED_PRECISION)")
     excluded = qcfg.get("exclude_modules") or []
 
-    def fmt(module: str):
+    def one(module: str):
         if algo is None or any(fnmatch.fnmatchcase(module, p) for p in excluded):
             return None, None
         return algo, qcfg.get("group_size")
 
-    return fmt
+    return one
 
 
 class CheckpointReader:

@@ -5,8 +5,11 @@ functions follow ModelOpt's formulas (read from modelopt/torch/quantization/tens
 model_calib.py; tests/test_quant_math.py checks them against ModelOpt's own TensorQuantizer and
 smoothquant on the same inputs):
 
-- integer: ``scale = maxbound / amax`` (maxbound 127 for INT8, 7 for INT4, narrow range), values
-  ``clamp(round(x * scale), -maxbound, maxbound) / scale``, computed in fp32; an amax <= 2^-24 maps to 0.
+- integer: ``scale = maxbound / amax`` (maxbound 127 for INT8, 7 for INT4), values
+  ``clamp(round(x * scale), -maxbound - 1, maxbound) / scale``, computed in fp32; an amax <= 2^-24 maps to 0.
+  The range is not narrow (ModelOpt's default ``narrow_range: false``; TensorRT-LLM's and vLLM's INT8
+  activation quantization saturate to [-128, 127] as well): -128 is reached only by a value beyond -amax, an
+  activation larger than any the calibration saw (a weight's amax is its own largest value).
 - FP8 E4M3: ``scale = 448 / amax``; ``(x * scale).clamp(+-448)`` cast to float8_e4m3fn and back, times ``1/scale``.
 - SmoothQuant: per-input-channel activation amax ``a`` and weight amax ``w``;
   ``s = (w^(1-alpha) / a^alpha)`` (channels with a <= 2^-31 get 1), clamped to [1e-4, 1e4]; the input is
@@ -26,7 +29,7 @@ FP8_MAX = 448.0
 
 
 def int_fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
-    """Symmetric, narrow-range integer fake quantization; amax broadcasts against x."""
+    """Symmetric integer fake quantization, the full range ([-128, 127] for 8 bits); amax broadcasts against x."""
     dtype = x.dtype
     x = x.float()
     amax = amax.float()
@@ -37,7 +40,7 @@ def int_fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int = 8) -> to
     zero = amax <= _TINY_AMAX
     if bool(zero.any()):
         scale = torch.where(zero, torch.zeros_like(scale), scale)
-    q = torch.clamp((x * scale).round_(), -max_bound, max_bound)
+    q = torch.clamp((x * scale).round_(), -max_bound - 1, max_bound)
     if bool(zero.any()):
         scale = torch.where(zero, torch.ones_like(scale), scale)
     return (q / scale).to(dtype)

@@ -23,7 +23,9 @@ Runs in a child process (pipeline.child) with its log beside the checkpoint. In 
 7. the HF unified checkpoint (``hf_checkpoint/``) from the copy, checked: hf_quant_config.json names the
    format, the KV-cache format and the plan's kept layers, and its config.json parses under transformers;
 8. the checkpoint read back by pipeline.checkpoint, and the same accuracy figures for that rebuilt model
-   (without KV-cache quantization, which the CPU runtime adds).
+   (without KV-cache quantization, which the CPU runtime adds);
+9. the HF unified checkpoint read back too (pipeline.quant.hf_checkpoint) and held to the gate itself: its
+   fused groups are resmoothed and requantized by the export, so it is not the model step 4 measured.
 
 Steps 3-8 hold the model whole. A model that does not fit the memory bound so goes through the same steps
 one decoder layer at a time (``quantize_streams`` decides; pipeline.quant.streaming does it, and
@@ -143,6 +145,19 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
                             f"(a plan rule such as '{split[0]}.{group[0]}' with the other's format)")
     if quant.export_hf_checkpoint and quant.kv_cache == "int8":
         problems.append("an INT8 KV cache cannot be exported as an HF unified checkpoint; use kv_cache fp8 or none")
+    if fam is not None and fam.fused_formats is not None and build.target == "pytorch":
+        fused, loadable = fam.fused_formats
+        wrong = sorted(n for n, e in plan_doc["layers"].items() if n.rsplit(".", 1)[-1] in fused
+                       and e["format"] not in (HIGH_PRECISION, *loadable))
+        if wrong:
+            problems.append(f"{wrong[0]} ({plan_doc['layers'][wrong[0]]['format']}, and {len(wrong) - 1} more): "
+                            f"TensorRT-LLM's pytorch backend splits {fam.model_type}'s {' and '.join(fused)} itself "
+                            f"when loading and carries only per-tensor scales to the halves, so they must be "
+                            f"{' or '.join(loadable)} or high precision: add plan rules such as "
+                            + ", ".join(f"{{pattern: '*.{f}', format: {loadable[0]}}}" for f in fused))
+    if fam is not None and not fam.trtllm_checkpoint and not quant.export_hf_checkpoint:
+        problems.append(f"{fam.model_type} is exported as the HF unified checkpoint only (no TensorRT-LLM checkpoint "
+                        f"of it can be written here): set quantization.export_hf_checkpoint: true")
     if model_config.get("model_type") not in families.FAMILIES:
         problems.append(f"model type {model_config.get('model_type')!r} has no TensorRT-LLM export mapping here "
                         f"(supported: {', '.join(families.FAMILIES)})")
@@ -648,14 +663,17 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         export_tensorrt_llm_checkpoint,
     )
 
+    fam = families.FAMILIES[model_config["model_type"]]
     # ModelOpt's HF export modifies the model in place (resmoothing, requantizing): it gets its own copy,
-    # taken before the TensorRT-LLM export touches the model
-    hf_source = copy.deepcopy(model) if quant.export_hf_checkpoint else None
+    # taken before the TensorRT-LLM export touches the model (none where the family has no such export)
+    hf_source = None if not quant.export_hf_checkpoint else copy.deepcopy(model) if fam.trtllm_checkpoint else model
     dtype = torch.bfloat16 if build.dtype == "bfloat16" else torch.float16
-    with torch.no_grad():
-        export_tensorrt_llm_checkpoint(model, families.FAMILIES[model_config["model_type"]].decoder_type, dtype, export_dir=ckpt,
-                                       inference_tensor_parallel=build.tensor_parallel_size)
-    exported = _check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size)
+    exported = None
+    if fam.trtllm_checkpoint:
+        with torch.no_grad():
+            export_tensorrt_llm_checkpoint(model, fam.decoder_type, dtype, export_dir=ckpt,
+                                           inference_tensor_parallel=build.tensor_parallel_size)
+        exported = _check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size)
     hf_exported = None
     if hf_source is not None:
         hf_dir = out_dir / artifacts.HF_CHECKPOINT_DIR
@@ -668,15 +686,50 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, hf_dir / name)
         hf_exported = _check_hf_export(hf_dir, plan_doc, quant, model_config)
-    # the model as the checkpoint says, read back by our own reader: the figure closest to the engine's
-    from pipeline.quant.checkpoint import rebuild
+    from_ckpt = read_facts = None
+    if exported is not None:
+        # the model as the checkpoint says, read back by our own reader: the figure closest to the engine's
+        from pipeline.quant.checkpoint import rebuild
 
-    rebuilt, read_facts = rebuild(ckpt, model_dir, kept)
-    if device == "cuda":  # fp32, as read; on the GPU the evaluation pass takes seconds, not hours
-        rebuilt = rebuilt.to(_input_device(original))
-    from_ckpt = _accuracy(original, rebuilt, evals)
+        rebuilt, read_facts = rebuild(ckpt, model_dir, kept)
+        if device == "cuda":  # fp32, as read; on the GPU the evaluation pass takes seconds, not hours
+            rebuilt = rebuilt.to(_input_device(original))
+        from_ckpt = _accuracy(original, rebuilt, evals)
+        del rebuilt
+    if hf_exported is not None:
+        hf_exported["read_back"], hf_exported["accuracy"] = _read_back_hf(out_dir / artifacts.HF_CHECKPOINT_DIR,
+                                                                           original, evals, kept, quant)
+    if exported is None:  # the HF unified checkpoint is the only one: its read-back is the checkpoint's figure
+        assert hf_exported is not None  # check_rules refuses such a family without export_hf_checkpoint
+        exported, read_facts, from_ckpt = hf_exported, hf_exported.pop("read_back"), hf_exported.pop("accuracy")
+        hf_exported = None
     return _finish(out_dir, accuracy, from_ckpt, read_facts, exported, hf_exported, generations, plan_doc,
                    int(calib.numel()), int(evals.numel()), comp.compute_record(device, ref_dtype, bound), t_quant, t0)
+
+
+def _read_back_hf(hf_dir: Path, original, evals, kept: set[str], quant: QuantizationSection) -> tuple[dict, dict]:
+    """The HF unified checkpoint (what the pytorch target serves) read back by pipeline.quant.hf_checkpoint and
+    held to the accuracy gate: ModelOpt's HF export gives each of q/k/v and gate/up one pre-quant scale and one
+    input scale and requantizes their weights, so it computes something other than the model the gate measured
+    (on a tiny Llama with INT4 AWQ the change was 70 % of quantization's own: tests/test_hf_checkpoint.py).
+    Returns (reader facts, the gate's figures); a StageFailed when they fail the gate."""
+    from pipeline.quant.hf_checkpoint import rebuild_hf
+
+    model, facts = rebuild_hf(hf_dir, kept)
+    model = model.to(_input_device(original))
+    acc = _accuracy(original, model, evals)
+    log.info("HF unified checkpoint read back: %s", acc)
+    failed = _gate_failures(acc, quant)
+    if failed:
+        raise StageFailed(
+            f"the HF unified checkpoint (quantization.export_hf_checkpoint, what the pytorch target serves), read "
+            f"back, fails the accuracy gate: {'; '.join(failed)} (perplexity {acc['perplexity_original']} -> "
+            f"{acc['perplexity_quantized']}), although the calibrated model passed it. ModelOpt's HF export gives "
+            f"q/k/v and gate/up one pre-quant scale and one input scale per group; keep such a group in high "
+            f"precision with plan rules, or serve the TensorRT-LLM checkpoint (build.target tensorrt) where the "
+            f"model's family has one.")
+    return facts, {k: acc[k] for k in ("perplexity_quantized", "perplexity_increase_pct", "top1_agreement",
+                                       "kl_divergence")}
 
 
 READ_BACK_REFERENCE = "read_back_reference.safetensors"  # the streamed pass's original final hidden states
@@ -753,9 +806,13 @@ def _finish(out_dir: Path, accuracy: dict, from_ckpt: dict, read_facts: dict, ex
             streamed: bool = False) -> dict:
     """The accuracy files, and the stage's summary."""
     ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
+    if not ckpt.is_dir():  # a family exported as the HF unified checkpoint only
+        ckpt = out_dir / artifacts.HF_CHECKPOINT_DIR
     accuracy["from_checkpoint"] = {k: from_ckpt[k] for k in ("perplexity_quantized", "perplexity_increase_pct",
                                                              "top1_agreement", "kl_divergence")}
     accuracy["from_checkpoint"]["kv_cache_quantized"] = False  # the CPU runtime (build stage) adds it
+    if hf_exported and hf_exported.get("accuracy"):
+        accuracy["from_hf_checkpoint"] = {**hf_exported["accuracy"], "kv_cache_quantized": False}
     (out_dir / artifacts.ACCURACY_FILE).write_text(json.dumps({"accuracy": accuracy, "generations": generations}, indent=2))
     (out_dir / artifacts.GENERATIONS_FILE).write_text(_generations_markdown(generations, accuracy, streamed))
     return {"accuracy": accuracy, "checkpoint": {**exported, "read_back": read_facts},
@@ -767,7 +824,7 @@ def _finish(out_dir: Path, accuracy: dict, from_ckpt: dict, read_facts: dict, ex
             "timing_s": {"calibrate": round(t_quant, 1), "total": round(time.perf_counter() - t0, 1)}}
 
 
-def _gate(acc: dict, quant: QuantizationSection, plan_doc: dict, table_layers: dict) -> None:
+def _gate_failures(acc: dict, quant: QuantizationSection) -> list[str]:
     tol = quant.accuracy
     failed = []
     if acc["perplexity_increase_pct"] > tol.max_perplexity_increase_pct:
@@ -776,6 +833,11 @@ def _gate(acc: dict, quant: QuantizationSection, plan_doc: dict, table_layers: d
         failed.append(f"top-1 agreement {acc['top1_agreement']} < {tol.min_top1_agreement}")
     if acc["kl_divergence"] > tol.max_kl_divergence:
         failed.append(f"KL {acc['kl_divergence']} > {tol.max_kl_divergence}")
+    return failed
+
+
+def _gate(acc: dict, quant: QuantizationSection, plan_doc: dict, table_layers: dict) -> None:
+    failed = _gate_failures(acc, quant)
     if not failed:
         return
     col = plan_doc.get("decision_column")

@@ -339,12 +339,18 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
         embed_name = "model.embed_tokens.weight"
         embed = store.get(embed_name, dtype, device)
         hidden = embed[ids]  # [N, T, H]
+        if families.embedding_scale(config) != 1.0:
+            hidden.mul_(families.embedding_scale(config))
+        window = getattr(config, "sliding_window", None) if "sliding_attention" in (getattr(config, "layer_types", None)
+                                                                                    or ()) else None
+        if window and t > window:  # the layers run without a mask: causal over the whole sample
+            log.warning("calibration samples of %d tokens are longer than the sliding window (%d): the sliding "
+                        "layers' reference here attends to the whole sample", t, window)
         result["embedding"] = _embedding_error(embed, ids)
         del embed
 
-        rotary = type(model.model.rotary_emb)(config=config).to(device)
         positions = torch.arange(t, device=device).unsqueeze(0)
-        cos, sin = rotary(hidden, positions)
+        rotary = families.position_kwargs(model, config, hidden, positions)
 
         stash = _Stash(n * t)
         for i, layer in enumerate(model.model.layers):
@@ -354,8 +360,7 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
             out = torch.empty_like(hidden)
             for a in range(0, n, SAMPLES_PER_FORWARD):  # the reference forward, a few samples at a time
                 stash.rows = (a * t, min(a + SAMPLES_PER_FORWARD, n) * t)
-                y = layer(hidden[a:a + SAMPLES_PER_FORWARD], attention_mask=None, position_ids=positions,
-                          position_embeddings=(cos, sin))
+                y = layer(hidden[a:a + SAMPLES_PER_FORWARD], attention_mask=None, position_ids=positions, **rotary)
                 out[a:a + SAMPLES_PER_FORWARD] = y[0] if isinstance(y, tuple) else y
             if any(short.startswith("experts.") for short in linears):  # an MoE layer (some may be dense)
                 stash.run_unrouted_experts(layer.get_submodule(moe.experts))
