@@ -499,7 +499,7 @@ def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, m
     if problems:
         raise StageFailed("the exported HF unified checkpoint does not match the plan: " + "; ".join(problems[:6]))
     return {"quant_algo": q.get("quant_algo"), "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
-            "exclude_modules": len(q.get("exclude_modules") or []),
+            "exclude_modules": sorted(q.get("exclude_modules") or []),
             "quantized_layers": len(q.get("quantized_layers") or {}) or None,
             "bytes": sum(p.stat().st_size for p in hf_dir.iterdir() if p.is_file())}
 

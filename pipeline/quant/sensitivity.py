@@ -249,7 +249,7 @@ class Analyser:
 
 
 _ROW_BLOCK = 2048  # rows per block when a whole-calibration-set tensor is transformed
-EXACT_K = 1024  # 127 * 127 * 1024 < 2**24: int8 products summed over this many channels are exact in fp32
+EXACT_K = 1024  # 128 * 127 * 1024 < 2**24: int8 products summed over this many channels are exact in fp32
 
 
 def _int8_input(x2, pre_scale, in_amax):
@@ -262,7 +262,7 @@ def _int8_input(x2, pre_scale, in_amax):
         xs = x2[a:a + _ROW_BLOCK].float()
         if pre_scale is not None:
             xs = xs * pre_scale  # the pre-quant (smoothing) scale, applied first as ModelOpt does
-        out[a:a + _ROW_BLOCK] = (xs * x_scale).round_().clamp_(-127, 127).to(torch.int8)
+        out[a:a + _ROW_BLOCK] = (xs * x_scale).round_().clamp_(-128, 127).to(torch.int8)
     return out, x_scale
 
 
