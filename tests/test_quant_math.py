@@ -45,7 +45,7 @@ def test_int8_per_tensor_matches_modelopt_exactly(tensors):
 
 def test_int8_values_beyond_the_calibrated_amax_saturate_as_modelopt_does(tensors):
     """An activation larger than any the calibration saw: ModelOpt's range is not narrow, so -amax * 128 / 127
-    and below come out as -128 steps, as TensorRT-LLM's INT8 saturation gives (the checkpoint reader's
+    and below come out as -128 steps, as vLLM's INT8 kernels saturate (the checkpoint readers'
     activations; found reading an HF unified export back)."""
     x, _ = tensors
     amax = x.abs().amax() / 4

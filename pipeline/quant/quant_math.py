@@ -7,9 +7,10 @@ smoothquant on the same inputs):
 
 - integer: ``scale = maxbound / amax`` (maxbound 127 for INT8, 7 for INT4), values
   ``clamp(round(x * scale), -maxbound - 1, maxbound) / scale``, computed in fp32; an amax <= 2^-24 maps to 0.
-  The range is not narrow (ModelOpt's default ``narrow_range: false``; TensorRT-LLM's and vLLM's INT8
-  activation quantization saturate to [-128, 127] as well): -128 is reached only by a value beyond -amax, an
-  activation larger than any the calibration saw (a weight's amax is its own largest value).
+  The range is not narrow (ModelOpt's default ``narrow_range: false``: ``_tensor_quant`` clamps to
+  ``-max_bound - 1``; vLLM's INT8 kernels saturate to [-128, 127] as well, ``cvt.rni.sat.s8.f32``): -128 is
+  reached only by a value beyond -amax, an activation larger than any the calibration saw (a weight's amax is
+  its own largest value).
 - FP8 E4M3: ``scale = 448 / amax``; ``(x * scale).clamp(+-448)`` cast to float8_e4m3fn and back, times ``1/scale``.
 - SmoothQuant: per-input-channel activation amax ``a`` and weight amax ``w``;
   ``s = (w^(1-alpha) / a^alpha)`` (channels with a <= 2^-31 get 1), clamped to [1e-4, 1e4]; the input is
