@@ -60,6 +60,14 @@ class Family:
     # the linears the family stores fused that TensorRT-LLM's pytorch backend splits itself on loading, and the
     # formats that survive that split (None: no such linears); others must stay in high precision
     fused_formats: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    # the embedding rows are multiplied by sqrt(hidden size) before the first decoder layer (Gemma's
+    # ScaledWordEmbedding); code that runs the layers one at a time (the sensitivity stage) must do the same
+    scaled_embedding: bool = False
+
+
+# why a family without a TensorRT-LLM checkpoint here is served by the pytorch target only
+_HF_ONLY = ("ModelOpt writes no TensorRT-LLM checkpoint of it without tensorrt_llm installed: the engine, the CPU "
+            "runtime and the vLLM export start from that checkpoint")
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -82,8 +90,7 @@ FAMILIES = {f.model_type: f for f in (
     # own Phi3 config class (tensorrt_llm_utils.py convert_to_tensorrt_llm_config: its manual path raises
     # NotImplementedError for phi3), so here it is the HF unified checkpoint, served by the pytorch target
     Family("phi3", "Phi3ForCausalLM", "phi3", "fused q/k/v (qkv_proj) and gate/up (gate_up_proj) linears",
-           ("pytorch",), why_not="ModelOpt writes no TensorRT-LLM checkpoint of it without tensorrt_llm installed: "
-           "the engine, the CPU runtime and the vLLM export start from that checkpoint", trtllm_checkpoint=False,
+           ("pytorch",), why_not=_HF_ONLY, trtllm_checkpoint=False,
            # TensorRT-LLM's pytorch Phi3ForCausalLM.load_weights splits qkv_proj / gate_up_proj by rows and hands
            # the halves per-tensor scales only: FP8 loads; a per-channel INT8 scale, SmoothQuant's pre-quant scale
            # and packed INT4 rows do not (tests/data/upstream/pytorch_fused_loaders.json)
@@ -93,16 +100,14 @@ FAMILIES = {f.model_type: f for f in (
     # with their own rotary base. ModelOpt 0.47 writes no TensorRT-LLM config for it without tensorrt_llm (as phi3)
     Family("gemma3_text", "Gemma3ForCausalLM", "gemma3",
            "(1 + w) norms around attention and MLP, scaled embeddings, q/k norms, sliding-window layers",
-           ("pytorch",), why_not="ModelOpt writes no TensorRT-LLM checkpoint of it without tensorrt_llm installed: "
-           "the engine, the CPU runtime and the vLLM export start from that checkpoint", trtllm_checkpoint=False),
+           ("pytorch",), why_not=_HF_ONLY, trtllm_checkpoint=False, scaled_embedding=True),
 )}
 
 
 def embedding_scale(hf) -> float:
-    """What the model multiplies its embedding rows by before the first decoder layer: sqrt(hidden size) for
-    Gemma (transformers' Gemma3TextScaledWordEmbedding), 1 for the others. For code that runs the decoder layers
-    one at a time (the sensitivity stage)."""
-    return hf.hidden_size ** 0.5 if hf.model_type in ("gemma3_text",) else 1.0
+    """What the model multiplies its embedding rows by before the first decoder layer (``Family.scaled_embedding``:
+    sqrt(hidden size), as transformers' Gemma3TextScaledWordEmbedding; else 1)."""
+    return hf.hidden_size ** 0.5 if FAMILIES[hf.model_type].scaled_embedding else 1.0
 
 
 def position_kwargs(model, hf, hidden, positions) -> dict:

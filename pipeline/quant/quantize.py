@@ -666,7 +666,9 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     fam = families.FAMILIES[model_config["model_type"]]
     # ModelOpt's HF export modifies the model in place (resmoothing, requantizing): it gets its own copy,
     # taken before the TensorRT-LLM export touches the model (none where the family has no such export)
-    hf_source = None if not quant.export_hf_checkpoint else copy.deepcopy(model) if fam.trtllm_checkpoint else model
+    hf_source = None
+    if quant.export_hf_checkpoint:
+        hf_source = copy.deepcopy(model) if fam.trtllm_checkpoint else model
     dtype = torch.bfloat16 if build.dtype == "bfloat16" else torch.float16
     exported = None
     if fam.trtllm_checkpoint:

@@ -339,10 +339,11 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
         embed_name = "model.embed_tokens.weight"
         embed = store.get(embed_name, dtype, device)
         hidden = embed[ids]  # [N, T, H]
-        if families.embedding_scale(config) != 1.0:
-            hidden.mul_(families.embedding_scale(config))
-        window = getattr(config, "sliding_window", None) if "sliding_attention" in (getattr(config, "layer_types", None)
-                                                                                    or ()) else None
+        scale = families.embedding_scale(config)
+        if scale != 1.0:
+            hidden.mul_(scale)
+        sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+        window = config.sliding_window if sliding else None
         if window and t > window:  # the layers run without a mask: causal over the whole sample
             log.warning("calibration samples of %d tokens are longer than the sliding window (%d): the sliding "
                         "layers' reference here attends to the whole sample", t, window)
