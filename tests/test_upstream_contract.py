@@ -38,7 +38,8 @@ GPU_PROFILES = [p for p in sorted((REPO_ROOT / "engine_configs").glob("*.yaml"))
 # What each profile's checkpoint config.json will say (ModelOpt's export): architecture and hidden size of the
 # model it names. The rules read these from the checkpoint; before quantize they are not known.
 CHECKPOINT_FACTS = {"Llama-3.1-70B": ("LlamaForCausalLM", 8192), "Llama-3.1-8B": ("LlamaForCausalLM", 4096),
-                    "Llama-3.2-1B": ("LlamaForCausalLM", 2048), "Mistral-7B": ("MistralForCausalLM", 4096)}
+                    "Llama-3.2-1B": ("LlamaForCausalLM", 2048), "Mistral-7B": ("MistralForCausalLM", 4096),
+                    "Qwen2.5-7B": ("Qwen2ForCausalLM", 3584)}
 
 
 def profile_facts(cfg) -> rules.QuantFacts:
@@ -385,3 +386,4 @@ def test_request_classes_use_tritons_levels_and_only_the_cpu_runtime_reads_them(
         load_config(path, sets)  # valid without request classes
         with pytest.raises(Exception, match=rf"triton\.priority_levels: .*{reasons[target]}"):
             load_config(path, [*sets, "triton.priority_levels=2"])
+
