@@ -54,8 +54,8 @@ class Family:
     moe: MoE | None = None
     why_not: str = ""  # why the other targets cannot serve it (default: its extras are not in their export)
     # False: quantize exports the HF unified checkpoint only (the pytorch target's), read back and gated by
-    # pipeline.quant.hf_checkpoint; the TensorRT-LLM checkpoint, which the engine, the CPU runtime and the vLLM
-    # export start from, cannot be written here
+    # pipeline.quant.hf_checkpoint, and the CPU runtime serves that; the TensorRT-LLM checkpoint, which the engine
+    # and the vLLM export start from, cannot be written here
     trtllm_checkpoint: bool = True
     # the linears the family stores fused that TensorRT-LLM's pytorch backend splits itself on loading, and the
     # formats that survive that split (None: no such linears); others must stay in high precision
@@ -65,9 +65,10 @@ class Family:
     scaled_embedding: bool = False
 
 
-# why a family without a TensorRT-LLM checkpoint here is served by the pytorch target only
-_HF_ONLY = ("ModelOpt writes no TensorRT-LLM checkpoint of it without tensorrt_llm installed: the engine, the CPU "
-            "runtime and the vLLM export start from that checkpoint")
+# why a family without a TensorRT-LLM checkpoint here is served by the pytorch and cpu targets only (the CPU
+# runtime reads the HF unified checkpoint too)
+_HF_ONLY = ("ModelOpt writes no TensorRT-LLM checkpoint of it without tensorrt_llm installed: the engine and the "
+            "vLLM export start from that checkpoint")
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -88,9 +89,10 @@ FAMILIES = {f.model_type: f for f in (
     # Phi-3 / Phi-3.5 / Phi-4-mini: Llama's layer with q/k/v as one linear (qkv_proj) and gate/up as one
     # (gate_up_proj). ModelOpt 0.47 writes a TensorRT-LLM checkpoint config for it only through tensorrt_llm's
     # own Phi3 config class (tensorrt_llm_utils.py convert_to_tensorrt_llm_config: its manual path raises
-    # NotImplementedError for phi3), so here it is the HF unified checkpoint, served by the pytorch target
+    # NotImplementedError for phi3), so here it is the HF unified checkpoint, served by the pytorch target (and
+    # the CPU runtime)
     Family("phi3", "Phi3ForCausalLM", "phi3", "fused q/k/v (qkv_proj) and gate/up (gate_up_proj) linears",
-           ("pytorch",), why_not=_HF_ONLY, trtllm_checkpoint=False,
+           ("pytorch", "cpu"), why_not=_HF_ONLY, trtllm_checkpoint=False,
            # TensorRT-LLM's pytorch Phi3ForCausalLM.load_weights splits qkv_proj / gate_up_proj by rows and hands
            # the halves per-tensor scales only: FP8 loads; a per-channel INT8 scale, SmoothQuant's pre-quant scale
            # and packed INT4 rows do not (tests/data/upstream/pytorch_fused_loaders.json)
@@ -100,7 +102,20 @@ FAMILIES = {f.model_type: f for f in (
     # with their own rotary base. ModelOpt 0.47 writes no TensorRT-LLM config for it without tensorrt_llm (as phi3)
     Family("gemma3_text", "Gemma3ForCausalLM", "gemma3",
            "(1 + w) norms around attention and MLP, scaled embeddings, q/k norms, sliding-window layers",
-           ("pytorch",), why_not=_HF_ONLY, trtllm_checkpoint=False, scaled_embedding=True),
+           ("pytorch", "cpu"), why_not=_HF_ONLY, trtllm_checkpoint=False, scaled_embedding=True),
+    # DeepSeek-V2 / V2-Lite (the seeds' model): multi-head latent attention (q_proj, or q_a_proj / q_b_proj where
+    # q_lora_rank is set; kv_a_proj_with_mqa, kv_b_proj), the first first_k_dense_replace layers dense, the others
+    # a router (DeepseekV2MoEGate: a weight, not an nn.Linear, giving the chosen experts) with routed experts and
+    # always-on shared experts (mlp.shared_experts, a dense MLP). ModelOpt 0.47 writes no TensorRT-LLM checkpoint
+    # of it (tensorrt_llm_utils.py raises NotImplementedError for deepseek) and TensorRT-LLM 1.2's PyTorch backend
+    # does not take DeepseekV2ForCausalLM (tests/data/upstream/pytorch_backend_models.json): here the CPU runtime
+    # serves its HF unified checkpoint
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek",
+           "multi-head latent attention; a router, routed experts and shared experts per layer (MoE)", ("cpu",),
+           MoE("mlp.gate", "mlp.experts", ("gate_proj", "up_proj"), "down_proj", "num_experts_per_tok"),
+           why_not="TensorRT-LLM 1.2's PyTorch backend does not list DeepseekV2ForCausalLM, ModelOpt writes no "
+                   "TensorRT-LLM checkpoint of it, and the vLLM export has no multi-head latent attention",
+           trtllm_checkpoint=False),
 )}
 
 
@@ -125,6 +140,34 @@ def position_kwargs(model, hf, hidden, positions) -> dict:
     local_cfg.rope_scaling = {"rope_type": "default"}
     local = type(model.model.rotary_emb_local)(config=local_cfg).to(hidden.device)(hidden, positions)
     return {"position_embeddings_global": global_, "position_embeddings_local": local}
+
+
+def attention_window(config) -> tuple[int | None, bool]:
+    """(window, per_type): the sliding window a model's attention keeps to, as transformers reads its config, and
+    whether only some layers slide (``layer_types`` naming ``sliding_attention``: Gemma 3, Qwen2 with
+    use_sliding_window), the model then taking one mask per layer type; (None, False) where every layer sees the
+    whole sequence. Without ``layer_types`` a set ``sliding_window`` applies to every layer (Mistral, Mixtral,
+    Phi-3: their models pick ``create_sliding_window_causal_mask`` for all)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None, False
+    return window, types is not None
+
+
+def layer_window(config, i: int) -> int | None:
+    """The sliding window decoder layer ``i`` keeps to (``attention_window``), None where it sees everything."""
+    window, per_type = attention_window(config)
+    return window if window and (not per_type or config.layer_types[i] == "sliding_attention") else None
+
+
+def kv_head_dims(hf) -> tuple[int, int]:
+    """The widths of one KV head's key and value as the model caches them: both ``head_dim`` for most families;
+    for multi-head latent attention (DeepSeek-V2: ``kv_lora_rank`` set) transformers caches each head's full key
+    (``qk_nope_head_dim`` + ``qk_rope_head_dim``) and value (``v_head_dim``)."""
+    if getattr(hf, "kv_lora_rank", None):
+        return hf.qk_nope_head_dim + hf.qk_rope_head_dim, hf.v_head_dim
+    return head_dim(hf), head_dim(hf)
 
 
 def head_dim(hf) -> int:

@@ -87,23 +87,30 @@ def _compute_preflight(loaded) -> None:
 
 
 def _run_build(ctx: StageContext) -> dict:
+    import json
+
+    from pipeline import families
     from pipeline.engines.build import build_cpu
 
     cfg = ctx.config
-    ckpt = ctx.upstream("quantize") / "trtllm_checkpoint"
+    model_dir = ctx.upstream("model") / artifacts.MODEL_DIR
+    ckpt = ctx.upstream("quantize") / artifacts.TRTLLM_CHECKPOINT_DIR
     if cfg.build.target == "cpu":
-        return build_cpu(ckpt, ctx.upstream("model") / artifacts.MODEL_DIR, cfg, ctx.out_dir)
+        fam = families.family(json.loads((model_dir / "config.json").read_text()).get("model_type"))
+        if not fam.trtllm_checkpoint:  # the CPU runtime reads the HF unified checkpoint, the only export here
+            ckpt = ctx.upstream("quantize") / artifacts.HF_CHECKPOINT_DIR
+        return build_cpu(ckpt, model_dir, cfg, ctx.out_dir)
     if cfg.build.target == "vllm":
         from pipeline.engines.vllm.target import build_vllm
 
-        return build_vllm(ckpt, ctx.upstream("model") / artifacts.MODEL_DIR,
+        return build_vllm(ckpt, model_dir,
                           ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
                           ctx.upstream("quantize") / artifacts.ACCURACY_FILE, cfg, ctx.out_dir)
     from pipeline.engines.trtllm import targets as trtllm
 
     if cfg.build.target == "tensorrt":
         return trtllm.build_tensorrt(ckpt, cfg, ctx.out_dir)
-    return trtllm.build_pytorch(ctx.upstream("quantize") / "hf_checkpoint", cfg, ctx.out_dir)
+    return trtllm.build_pytorch(ctx.upstream("quantize") / artifacts.HF_CHECKPOINT_DIR, cfg, ctx.out_dir)
 
 
 def _build_preflight(loaded) -> None:

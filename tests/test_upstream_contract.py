@@ -387,3 +387,21 @@ def test_request_classes_use_tritons_levels_and_only_the_cpu_runtime_reads_them(
         with pytest.raises(Exception, match=rf"triton\.priority_levels: .*{reasons[target]}"):
             load_config(path, [*sets, "triton.priority_levels=2"])
 
+
+# ====================================================================================== model families
+def test_the_pytorch_target_is_offered_only_for_architectures_the_backend_lists():
+    """A family gets the pytorch target only where TensorRT-LLM's PyTorch backend lists its architecture on the
+    1.2 line; DeepSeek-V2 is listed nowhere up to 1.3.0rc13, so it is not offered that target (its refusal
+    says why)."""
+    from pipeline import families
+    from pipeline.errors import InputError
+
+    facts = upstream("pytorch_backend_models.json")
+    on_12 = set(facts["listed"]["unversioned_1.2_line"]) | set(facts["listed"]["docs_source_89336fbf"])
+    offered = {f.hf_architecture for f in families.FAMILIES.values() if "pytorch" in f.targets}
+    assert offered <= on_12, offered - on_12
+    deepseek = families.FAMILIES["deepseek_v2"]
+    assert deepseek.hf_architecture not in on_12 and "pytorch" not in deepseek.targets
+    assert "unversioned_1.2_line" in facts["deepseek_v2"]["absent_from"]
+    with pytest.raises(InputError, match="TensorRT-LLM 1.2's PyTorch backend does not list DeepseekV2ForCausalLM"):
+        families.family("deepseek_v2", "pytorch")

@@ -1,7 +1,7 @@
 """build stage: the quantized checkpoint -> what a server runs, for the configured target.
 
 - ``cpu``: a self-contained bundle for the reference runtime (pipeline.cpu_runtime): the TensorRT-LLM
-  checkpoint, the model's config and tokenizer files (no weights: those come from the checkpoint), and
+  checkpoint (the HF unified one for a family that has no other here, ``Family.trtllm_checkpoint``), the model's config and tokenizer files (no weights: those come from the checkpoint), and
   ``runtime.json`` (limits and the KV block pool). The bundle is loaded once in a child process and asked
   for a few greedy tokens, so a bundle that cannot serve never reaches publish.
 - ``tensorrt`` / ``pytorch``: pipeline.trtllm (``trtllm-build`` engines / LLM-API options; GPU only).
@@ -67,12 +67,11 @@ def copy_model_files(model_dir: Path, dest: Path) -> list[str]:
 def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> dict:
     """Assemble the cpu bundle, smoke-test it in a child process, write build_settings.json."""
     from pipeline.child import run_in_child
-    from pipeline.engines.cpu_runtime import bundle_settings
+    from pipeline.engines.cpu_runtime import bundle_settings, kv_cache_algo
 
     t0 = time.perf_counter()
     b = cfg.build
-    ckpt_cfg = json.loads((ckpt_dir / "config.json").read_text())
-    kv_algo = ckpt_cfg.get("quantization", {}).get("kv_cache_quant_algo")
+    kv_algo = kv_cache_algo(ckpt_dir)
     bundle = out_dir / artifacts.CPU_BUNDLE_DIR
     shutil.copytree(ckpt_dir, bundle / artifacts.CPU_CHECKPOINT_SUBDIR)
     copy_model_files(model_dir, bundle / artifacts.CPU_MODEL_SUBDIR)

@@ -75,7 +75,8 @@ class SamplingParams:
 
 
 class KVBlockPool:
-    """K and V for every layer in fixed-size blocks: [num_blocks * tokens_per_block, kv_heads, head_dim] codes.
+    """K and V for every layer in fixed-size blocks: [num_blocks * tokens_per_block, kv_heads, head_dim] codes (V
+    ``v_head_dim`` wide where it differs from K: multi-head latent attention, ``families.kv_head_dims``).
 
     ``quant_algo`` INT8: codes = clamp(round(x / scale), +-127) as int8; FP8: (x / scale) as float8_e4m3fn;
     None: float32. ``scales[layer]`` is the checkpoint's kv_cache_scaling_factor (amax / 127 or amax / 448).
@@ -88,16 +89,16 @@ class KVBlockPool:
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, tokens_per_block: int, num_blocks: int,
-                 quant_algo: Optional[str], scales: Optional[list[float]] = None):
+                 quant_algo: Optional[str], scales: Optional[list[float]] = None, v_head_dim: Optional[int] = None):
         if quant_algo not in KV_STORAGE:
             raise IntegrityError(f"KV-cache quant_algo {quant_algo!r} is not supported (INT8, FP8 or none)")
         if quant_algo is not None and (scales is None or len(scales) != num_layers):
             raise IntegrityError(f"a {quant_algo} KV cache needs one scaling factor per layer ({num_layers})")
         self.tokens_per_block, self.num_blocks, self.quant_algo = tokens_per_block, num_blocks, quant_algo
         dtype = KV_STORAGE[quant_algo]
-        shape = (num_blocks * tokens_per_block, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        rows = num_blocks * tokens_per_block
+        self.k = [torch.zeros((rows, kv_heads, head_dim), dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros((rows, kv_heads, v_head_dim or head_dim), dtype=dtype) for _ in range(num_layers)]
         self.scales = [torch.tensor(float(s), dtype=torch.float32) for s in scales] if scales else None
         self._free = list(range(num_blocks - 1, -1, -1))
 
@@ -337,6 +338,7 @@ class CpuRuntime:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise InputError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
         self.model, self.pool, self.settings = model, pool, settings
+        self.window, self.window_per_type = families.attention_window(model.config)
         self.eos_token_id = eos_token_id
         self.adaptive = adaptive
         self.prefill_chunk = prefill_chunk
@@ -377,15 +379,15 @@ class CpuRuntime:
         if threads:
             torch.set_num_threads(threads)
         ckpt = bundle / artifacts.CPU_CHECKPOINT_SUBDIR
-        kv_algo = json.loads((ckpt / "config.json").read_text()).get("quantization", {}).get("kv_cache_quant_algo")
-        kv_algo = kv_algo if quantize_kv_cache else None
+        kv_algo = kv_cache_algo(ckpt) if quantize_kv_cache else None
         model, facts, streamed, why = bundle_model(bundle, settings, layer_streaming)
         cfg = model.config
         scales = kv_cache_scales(ckpt, cfg.num_hidden_layers) if kv_algo else None
         # the pool the build sized for max_batch_size sequences of max_seq_len, cut to the running limit's share
         num_blocks = -(-settings["num_blocks"] * limit // settings["max_batch_size"])
-        pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, families.head_dim(cfg), settings["tokens_per_block"],
-                           num_blocks, kv_algo, scales)
+        k_dim, v_dim = families.kv_head_dims(cfg)
+        pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, k_dim, settings["tokens_per_block"],
+                           num_blocks, kv_algo, scales, v_head_dim=v_dim)
         eos = getattr(model.generation_config, "eos_token_id", None) or cfg.eos_token_id
         if isinstance(eos, (list, tuple)):
             eos = eos[0]
@@ -630,7 +632,7 @@ class CpuRuntime:
             key_pos.append(torch.arange(start + n))
         pos, kpos = torch.cat(positions), torch.cat(key_pos)
         allowed = (torch.tensor(key_seq)[None, :] == torch.tensor(query_seq)[:, None]) & (kpos[None, :] <= pos[:, None])
-        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+        mask = self._masks(allowed[None, None], pos[:, None], kpos[None, :])
         keep = list(range(len(decode))) + ([len(ids) - 1] if chunk is not None else [])
         out = self.model(input_ids=torch.tensor([ids]), position_ids=pos[None], attention_mask=mask,
                          past_key_values=_StepCache(self.pool, decode + ([chunk] if chunk else []), prefill=False,
@@ -652,17 +654,31 @@ class CpuRuntime:
                 self._running.append(chunk)
                 self._accept(chunk, out.logits[0, -1])
 
+    def _masks(self, allowed, qpos, kpos):
+        """The additive 4-D attention mask(s) for a forward whose queries at positions ``qpos`` may see the keys
+        at ``kpos`` where ``allowed``: one mask, with the sliding window applied where every layer slides; for a
+        model whose layers differ (``layer_types``), one per layer type, as transformers takes them."""
+        def additive(ok):
+            return torch.zeros(ok.shape).masked_fill_(~ok, torch.finfo(torch.float32).min)
+
+        if self.window is None:
+            return additive(allowed)
+        windowed = additive(allowed & (kpos > qpos - self.window))  # transformers' sliding_window_overlay
+        if not self.window_per_type:
+            return windowed
+        return {"full_attention": additive(allowed), "sliding_attention": windowed}
+
     def _decode_step(self) -> None:
         seqs = self._running
         for s in seqs:  # a block for the position this step writes
             if s.cached // self.tokens_per_block >= len(s.blocks):
                 s.blocks += self.pool.allocate(1)
         longest = max(s.cached + 1 for s in seqs)
-        mask = torch.full((len(seqs), 1, 1, longest), torch.finfo(torch.float32).min)
-        for i, s in enumerate(seqs):
-            mask[i, 0, 0, : s.cached + 1] = 0.0
-        ids = torch.tensor([[s.last_token] for s in seqs])
         positions = torch.tensor([[s.cached] for s in seqs])
+        kpos = torch.arange(longest)[None, None, None, :]
+        qpos = positions[:, None, :, None]
+        mask = self._masks(kpos <= qpos, qpos, kpos)
+        ids = torch.tensor([[s.last_token] for s in seqs])
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                          past_key_values=_StepCache(self.pool, seqs, prefill=False), use_cache=True,
                          cache_position=positions[0], logits_to_keep=1)
@@ -717,14 +733,34 @@ def read_settings(bundle: Path) -> dict:
     return json.loads(settings_file.read_text())
 
 
+def is_hf_checkpoint(ckpt: Path) -> bool:
+    """Whether a bundle's checkpoint is ModelOpt's HF unified one (a family without a TensorRT-LLM checkpoint here,
+    ``Family.trtllm_checkpoint``) rather than the TensorRT-LLM one."""
+    return (Path(ckpt) / artifacts.HF_QUANT_CONFIG_FILE).is_file()
+
+
+def kv_cache_algo(ckpt: Path) -> Optional[str]:
+    """The checkpoint's KV-cache quantization (INT8, FP8 or None), from whichever config file its kind keeps it in."""
+    name = artifacts.HF_QUANT_CONFIG_FILE if is_hf_checkpoint(ckpt) else "config.json"
+    return json.loads((Path(ckpt) / name).read_text()).get("quantization", {}).get("kv_cache_quant_algo")
+
+
 def bundle_model(bundle: Path, settings: dict, layer_streaming: Optional[str] = None):
     """The bundle's checkpoint rebuilt as an fp32 model, its layers streamed when ``weights_streamed`` says so
-    (``layer_streaming`` overrides runtime.json's mode): (model, facts, streamed, why)."""
+    (``layer_streaming`` overrides runtime.json's mode): (model, facts, streamed, why). An HF unified checkpoint
+    (``pipeline.quant.hf_checkpoint``) is held whole: its reader does not stream."""
     from pipeline.quant.checkpoint import rebuild
+    from pipeline.quant.hf_checkpoint import rebuild_hf
 
+    ckpt = bundle / artifacts.CPU_CHECKPOINT_SUBDIR
     streamed, why = weights_streamed(bundle, settings, layer_streaming or settings.get("layer_streaming", "auto"))
-    model, facts = rebuild(bundle / artifacts.CPU_CHECKPOINT_SUBDIR, bundle / artifacts.CPU_MODEL_SUBDIR,
-                           streamed=streamed)
+    if is_hf_checkpoint(ckpt):
+        if streamed:
+            raise InputError(f"{bundle}: {why}, but the bundle holds an HF unified checkpoint, which the runtime "
+                             f"reads whole only; give the server more memory, or set compute.layer_streaming: never")
+        model, facts = rebuild_hf(ckpt)
+    else:
+        model, facts = rebuild(ckpt, bundle / artifacts.CPU_MODEL_SUBDIR, streamed=streamed)
     return model.eval(), facts, streamed, why
 
 
@@ -756,8 +792,8 @@ def weights_streamed(bundle: Path, settings: dict, mode: str) -> tuple[bool, str
         model = AutoModelForCausalLM.from_config(hf)
     whole = 4 * sum(p.numel() for p in model.parameters())
     layer = 4 * max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
-    pool = 2 * hf.num_hidden_layers * settings["num_blocks"] * settings["tokens_per_block"] * \
-        hf.num_key_value_heads * families.head_dim(hf) * (1 if settings.get("kv_cache_quant_algo") else 4)
+    pool = hf.num_hidden_layers * settings["num_blocks"] * settings["tokens_per_block"] * \
+        hf.num_key_value_heads * sum(families.kv_head_dims(hf)) * (1 if settings.get("kv_cache_quant_algo") else 4)
     section = _Margin(settings.get("memory_margin", 0.1))
     bound = compute.host_memory_bound(section)
     need = whole + pool + RUNTIME_HEADROOM_BYTES
@@ -780,12 +816,28 @@ class _Margin:  # the part of the compute config section host_memory_bound reads
 
 
 def kv_cache_scales(ckpt_dir: Path, num_layers: int) -> list[float]:
-    """The checkpoint's per-layer ``kv_cache_scaling_factor`` (one scale for K and V, as TensorRT-LLM uses)."""
+    """The checkpoint's per-layer ``kv_cache_scaling_factor`` (one scale for K and V, as TensorRT-LLM uses). An HF
+    unified checkpoint keeps a layer's K and V scales apart (``*.k_scale``, ``*.v_scale``): the layer's scale is
+    the larger, as ModelOpt's TensorRT-LLM export joins them (model_config_utils.py: kv_cache_scaling_factor =
+    maximum of the two)."""
     from safetensors import safe_open
 
-    with safe_open(str(Path(ckpt_dir) / "rank0.safetensors"), framework="pt") as f:
-        return [float(f.get_tensor(f"transformer.layers.{i}.attention.kv_cache_scaling_factor"))
-                for i in range(num_layers)]
+    if not is_hf_checkpoint(ckpt_dir):
+        with safe_open(str(Path(ckpt_dir) / "rank0.safetensors"), framework="pt") as f:
+            return [float(f.get_tensor(f"transformer.layers.{i}.attention.kv_cache_scaling_factor"))
+                    for i in range(num_layers)]
+    from pipeline.quant.hf_checkpoint import KV_SCALE_NAMES, _files
+
+    scales: dict[int, list[float]] = {}
+    for key, path in _files(Path(ckpt_dir)).items():
+        parts = key.split(".")
+        if parts[-1] in KV_SCALE_NAMES and parts[:2] == ["model", "layers"]:
+            with safe_open(str(path), framework="pt") as f:
+                scales.setdefault(int(parts[2]), []).append(float(f.get_tensor(key)))
+    if sorted(scales) != list(range(num_layers)) or any(len(v) != 2 for v in scales.values()):
+        raise IntegrityError(f"{ckpt_dir}: an FP8 KV cache needs a k_scale and a v_scale in each of the "
+                             f"{num_layers} layers; found {dict(sorted(scales.items()))}")
+    return [max(scales[i]) for i in range(num_layers)]
 
 
 def _sample(logits: torch.Tensor, p: SamplingParams, gen: Optional[torch.Generator]) -> int:

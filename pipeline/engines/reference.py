@@ -57,12 +57,12 @@ def _fake_quant_cache(config, quant_algo: str, scales: list[float]):
 def load_reference(bundle_dir: Path):
     """The rebuilt model (its layers streamed when the runtime's would be), its KV-cache quant algo and
     per-layer KV scales, from a cpu bundle."""
-    from pipeline.engines.cpu_runtime import bundle_model, kv_cache_scales, read_settings
+    from pipeline.engines.cpu_runtime import bundle_model, kv_cache_algo, kv_cache_scales, read_settings
 
     bundle = Path(bundle_dir)
     ckpt = bundle / artifacts.CPU_CHECKPOINT_SUBDIR
-    model, facts, _, _ = bundle_model(bundle, read_settings(bundle))
-    algo, scales = facts.get("kv_cache_quant_algo"), None
+    model, _, _, _ = bundle_model(bundle, read_settings(bundle))
+    algo, scales = kv_cache_algo(ckpt), None
     if algo:
         scales = kv_cache_scales(ckpt, model.config.num_hidden_layers)
     return model.eval(), algo, scales

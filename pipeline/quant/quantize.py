@@ -170,7 +170,7 @@ def _moe_problems(plan_doc: dict, fam, model_config: dict, tp: int) -> list[str]
     problems = []
     bad = sorted({e["format"] for n, e in plan_doc["layers"].items()
                   if f".{fam.moe.experts}." in n and e["format"] not in (*MOE_EXPORT_FORMATS, HIGH_PRECISION)})
-    if bad:
+    if bad and fam.trtllm_checkpoint:  # the HF unified export writes each expert as its own linears, in any format
         problems.append(f"the plan gives experts {', '.join(bad)}, which ModelOpt's TensorRT-LLM export cannot write "
                         f"for stacked experts; give them {' or '.join(MOE_EXPORT_FORMATS)} with a plan rule such as "
                         f"{{pattern: '*.experts.*', format: fp8}}, or keep them in high precision")
@@ -557,8 +557,10 @@ def quantize_streams(model_dir: Path, cfg, bound) -> bool:
         raise InputError(
             "quantize: this model is quantized one decoder layer at a time (it does not fit the memory bound "
             f"{bound.text()} whole, or compute.layer_streaming is always), and the HF unified checkpoint "
-            "(quantization.export_hf_checkpoint, for the pytorch target) is not exported that way yet. Run it on "
-            "a GPU or a machine with more memory (compute.max_host_memory), or use the tensorrt or cpu target.")
+            "(quantization.export_hf_checkpoint: the pytorch target's, and the only export of "
+            f"{', '.join(f.model_type for f in families.FAMILIES.values() if not f.trtllm_checkpoint)}) is not "
+            "exported that way yet. Run it on a GPU or a machine with more memory "
+            "(compute.max_host_memory), or, for the other families, use the tensorrt or cpu target without it.")
     if on_cpu:
         comp.check_layer_fits(model_dir, "float32", bound, "quantize")
     return True

@@ -342,16 +342,12 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
         scale = families.embedding_scale(config)
         if scale != 1.0:
             hidden.mul_(scale)
-        sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
-        window = config.sliding_window if sliding else None
-        if window and t > window:  # the layers run without a mask: causal over the whole sample
-            log.warning("calibration samples of %d tokens are longer than the sliding window (%d): the sliding "
-                        "layers' reference here attends to the whole sample", t, window)
         result["embedding"] = _embedding_error(embed, ids)
         del embed
 
         positions = torch.arange(t, device=device).unsqueeze(0)
         rotary = families.position_kwargs(model, config, hidden, positions)
+        masks = _window_masks(config, t, hidden)
 
         stash = _Stash(n * t)
         for i, layer in enumerate(model.model.layers):
@@ -361,7 +357,8 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
             out = torch.empty_like(hidden)
             for a in range(0, n, SAMPLES_PER_FORWARD):  # the reference forward, a few samples at a time
                 stash.rows = (a * t, min(a + SAMPLES_PER_FORWARD, n) * t)
-                y = layer(hidden[a:a + SAMPLES_PER_FORWARD], attention_mask=None, position_ids=positions, **rotary)
+                y = layer(hidden[a:a + SAMPLES_PER_FORWARD], attention_mask=masks[families.layer_window(config, i)],
+                          position_ids=positions, **rotary)
                 out[a:a + SAMPLES_PER_FORWARD] = y[0] if isinstance(y, tuple) else y
             if any(short.startswith("experts.") for short in linears):  # an MoE layer (some may be dense)
                 stash.run_unrouted_experts(layer.get_submodule(moe.experts))
@@ -393,6 +390,23 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
     result["fusion_groups"] = [list(g) for g in fusion_groups]
     result["timing"] = {"analysis_s": round(time.perf_counter() - t0, 2)}
     return result
+
+
+def _window_masks(config, t: int, hidden) -> dict:
+    """The attention mask of a decoder layer by its sliding window (``families.layer_window``): None (causal, as
+    the layer makes it) for the whole sample; a layer keeping to a window shorter than the sample gets the
+    additive causal mask cut to it (transformers' sliding_window_overlay: key > query - window)."""
+    import torch
+
+    masks: dict = {None: None}
+    window, _ = families.attention_window(config)
+    if window:
+        q = torch.arange(t, device=hidden.device)[:, None]
+        k = torch.arange(t, device=hidden.device)[None, :]
+        ok = (k <= q) & (k > q - window)
+        masks[window] = torch.zeros(t, t, dtype=hidden.dtype, device=hidden.device).masked_fill_(
+            ~ok, torch.finfo(hidden.dtype).min)[None, None]
+    return masks
 
 
 def _embedding_error(embed, ids) -> dict:
@@ -433,7 +447,7 @@ class _Stash:
         self.pieces: dict[str, list] = {}
         self.expert_rows: dict[str, list] = {}  # expert prefix (experts.3) -> [row ids per forward]
         self.unrouted: set[str] = set()  # experts measured on all rows: the router sent them none
-        self.route = None  # the current forward's routing: the experts each token was sent to, [tokens, top_k]
+        self.route = None  # the current forward's routing: each expert's rows, in the order it takes them
         self.rows = (0, 0)
         self.buffers: dict[str, object] = {}
         self.input_of: dict[str, str] = {}  # linear -> input buffer key
@@ -449,11 +463,15 @@ class _Stash:
         return buf
 
     def hook(self, short: str):
+        import torch
+
         routed = short.startswith("experts.")
 
         def record(module, inputs, output):
             a, b = self.rows
             x = inputs[0]
+            if not isinstance(output, torch.Tensor):  # a router kept as a weight (DeepSeek's gate): its logits
+                output = torch.nn.functional.linear(x, module.weight.to(x.dtype))
             key = self.input_of.get(short)
             if key is None:  # first call: share the buffer of a sibling that read this very tensor object
                 key = next((k for k, t in self._last.items() if t is x), f"in:{short}")
@@ -472,14 +490,24 @@ class _Stash:
         return record
 
     def start_routing(self, router, experts, top_k: int) -> None:
-        """Follow the MoE block's routing, to know which calibration rows each expert's input holds: the router's
-        top-k of its softmax scores (transformers' MixtralSparseMoeBlock.forward), each expert taking its rows
-        in the order ``torch.where`` lists them there (by top-k slot, then token)."""
+        """Follow the MoE block's routing, to know which calibration rows each expert's input holds. A router that
+        gives logits (an nn.Linear: Mixtral, Qwen3-MoE): their softmax's top-k (transformers'
+        MixtralSparseMoeBlock.forward), each expert taking its rows in the order ``torch.where`` lists them there
+        (by top-k slot, then token). A router that gives the chosen experts itself (DeepSeek-V2's gate: (indices,
+        weights)): each expert takes its rows in the order of the flattened indices' ``argsort``, as
+        DeepseekV2MoE.moe sorts them (the same call on the same tensor, so the same order)."""
         import torch
 
-        def route(module, inputs, logits):
-            probs = torch.softmax(logits.reshape(-1, logits.shape[-1]), dim=-1, dtype=torch.float)
-            self.route = torch.topk(probs, top_k, dim=-1).indices
+        def route(module, inputs, out):
+            if isinstance(out, tuple):
+                chosen = out[0].reshape(-1, out[0].shape[-1])
+                order = chosen.reshape(-1).argsort()
+                experts_in_order, rows = chosen.reshape(-1)[order], order // chosen.shape[-1]
+                self.route = {j: rows[experts_in_order == j] for j in range(len(experts))}
+                return
+            probs = torch.softmax(out.reshape(-1, out.shape[-1]), dim=-1, dtype=torch.float)
+            chosen = torch.topk(probs, top_k, dim=-1).indices
+            self.route = {j: torch.where((chosen == j).T)[1] for j in range(len(experts))}
 
         def rows_of(j: int):
             def before(module, inputs):
@@ -487,7 +515,7 @@ class _Stash:
                 if self.route is None:  # an expert run on every row (run_unrouted_experts)
                     ids = torch.arange(a, a + inputs[0].shape[0], device=inputs[0].device)
                 else:
-                    ids = a + torch.where((self.route == j).T)[1]
+                    ids = a + self.route[j]
                 if ids.numel() != inputs[0].reshape(-1, inputs[0].shape[-1]).shape[0]:
                     raise RuntimeError(f"expert {j}: its input has {inputs[0].shape[0]} rows, the routing followed "
                                        f"here gives {ids.numel()}: the MoE block routes differently")
@@ -557,15 +585,16 @@ def _record_linears(layer, stash: _Stash, moe=None, config=None) -> dict:
 
     linears = {}
     for rel, m in layer.named_modules():
-        if isinstance(m, nn.Linear):
-            if moe is not None and rel.startswith(moe.experts + "."):
-                short = "experts." + rel[len(moe.experts) + 1:]
-            elif moe is not None and rel == moe.router:
-                short = "router"
-            else:
-                short = rel.rsplit(".", 1)[-1]
-            linears[short] = m
-            stash.path[short] = rel
+        if moe is not None and rel == moe.router:  # a Linear, or a module holding the router's weight (DeepSeek)
+            short = "router"
+        elif not isinstance(m, nn.Linear):
+            continue
+        elif moe is not None and rel.startswith(moe.experts + "."):
+            short = "experts." + rel[len(moe.experts) + 1:]
+        else:
+            short = rel.rsplit(".", 1)[-1]
+        linears[short] = m
+        stash.path[short] = rel
     stash.start_recording(linears)
     if moe is not None and any(short.startswith("experts.") for short in linears):
         stash.start_routing(layer.get_submodule(moe.router), layer.get_submodule(moe.experts),
