@@ -53,6 +53,16 @@ def _qwen3():
     return model
 
 
+def _mistral():
+    """Mistral-7B-v0.1's shape, scaled down: Llama's layers with GQA and a sliding window on every layer (4096
+    tokens there, 8 here, so that calibration samples and served sequences outrun it)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                            sliding_window=8, bos_token_id=1, eos_token_id=2))
+
+
 def _mixtral(experts: int = 4, intermediate: int = 96, hidden: int = 64):
     """Mixtral-8x7B's shape, scaled down: a router and ``experts`` gated-MLP experts per layer, top-2 routing
     (4 query heads of ``hidden`` / 4)."""
@@ -109,27 +119,30 @@ def _gemma3():
     return model
 
 
-def _deepseek_v2(experts: int = 8):
+def _deepseek_v2(experts: int = 8, full: bool = False):
     """DeepSeek-V2-Lite's shape (deepseek-ai/DeepSeek-V2-Lite config.json), scaled down: multi-head latent
     attention with no q compression (q_lora_rank null; a KV latent of 32, each head's key 16 + 8 rotary wide and
     its value 16), the first layer dense (first_k_dense_replace 1), then 8 routed experts, greedy top-2 of the
     softmax scores unrenormalised (norm_topk_prob false) and 2 shared experts; untied lm_head. Router weights are
-    drawn wider than the initializer's so the routing is not a near-tie everywhere."""
+    drawn wider than the initializer's so the routing is not a near-tie everywhere. ``full``: DeepSeek-V2's own
+    differences, q compressed too (q_a_proj, q_a_layernorm, q_b_proj) and group-limited routing (the top-2
+    chosen within the best 2 of 4 expert groups)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     model = DeepseekV2ForCausalLM(DeepseekV2Config(
         vocab_size=512, hidden_size=64, intermediate_size=160, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=experts, n_shared_experts=2, num_experts_per_tok=2,
-        first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy", n_group=1, topk_group=1,
-        norm_topk_prob=False, routed_scaling_factor=1.0, scoring_func="softmax", max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False))
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48 if full else None, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=experts, n_shared_experts=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1,
+        topk_method="group_limited_greedy" if full else "greedy", n_group=4 if full else 1,
+        topk_group=2 if full else 1, norm_topk_prob=False, routed_scaling_factor=1.0, scoring_func="softmax",
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False))
     model.model.layers[1].mlp.gate.weight.data.normal_(0.0, 0.5)
     return model
 
 
-MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "phi3": _phi3,
-          "gemma3_text": _gemma3, "deepseek_v2": _deepseek_v2}
+MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
+          "phi3": _phi3, "gemma3_text": _gemma3, "deepseek_v2": _deepseek_v2}
 # plan rules a family needs beyond the tiny config's: experts in a format the export writes for them
 RULES = {"mixtral": "{pattern: '*.experts.*', format: fp8}", "qwen3_moe": "{pattern: '*.experts.*', format: fp8}"}
 # the families exported as the HF unified checkpoint only: it needs asking for, and takes no INT8 KV cache
@@ -454,9 +467,10 @@ def _assert_rebuilt_experts_are_the_originals(work: Path, model_dir: Path, toler
     assert checked >= 12
 
 
-# family -> (the model with 32 experts, its first MoE layer, the expert list's path there, the down and gate linears)
+# model -> (it with 32 experts, its first MoE layer, the expert list's path there, the down and gate linears)
 ROUTED = {"mixtral": (lambda: _mixtral(experts=32), 0, "block_sparse_moe.experts", "w2", "w1"),
-          "deepseek_v2": (lambda: _deepseek_v2(experts=32), 1, "mlp.experts", "down_proj", "gate_proj")}
+          "deepseek_v2_lite": (lambda: _deepseek_v2(experts=32), 1, "mlp.experts", "down_proj", "gate_proj"),
+          "deepseek_v2": (lambda: _deepseek_v2(experts=32, full=True), 1, "mlp.experts", "down_proj", "gate_proj")}
 
 
 @pytest.mark.parametrize("family", sorted(ROUTED))
@@ -480,6 +494,9 @@ def test_an_experts_figure_is_its_error_on_the_tokens_the_router_sent_it(tmp_pat
     table = sensitivity.analyse(model_dir, ids.numpy(), SensitivitySection(formats=("int8_w8a8",)),
                                 QuantizationSection())
     layers = {l["name"]: l for l in table["layers"]}
+    # every linear measured (DeepSeek-V2's q_a_proj / q_b_proj too), and DeepSeek's router, which is a weight
+    assert set(layers) == {n for n, m in model.named_modules()
+                           if isinstance(m, torch.nn.Linear) or n.endswith(".mlp.gate")}
     assert table["experts"][0]["layer"] == block
     routed = table["experts"][0]["routed_tokens"]
     busiest = routed.index(max(routed))
