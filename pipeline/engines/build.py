@@ -1,9 +1,10 @@
 """build stage: the quantized checkpoint -> what a server runs, for the configured target.
 
 - ``cpu``: a self-contained bundle for the reference runtime (pipeline.cpu_runtime): the TensorRT-LLM
-  checkpoint (the HF unified one for a family that has no other here, ``Family.trtllm_checkpoint``), the model's config and tokenizer files (no weights: those come from the checkpoint), and
-  ``runtime.json`` (limits and the KV block pool). The bundle is loaded once in a child process and asked
-  for a few greedy tokens, so a bundle that cannot serve never reaches publish.
+  checkpoint (the HF unified one for a family that has no other here, ``Family.trtllm_checkpoint``), the
+  model's config and tokenizer files (no weights: those come from the checkpoint), and ``runtime.json``
+  (limits and the KV block pool). The bundle is loaded once in a child process and asked for a few greedy
+  tokens, so a bundle that cannot serve never reaches publish.
 - ``tensorrt`` / ``pytorch``: pipeline.trtllm (``trtllm-build`` engines / LLM-API options; GPU only).
 
 Every target writes ``build_settings.json``: the decisions publish turns into Triton parameters (limits,
