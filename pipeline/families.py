@@ -5,13 +5,15 @@ A family is named by its Hugging Face ``model_type`` (config.json). For each: it
 its decoder layers hold beyond Llama's (the checkpoint reader, pipeline/quant/checkpoint.py, reads them back:
 q/k/v biases as ``attention.qkv.bias``, per-head q/k norms as ``attention.q_layernorm`` / ``k_layernorm``), and
 the build targets that can serve it. The CPU runtime runs transformers' own modelling code for the family with
-its paged KV cache and batching, so it needs nothing per family. In every family q/k/v are fused into one GEMM
-(attention.qkv); a dense MLP's gate/up stay separate in the TensorRT-LLM checkpoint and are fused in the HF
-unified one (pipeline/quant/sensitivity.py ``fusion_groups_for``). Dense families keep nothing in high precision
-by default beyond the plan's rules.
+its paged KV cache and batching, so it needs little per family: the sliding window (``attention_window``) and
+the widths of a cached key and value (``kv_head_dims``). In every family of the TensorRT-LLM checkpoint q/k/v are
+fused into one GEMM (attention.qkv); a dense MLP's gate/up stay separate in the TensorRT-LLM checkpoint and are
+fused in the HF unified one (pipeline/quant/sensitivity.py ``fusion_groups_for``). Dense families keep nothing
+in high precision by default beyond the plan's rules.
 
 Mixture-of-experts families (``Family.moe``) have, per decoder layer, a router (a linear giving each token's
-expert scores) and a list of experts, each a gated MLP. What is built for them: the sensitivity stage measures
+expert scores, or, in DeepSeek-V2, a module holding its weight that gives the chosen experts) and a list of
+experts, each a gated MLP. What is built for them: the sensitivity stage measures
 every expert on the calibration tokens the router sends it and summarises each layer's experts per expert type;
 the router is measured and recorded; the plan keeps routers in high precision (ModelOpt exports them in fp32 in
 ``build_moe_config``) and gives all the experts of a layer one format, because the checkpoint stacks them into
