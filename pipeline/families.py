@@ -163,6 +163,17 @@ def layer_window(config, i: int) -> int | None:
     return window if window and (not per_type or config.layer_types[i] == "sliding_attention") else None
 
 
+def additive_mask(allowed, qpos, kpos, window: int | None = None):
+    """The additive attention mask (0 where a query may see a key, the dtype's minimum elsewhere, float32) for
+    queries at positions ``qpos`` and keys at ``kpos`` (broadcastable to ``allowed``), cut to the last ``window``
+    positions where one is given: transformers' sliding_window_overlay, key > query - window."""
+    import torch
+
+    if window:
+        allowed = allowed & (kpos > qpos - window)
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+
+
 def kv_head_dims(hf) -> tuple[int, int]:
     """The widths of one KV head's key and value as the model caches them: both ``head_dim`` for most families;
     for multi-head latent attention (DeepSeek-V2: ``kv_lora_rank`` set) transformers caches each head's full key

@@ -56,6 +56,24 @@ def test_pool_round_trip_across_blocks(algo):
     assert other[0] not in table
 
 
+def test_an_hf_unified_checkpoints_kv_scale_is_the_larger_of_k_and_v_per_layer(tmp_path):
+    """The HF unified checkpoint keeps a layer's K and V scales apart; the runtime's one scale per layer is the
+    larger (as ModelOpt's TensorRT-LLM export joins them), and a layer missing one is refused."""
+    from safetensors.torch import save_file
+
+    from pipeline.engines.cpu_runtime import kv_cache_algo, kv_cache_scales
+    from pipeline.errors import IntegrityError
+
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"kv_cache_quant_algo": "FP8"}}))
+    held = {"model.layers.0.self_attn.k_proj.k_scale": 1.5, "model.layers.0.self_attn.v_proj.v_scale": 1.0,
+            "model.layers.1.self_attn.k_proj.k_scale": 1.0, "model.layers.1.self_attn.v_proj.v_scale": 2.25}
+    save_file({k: torch.tensor(v) for k, v in held.items()}, str(tmp_path / "model.safetensors"))
+    assert kv_cache_algo(tmp_path) == "FP8"
+    assert kv_cache_scales(tmp_path, 2) == [1.5, 2.25]
+    with pytest.raises(IntegrityError, match="a k_scale and a v_scale in each of the 3 layers"):
+        kv_cache_scales(tmp_path, 3)
+
+
 def test_pool_sizes_allocation_and_release():
     fp32 = KVBlockPool(3, 2, 8, 4, 10, None)
     int8 = KVBlockPool(3, 2, 8, 4, 10, "INT8", [0.1] * 3)

@@ -658,15 +658,10 @@ class CpuRuntime:
         """The additive 4-D attention mask(s) for a forward whose queries at positions ``qpos`` may see the keys
         at ``kpos`` where ``allowed``: one mask, with the sliding window applied where every layer slides; for a
         model whose layers differ (``layer_types``), one per layer type, as transformers takes them."""
-        def additive(ok):
-            return torch.zeros(ok.shape).masked_fill_(~ok, torch.finfo(torch.float32).min)
-
-        if self.window is None:
-            return additive(allowed)
-        windowed = additive(allowed & (kpos > qpos - self.window))  # transformers' sliding_window_overlay
+        windowed = families.additive_mask(allowed, qpos, kpos, self.window)
         if not self.window_per_type:
             return windowed
-        return {"full_attention": additive(allowed), "sliding_attention": windowed}
+        return {"full_attention": families.additive_mask(allowed, qpos, kpos), "sliding_attention": windowed}
 
     def _decode_step(self) -> None:
         seqs = self._running
@@ -828,12 +823,16 @@ def kv_cache_scales(ckpt_dir: Path, num_layers: int) -> list[float]:
                     for i in range(num_layers)]
     from pipeline.quant.hf_checkpoint import KV_SCALE_NAMES, _files
 
-    scales: dict[int, list[float]] = {}
+    by_file: dict[Path, list[str]] = {}
     for key, path in _files(Path(ckpt_dir)).items():
         parts = key.split(".")
         if parts[-1] in KV_SCALE_NAMES and parts[:2] == ["model", "layers"]:
-            with safe_open(str(path), framework="pt") as f:
-                scales.setdefault(int(parts[2]), []).append(float(f.get_tensor(key)))
+            by_file.setdefault(path, []).append(key)
+    scales: dict[int, list[float]] = {}
+    for path, keys in by_file.items():  # each file opened once
+        with safe_open(str(path), framework="pt") as f:
+            for key in keys:
+                scales.setdefault(int(key.split(".")[2]), []).append(float(f.get_tensor(key)))
     if sorted(scales) != list(range(num_layers)) or any(len(v) != 2 for v in scales.values()):
         raise IntegrityError(f"{ckpt_dir}: an FP8 KV cache needs a k_scale and a v_scale in each of the "
                              f"{num_layers} layers; found {dict(sorted(scales.items()))}")

@@ -401,11 +401,8 @@ def _window_masks(config, t: int, hidden) -> dict:
     masks: dict = {None: None}
     window, _ = families.attention_window(config)
     if window:
-        q = torch.arange(t, device=hidden.device)[:, None]
-        k = torch.arange(t, device=hidden.device)[None, :]
-        ok = (k <= q) & (k > q - window)
-        masks[window] = torch.zeros(t, t, dtype=hidden.dtype, device=hidden.device).masked_fill_(
-            ~ok, torch.finfo(hidden.dtype).min)[None, None]
+        q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        masks[window] = families.additive_mask(k <= q, q, k, window)[None, None].to(hidden.device, hidden.dtype)
     return masks
 
 
