@@ -24,6 +24,7 @@ from typing import Optional
 from pipeline.errors import ConfigError, EnvironmentProblem
 
 NVIDIA_GPUS_DIR = Path("/proc/driver/nvidia/gpus")  # one entry per GPU while the NVIDIA driver is loaded
+NVIDIA_DEV_DIR = Path("/dev")  # /dev/nvidia0, ...: one node per GPU (beside nvidiactl, nvidia-uvm, ...)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNLIMITED = 1 << 60  # cgroup v1 writes a page-rounded 2^63 for "no limit"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8,
@@ -31,11 +32,13 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "F32": 4, "F16": 2, "B
 
 
 def nvidia_gpu_count() -> int:
-    """GPUs the NVIDIA driver shows this machine (container) through /proc; 0 without the driver."""
+    """GPUs the NVIDIA driver shows this machine (container): its entries under /proc, else its device nodes
+    /dev/nvidia0, /dev/nvidia1, ... (a sandboxed kernel such as gVisor passes the nodes but no /proc/driver);
+    0 without the driver."""
     try:
         return sum(1 for _ in NVIDIA_GPUS_DIR.iterdir())
     except OSError:
-        return 0
+        return sum(1 for p in NVIDIA_DEV_DIR.glob("nvidia*") if p.name[len("nvidia"):].isdigit())
 
 
 def check_device(section) -> None:

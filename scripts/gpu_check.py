@@ -76,11 +76,20 @@ def manifest(work: Path, stage: str) -> dict:
     return json.loads((work / stage / "manifest.json").read_text())
 
 
+def row(fmt: str, stage: str, dev: str | None, dt: str | None, rss: int | None, gpu: int | None,
+        sec: float | None) -> str:
+    def gib(n: int | None) -> str:
+        return "-" if n is None else f"{n / 2**30:.1f} GiB"
+    return f"{fmt:8} {stage:12} {dev or '-':6} {dt or '-':9} {gib(rss):>10} {gib(gpu):>10} {sec or 0:>7.0f}s"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: a temporary one, removed)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: Llama-3.1-8B's 32; --tiny: 2)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="a folder with a tokenizer and its config.json (default: the embedded default's, downloaded)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model of the same family (to test this script)")
     a = ap.parse_args()
     import torch
@@ -96,31 +105,45 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     try:
-        invoke("download", "--work-root", str(root / "default"))
-        tokenizer_dir = root / "default" / "smollm2-135m-cpu" / "model" / "hf_model"
+        if a.tokenizer:
+            tokenizer_dir = a.tokenizer
+        else:
+            invoke("download", "--config", str(DEFAULT_CONFIG), "--work-root", str(root / "default"))
+            tokenizer_dir = root / "default" / DEFAULT_CONFIG.stem / "model" / "hf_model"
         model_dir = root / "random-llama"
         t_write = write_model(tokenizer_dir, model_dir, layers, shape, a.device)
         print(f"wrote a random {layers}-layer Llama (hidden {shape['hidden_size']}) in {t_write:.0f} s")
-        rows = []
+        # One work root for both formats: the model and text stages (a 16 GB copy and its hashes at 8B) are done
+        # once and reused by the second run; sensitivity and quantize run again (their settings differ).
+        work_root = root / "work"
+        rows, summaries = [], {}
+        header = f"{'format':8} {'stage':12} {'device':6} {'dtype':9} {'host RSS':>10} {'GPU peak':>10} {'time':>8}"
         for fmt, sets in FORMATS.items():
-            work_root = root / fmt
             args = ["quantize", "--config", str(DEFAULT_CONFIG), "--work-root", str(work_root),
                     "--set", "model.source={kind: local, path: " + str(model_dir) + "}", "--set", "model.dtype=auto",
                     "--set", f"compute.device={a.device}", "--set", "build.dtype=bfloat16"]
             for s in sets + WIDE_GATE:
                 args += ["--set", s]
             wall = invoke(*args)
-            work = work_root / "smollm2-135m-cpu"
+            work = work_root / DEFAULT_CONFIG.stem
+            print(f"{fmt}: invoke quantize took {wall:.0f} s\n{header}")
             for stage in ("sensitivity", "quantize"):
                 s = manifest(work, stage)["summary"]
+                summaries[f"{fmt}/{stage}"] = s
                 c = s.get("compute") or {}
                 rows.append((fmt, stage, c.get("device"), c.get("dtype"), s.get("peak_rss_bytes"),
                              c.get("peak_gpu_bytes"), s.get("analysis_s") or (s.get("timing_s") or {}).get("total")))
-            print(f"{fmt}: invoke quantize took {wall:.0f} s")
-        print(f"\n{'format':8} {'stage':12} {'device':6} {'dtype':9} {'host RSS':>10} {'GPU peak':>10} {'time':>8}")
-        for fmt, stage, dev, dt, rss, gpu, sec in rows:
-            gib = lambda n: "-" if n is None else f"{n / 2**30:.1f} GiB"  # noqa: E731
-            print(f"{fmt:8} {stage:12} {dev or '-':6} {dt or '-':9} {gib(rss):>10} {gib(gpu):>10} {sec or 0:>7.0f}s")
+                print(row(*rows[-1]), flush=True)
+            # every stage summary (timings, peaks, accuracy) for whoever reads the run afterwards
+            (root / "summary.json").write_text(json.dumps(summaries, indent=1, default=str))
+            # the next format's checkpoint is written beside this one before this one is replaced: at 8B that is
+            # 16 GB of model, its 16 GB copy and two 8 GB checkpoints; dropping this one keeps the peak lower
+            for stage in ("sensitivity", "quantize"):
+                shutil.copy2(work / stage / "stage.log", root / f"{fmt}-{stage}.log")
+            shutil.rmtree(work / "quantize")
+        print(f"\n{header}")
+        for r in rows:
+            print(row(*r))
         total = time.perf_counter() - t_all
         ok = all(dev == a.device for _, _, dev, *_ in rows)
         what = "a tiny Llama" if a.tiny else "a Llama-3.1-8B-shape model"

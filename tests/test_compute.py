@@ -79,6 +79,25 @@ def test_quantize_refuses_a_model_that_cannot_fit_in_memory_before_starting(tiny
                           compute.Bound(4 * fp32 + LIBRARIES_BYTES + logits - 1, "x"), 64)
 
 
+def test_gpus_are_counted_from_the_drivers_proc_entries_else_its_device_nodes(tmp_path, monkeypatch):
+    """A container sees the driver's /proc/driver/nvidia/gpus; a sandboxed kernel (gVisor) may pass only the
+    device nodes /dev/nvidia0, ... beside nvidiactl and nvidia-uvm, which are not GPUs."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset", "null"):
+        (dev / name).touch()
+    monkeypatch.setattr(compute, "NVIDIA_GPUS_DIR", tmp_path / "no-proc")
+    monkeypatch.setattr(compute, "NVIDIA_DEV_DIR", dev)
+    assert compute.nvidia_gpu_count() == 2
+    proc = tmp_path / "proc"
+    (proc / "0000:3b:00.0").mkdir(parents=True)
+    monkeypatch.setattr(compute, "NVIDIA_GPUS_DIR", proc)
+    assert compute.nvidia_gpu_count() == 1  # the driver's own list first
+    monkeypatch.setattr(compute, "NVIDIA_GPUS_DIR", tmp_path / "no-proc")
+    monkeypatch.setattr(compute, "NVIDIA_DEV_DIR", tmp_path / "no-dev")
+    assert compute.nvidia_gpu_count() == 0
+
+
 @pytest.mark.skipif(compute.nvidia_gpu_count() > 0, reason="this machine has a GPU")
 def test_device_cuda_without_a_gpu_stops_before_any_work(tmp_path):
     with pytest.raises(EnvironmentProblem, match="compute.device is cuda, but this machine has no NVIDIA GPU"):
