@@ -5,6 +5,7 @@ checked against the plan; and the rules refused before any work."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -170,10 +171,42 @@ def test_the_hf_unified_checkpoint_is_written_from_a_fresh_copy_and_says_what_th
     read = summary["hf_checkpoint"]["read_back"]
     assert read["formats"] == {"W8A8_SQ_PER_CHANNEL": len(plan["layers"]) - len(kept)}
     assert read["kv_cache_scales"] == 2 * 2
+    with safe_open(str(next(hf.glob("*.safetensors"))), framework="pt") as f:
+        k = max(float(f.get_tensor(f"model.layers.{i}.self_attn.k_proj.k_scale")) for i in range(2))
+        v = max(float(f.get_tensor(f"model.layers.{i}.self_attn.v_proj.v_scale")) for i in range(2))
+    assert summary["hf_checkpoint"]["kv_scales_max"] == {"k_scale": k, "v_scale": v, "layers_over_unit_scale": 0}
     acc = summary["accuracy"]
     assert acc["from_hf_checkpoint"]["perplexity_quantized"] == pytest.approx(
         acc["from_checkpoint"]["perplexity_quantized"], rel=2e-2)
     assert acc["from_hf_checkpoint"]["top1_agreement"] >= 0.9
+
+
+def test_the_pytorch_target_refuses_keys_its_unit_scale_fp8_kv_cache_cannot_hold(tmp_path, tiny_model_dir,
+                                                                                  tiny_tokenizer_dir):
+    """TensorRT-LLM 1.2's PyTorch backend keeps an FP8 KV cache at scale 1.0 (tests/data/upstream/
+    pytorch_kv_cache_scales.json): layer 1's k_proj made 20000 times larger puts its keys far past FP8's 448, which
+    calibration sees (k_scale = amax / 448 > 1); quantize for the pytorch target stops, naming the layer."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant.quantize import FP8_MAX, PYTORCH_FP8_KV_SCALE
+
+    upstream = json.loads((Path(__file__).parent / "data" / "upstream" / "pytorch_kv_cache_scales.json").read_text())
+    assert (PYTORCH_FP8_KV_SCALE, FP8_MAX) == (upstream["fp8_kv_scale_served"], upstream["fp8_e4m3_max"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.mul_(20000.0)
+    big = tmp_path / "big_keys"
+    model.save_pretrained(big, safe_serialization=True)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy2(f, big / f.name)
+    cfg = _tiny_config(tmp_path, big)
+    with pytest.raises(StageFailed, match=r"scale 1.0 .*larger keys or values in 1 layer\(s\) \(layer 1: K amax "
+                                          r"[0-9]{4,}.*quantization.kv_cache: none, or with build.target: tensorrt"):
+        _run(cfg, tmp_path / "work", "build.target=pytorch", "quantization.export_hf_checkpoint=true",
+             "quantization.kv_cache=fp8", *LOOSE)
 
 
 def test_tensor_parallel_2_writes_two_ranks_that_read_back_to_the_tp1_logits(tmp_path, tiny_model_dir):

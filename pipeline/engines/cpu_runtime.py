@@ -821,22 +821,9 @@ def kv_cache_scales(ckpt_dir: Path, num_layers: int) -> list[float]:
         with safe_open(str(Path(ckpt_dir) / "rank0.safetensors"), framework="pt") as f:
             return [float(f.get_tensor(f"transformer.layers.{i}.attention.kv_cache_scaling_factor"))
                     for i in range(num_layers)]
-    from pipeline.quant.hf_checkpoint import KV_SCALE_NAMES, _files
+    from pipeline.quant.hf_checkpoint import kv_scales
 
-    by_file: dict[Path, list[str]] = {}
-    for key, path in _files(Path(ckpt_dir)).items():
-        parts = key.split(".")
-        if parts[-1] in KV_SCALE_NAMES and parts[:2] == ["model", "layers"]:
-            by_file.setdefault(path, []).append(key)
-    scales: dict[int, list[float]] = {}
-    for path, keys in by_file.items():  # each file opened once
-        with safe_open(str(path), framework="pt") as f:
-            for key in keys:
-                scales.setdefault(int(key.split(".")[2]), []).append(float(f.get_tensor(key)))
-    if sorted(scales) != list(range(num_layers)) or any(len(v) != 2 for v in scales.values()):
-        raise IntegrityError(f"{ckpt_dir}: an FP8 KV cache needs a k_scale and a v_scale in each of the "
-                             f"{num_layers} layers; found {dict(sorted(scales.items()))}")
-    return [max(scales[i]) for i in range(num_layers)]
+    return [max(k, v) for k, v in kv_scales(Path(ckpt_dir), num_layers)]
 
 
 def _sample(logits: torch.Tensor, p: SamplingParams, gen: Optional[torch.Generator]) -> int:

@@ -69,6 +69,28 @@ def _files(hf_dir: Path) -> dict[str, Path]:
     return where
 
 
+def kv_scales(hf_dir: Path, num_layers: int) -> list[tuple[float, float]]:
+    """Each layer's FP8 KV-cache scales (k_scale, v_scale) as the HF unified checkpoint stores them: the
+    calibrated amax / 448, not clamped (ModelOpt 0.47 clamps them to at least 1 in its TensorRT-LLM export only,
+    quant_utils.py ``get_kv_cache_scaling_factor``). Every layer must have both."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for key, path in _files(Path(hf_dir)).items():
+        parts = key.split(".")
+        if parts[-1] in KV_SCALE_NAMES and parts[:2] == ["model", "layers"]:
+            by_file.setdefault(path, []).append(key)
+    found: dict[int, dict[str, float]] = {}
+    for path, keys in by_file.items():  # each file opened once
+        with safe_open(str(path), framework="pt") as f:
+            for key in keys:
+                found.setdefault(int(key.split(".")[2]), {})[key.rsplit(".", 1)[-1]] = float(f.get_tensor(key))
+    if sorted(found) != list(range(num_layers)) or any(len(v) != 2 for v in found.values()):
+        raise IntegrityError(f"{hf_dir}: an FP8 KV cache needs a k_scale and a v_scale in each of the "
+                             f"{num_layers} layers; found {dict(sorted(found.items()))}")
+    return [(found[i]["k_scale"], found[i]["v_scale"]) for i in range(num_layers)]
+
+
 def quant_config(hf_dir: Path) -> dict:
     path = hf_dir / artifacts.HF_QUANT_CONFIG_FILE
     if not path.is_file():

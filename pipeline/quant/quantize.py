@@ -456,8 +456,10 @@ def _check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_
             "formats": sorted(TRTLLM_QUANT_ALGO[f] for f in formats), "quant_cfg_layers": quantized_layers}
 
 
-def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, model_config: dict) -> dict:
-    """The HF unified checkpoint must say what the plan says, in a config.json transformers can read."""
+def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, model_config: dict,
+                     target: str) -> dict:
+    """The HF unified checkpoint must say what the plan says, in a config.json transformers can read; its FP8 KV
+    scales must fit the target's KV cache (_kv_range_check)."""
     from transformers import AutoConfig
 
     problems = []
@@ -498,9 +500,10 @@ def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, m
                             f"{model_config['rope_theta']}")
     if problems:
         raise StageFailed("the exported HF unified checkpoint does not match the plan: " + "; ".join(problems[:6]))
+    kv = _kv_range_check(hf_dir, model_config["num_hidden_layers"], target) if quant.kv_cache == "fp8" else None
     return {"quant_algo": q.get("quant_algo"), "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
             "exclude_modules": sorted(q.get("exclude_modules") or []),
-            "quantized_layers": len(q.get("quantized_layers") or {}) or None,
+            "quantized_layers": len(q.get("quantized_layers") or {}) or None, "kv_scales_max": kv,
             "bytes": sum(p.stat().st_size for p in hf_dir.iterdir() if p.is_file())}
 
 
@@ -689,7 +692,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         for name in artifacts.TOKENIZER_FILES:  # the LLM API serves the folder on its own
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, hf_dir / name)
-        hf_exported = _check_hf_export(hf_dir, plan_doc, quant, model_config)
+        hf_exported = _check_hf_export(hf_dir, plan_doc, quant, model_config, build.target)
     from_ckpt = read_facts = None
     if exported is not None:
         # the model as the checkpoint says, read back by our own reader: the figure closest to the engine's
@@ -709,6 +712,31 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         hf_exported = None
     return _finish(out_dir, accuracy, from_ckpt, read_facts, exported, hf_exported, generations, plan_doc,
                    int(calib.numel()), int(evals.numel()), comp.compute_record(device, ref_dtype, bound), t_quant, t0)
+
+
+# The FP8 KV-cache scale TensorRT-LLM 1.2's PyTorch backend serves with, whatever the checkpoint holds: its
+# attention keeps kv_cache_scaling_factor = 1.0 and loads the checkpoint's k_scale / v_scale for an NVFP4 KV
+# cache only (cited: tests/data/upstream/pytorch_kv_cache_scales.json). FP8 E4M3's largest value is 448.
+PYTORCH_FP8_KV_SCALE, FP8_MAX = 1.0, 448.0
+
+
+def _kv_range_check(hf_dir: Path, num_layers: int, target: str) -> dict:
+    """The HF unified checkpoint's largest FP8 KV scales (k_scale, v_scale: calibrated amax / 448). For the
+    pytorch target, whose KV cache runs at PYTORCH_FP8_KV_SCALE, a layer whose K or V amax is beyond what that
+    scale can hold (scale > 1) is a StageFailed: the served cache would not hold what calibration saw."""
+    from pipeline.quant.hf_checkpoint import kv_scales
+
+    scales = kv_scales(hf_dir, num_layers)
+    over = [(i, k, v) for i, (k, v) in enumerate(scales) if max(k, v) > PYTORCH_FP8_KV_SCALE]
+    if over and target == "pytorch":
+        worst = ", ".join(f"layer {i}: K amax {k * FP8_MAX:.0f}, V amax {v * FP8_MAX:.0f}" for i, k, v in over[:4])
+        raise StageFailed(
+            f"build.target pytorch: TensorRT-LLM 1.2's PyTorch backend keeps an FP8 KV cache at scale "
+            f"{PYTORCH_FP8_KV_SCALE} (it does not load the checkpoint's k_scale / v_scale for FP8), where FP8 holds "
+            f"values up to +-{FP8_MAX:.0f}; calibration found larger keys or values in {len(over)} layer(s) "
+            f"({worst}). Serve this model with quantization.kv_cache: none, or with build.target: tensorrt, whose "
+            f"engine takes the checkpoint's scale.")
+    return {"k_scale": max(k for k, _ in scales), "v_scale": max(v for _, v in scales), "layers_over_unit_scale": len(over)}
 
 
 def _read_back_hf(hf_dir: Path, original, evals, kept: set[str], quant: QuantizationSection) -> tuple[dict, dict]:
