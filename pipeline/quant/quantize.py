@@ -500,7 +500,11 @@ def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, m
                             f"{model_config['rope_theta']}")
     if problems:
         raise StageFailed("the exported HF unified checkpoint does not match the plan: " + "; ".join(problems[:6]))
-    kv = _kv_range_check(hf_dir, model_config["num_hidden_layers"], target) if quant.kv_cache == "fp8" else None
+    kv = None
+    if quant.kv_cache == "fp8":
+        fam = families.FAMILIES.get(model_config.get("model_type"))
+        kv = _kv_range_check(hf_dir, model_config["num_hidden_layers"], target,
+                             engine_serves_it=fam is None or "tensorrt" in fam.targets)
     return {"quant_algo": q.get("quant_algo"), "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
             "exclude_modules": sorted(q.get("exclude_modules") or []),
             "quantized_layers": len(q.get("quantized_layers") or {}) or None, "kv_scales_max": kv,
@@ -720,22 +724,24 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
 PYTORCH_FP8_KV_SCALE, FP8_MAX = 1.0, 448.0
 
 
-def _kv_range_check(hf_dir: Path, num_layers: int, target: str) -> dict:
+def _kv_range_check(hf_dir: Path, num_layers: int, target: str, engine_serves_it: bool) -> dict:
     """The HF unified checkpoint's largest FP8 KV scales (k_scale, v_scale: calibrated amax / 448). For the
     pytorch target, whose KV cache runs at PYTORCH_FP8_KV_SCALE, a layer whose K or V amax is beyond what that
-    scale can hold (scale > 1) is a StageFailed: the served cache would not hold what calibration saw."""
+    scale can hold (scale > 1) is a StageFailed: the served cache would not hold what calibration saw.
+    ``engine_serves_it``: the model's family has the tensorrt target, which the message then offers."""
     from pipeline.quant.hf_checkpoint import kv_scales
 
     scales = kv_scales(hf_dir, num_layers)
     over = [(i, k, v) for i, (k, v) in enumerate(scales) if max(k, v) > PYTORCH_FP8_KV_SCALE]
     if over and target == "pytorch":
-        worst = ", ".join(f"layer {i}: K amax {k * FP8_MAX:.0f}, V amax {v * FP8_MAX:.0f}" for i, k, v in over[:4])
+        shown = ", ".join(f"layer {i}: K amax {k * FP8_MAX:.0f}, V amax {v * FP8_MAX:.0f}" for i, k, v in over[:4])
+        engine = (", or with build.target: tensorrt, whose engine takes the checkpoint's scale" if engine_serves_it
+                  else "")
         raise StageFailed(
             f"build.target pytorch: TensorRT-LLM 1.2's PyTorch backend keeps an FP8 KV cache at scale "
             f"{PYTORCH_FP8_KV_SCALE} (it does not load the checkpoint's k_scale / v_scale for FP8), where FP8 holds "
             f"values up to +-{FP8_MAX:.0f}; calibration found larger keys or values in {len(over)} layer(s) "
-            f"({worst}). Serve this model with quantization.kv_cache: none, or with build.target: tensorrt, whose "
-            f"engine takes the checkpoint's scale.")
+            f"({shown}). Serve this model with quantization.kv_cache: none{engine}.")
     return {"k_scale": max(k for k, _ in scales), "v_scale": max(v for _, v in scales), "layers_over_unit_scale": len(over)}
 
 
