@@ -49,16 +49,35 @@ def invoke(*args: str) -> float:
     return time.perf_counter() - t0
 
 
-def write_model(tokenizer_dir: Path, out: Path, layers: int, shape: dict, device: str, tie: bool = False) -> float:
-    """A random bf16 Llama of the given shape, made on ``device`` and saved as safetensors shards; ``tie``: one
-    tensor for the embedding and lm_head (as Llama-3.2-1B/3B)."""
+def llama_config(tokenizer_dir: Path, layers: int, shape: dict, tie: bool = False):
+    """A bf16 Llama config of the given shape with the tokenizer's vocabulary; ``tie``: one tensor for the
+    embedding and lm_head (as Llama-3.2-1B/3B)."""
+    from transformers import LlamaConfig
+
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    return LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=tie, torch_dtype="bfloat16",
+                       **shape)
+
+
+def disk_needed(config) -> int:
+    """Bytes on disk at the run's peak: the bf16 model, the model stage's copy of it, and one checkpoint (8-bit
+    linears; the embedding and lm_head in 16 bits). Counted on the meta device: nothing is allocated."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    edges = model.get_input_embeddings().weight.numel() * (1 if config.tie_word_embeddings else 2)
+    return 2 * 2 * total + (total - edges) + 2 * edges
+
+
+def write_model(config, tokenizer_dir: Path, out: Path, device: str) -> float:
+    """A random bf16 Llama of ``config``, made on ``device`` and saved as safetensors shards with the tokenizer."""
+    import torch
+    from transformers import LlamaForCausalLM
 
     t0 = time.perf_counter()
-    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    config = LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=tie,
-                         torch_dtype="bfloat16", **shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -110,8 +129,14 @@ def main() -> int:
         else:
             invoke("download", "--config", str(DEFAULT_CONFIG), "--work-root", str(root / "default"))
             tokenizer_dir = root / "default" / DEFAULT_CONFIG.stem / "model" / "hf_model"
+        config = llama_config(tokenizer_dir, layers, shape)
+        need, free = disk_needed(config), shutil.disk_usage(root).free
+        if free < need:
+            print(f"FAIL: this run writes about {need / 2**30:.2f} GiB at its peak and {root} has "
+                  f"{free / 2**30:.2f} GiB free: pass --work on a larger disk, or fewer --layers")
+            return 1
         model_dir = root / "random-llama"
-        t_write = write_model(tokenizer_dir, model_dir, layers, shape, a.device)
+        t_write = write_model(config, tokenizer_dir, model_dir, a.device)
         print(f"wrote a random {layers}-layer Llama (hidden {shape['hidden_size']}) in {t_write:.0f} s")
         # One work root for both formats: the model and text stages (a 16 GB copy and its hashes at 8B) are done
         # once and reused by the second run; sensitivity and quantize run again (their settings differ).
