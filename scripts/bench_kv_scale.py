@@ -27,7 +27,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-FP8_MAX = 448.0
 # ModelOpt's FP8 KV fragment (FP8_KV_CFG: the K/V quantizers in FP8 E4M3, one scale per tensor) on its own, with
 # everything else off and max calibration, as the quantize stage adds it to a weight format's preset
 KV_ONLY = {"quant_cfg": [{"quantizer_name": "*", "enable": False},
@@ -50,6 +49,7 @@ def main() -> int:
     from pipeline import artifacts
     from pipeline.config import load_config
     from pipeline.constants import DEFAULT_CONFIG
+    from pipeline.quant.quant_math import FP8_MAX
     from pipeline.quant.quantize import EVAL_BATCH, _accuracy
 
     loaded = load_config(Path(a.config) if a.config else DEFAULT_CONFIG)

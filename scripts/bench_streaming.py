@@ -207,14 +207,15 @@ def large(root: Path, bound: int, everything: bool) -> int:
     from pipeline import artifacts, compute
 
     sys.path.insert(0, str(REPO / "scripts"))
-    from gpu_check import write_model
+    from gpu_check import llama_config, write_model
 
-    invoke("download", "--work-root", str(root / "default"))
+    invoke("download", "--config", str(DEFAULT_CONFIG), "--work-root", str(root / "default"))
     model_dir = root / "random-llama-2b"
     t = 0.0
     if not (model_dir / "config.json").is_file():  # kept from an earlier run with the same --work
-        t = write_model(root / "default" / NAME / "model" / artifacts.MODEL_DIR, model_dir, LARGE_LAYERS,
-                        LARGE_SHAPE, "cpu", tie=True)
+        tokenizer_dir = root / "default" / NAME / "model" / artifacts.MODEL_DIR
+        t = write_model(llama_config(tokenizer_dir, LARGE_LAYERS, LARGE_SHAPE, tie=True), tokenizer_dir, model_dir,
+                        "cpu")
     fp32 = compute.model_bytes(model_dir, "float32")
     print(f"wrote a random {LARGE_LAYERS}-layer Llama: {fp32 // 4 / 1e9:.2f}B parameters, {gib(fp32)} in fp32, "
           f"bf16 on disk ({t:.0f} s); memory cgroup limit {gib(bound)} ({fp32 / bound:.1f}x smaller)")

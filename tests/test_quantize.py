@@ -191,7 +191,8 @@ def test_the_pytorch_target_refuses_keys_its_unit_scale_fp8_kv_cache_cannot_hold
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.quant.quantize import FP8_MAX, PYTORCH_FP8_KV_SCALE
+    from pipeline.quant.quant_math import FP8_MAX
+    from pipeline.quant.quantize import PYTORCH_FP8_KV_SCALE
 
     upstream = json.loads((Path(__file__).parent / "data" / "upstream" / "pytorch_kv_cache_scales.json").read_text())
     assert (PYTORCH_FP8_KV_SCALE, FP8_MAX) == (upstream["fp8_kv_scale_served"], upstream["fp8_e4m3_max"])

@@ -720,8 +720,8 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
 
 # The FP8 KV-cache scale TensorRT-LLM 1.2's PyTorch backend serves with, whatever the checkpoint holds: its
 # attention keeps kv_cache_scaling_factor = 1.0 and loads the checkpoint's k_scale / v_scale for an NVFP4 KV
-# cache only (cited: tests/data/upstream/pytorch_kv_cache_scales.json). FP8 E4M3's largest value is 448.
-PYTORCH_FP8_KV_SCALE, FP8_MAX = 1.0, 448.0
+# cache only (cited: tests/data/upstream/pytorch_kv_cache_scales.json).
+PYTORCH_FP8_KV_SCALE = 1.0
 
 
 def _kv_range_check(hf_dir: Path, num_layers: int, target: str, engine_serves_it: bool) -> dict:
@@ -730,6 +730,7 @@ def _kv_range_check(hf_dir: Path, num_layers: int, target: str, engine_serves_it
     scale can hold (scale > 1) is a StageFailed: the served cache would not hold what calibration saw.
     ``engine_serves_it``: the model's family has the tensorrt target, which the message then offers."""
     from pipeline.quant.hf_checkpoint import kv_scales
+    from pipeline.quant.quant_math import FP8_MAX
 
     scales = kv_scales(hf_dir, num_layers)
     over = [(i, k, v) for i, (k, v) in enumerate(scales) if max(k, v) > PYTORCH_FP8_KV_SCALE]
