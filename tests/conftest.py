@@ -212,11 +212,18 @@ def tiny_config(tmp_path, model_dir, extra=""):
 
 
 def completion_order_with_classes(http_url: str, model: str, queue_size, at_least: float, hogs: int = 16,
-                                  hog_tokens: int = 100) -> list[str]:
+                                  hog_tokens: int = 100, stagger: int = 0, queued: int = 0,
+                                  queued_tokens: int = 100) -> list[str]:
     """Request classes on a real server published with triton.priority_levels 2: ``hogs`` long requests of the
     default level queue at the ensemble ``model`` (until ``queue_size()``, a gauge of the runtime's, reaches
     ``at_least``), then a request with no priority, one of level 2 and one of level 1 are sent in that order. The
     names of all of them in the order their answers came back.
+
+    ``stagger``: long request i asks ``hog_tokens + stagger * i`` tokens, so that a batch of them started in one
+    step ends one at a time (a batch that ends at once frees every slot in one step, and the requests already
+    waiting take them all, whatever their level). ``queued``: once the long ones are in, as many requests
+    "wait i" of ``queued_tokens``, sent and awaited (the gauge at ``at_least + queued``) before the three classes:
+    they wait behind the long ones in the runtime's own queue.
 
     The queue forms only where the engine answers a long request more slowly than the ensemble hands the next
     one over: on a 2-core machine the ensemble's Python models hand over about 8 requests a second, and the
@@ -241,24 +248,30 @@ def completion_order_with_classes(http_url: str, model: str, queue_size, at_leas
             raise AssertionError(f"{name!r}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from e
         done[name] = time.perf_counter()
 
-    with concurrent.futures.ThreadPoolExecutor(hogs + 3) as pool:
+    with concurrent.futures.ThreadPoolExecutor(hogs + queued + 3) as pool:
         t0 = time.perf_counter()
-        # end_id -1: a long request runs to its length (an end token would cut it short)
-        futures = [pool.submit(ask, f"long {i}", hog_tokens, end_id=-1) for i in range(hogs)]
-        deadline = time.monotonic() + 120
-        seen: list[tuple[float, float, int]] = []  # (s since the first was sent, the gauge, long ones answered)
-        while time.monotonic() < deadline:
-            seen.append((round(time.perf_counter() - t0, 2), queue_size(), len(done)))
-            if seen[-1][1] >= at_least:
-                break
-            failed = next((f for f in futures if f.done() and f.exception()), None)
-            if failed:
-                failed.result()  # a long request failed: its name and the server's words, not a timeout
-            time.sleep(0.1)
-        else:
+        futures: list = []
+
+        def fill(prefix: str, n: int, max_tokens: int, step: int, depth: float) -> None:
+            # end_id -1: a long request runs to its length (an end token would cut it short)
+            futures.extend(pool.submit(ask, f"{prefix} {i}", max_tokens + step * i, end_id=-1) for i in range(n))
+            deadline = time.monotonic() + 120
+            seen: list[tuple[float, float, int]] = []  # (s since the first was sent, the gauge, answered)
+            while time.monotonic() < deadline:
+                seen.append((round(time.perf_counter() - t0, 2), queue_size(), len(done)))
+                if seen[-1][1] >= depth:
+                    return
+                failed = next((f for f in futures if f.done() and f.exception()), None)
+                if failed:
+                    failed.result()  # a request failed: its name and the server's words, not a timeout
+                time.sleep(0.1)
             answered = sorted((round(t - t0, 2), tokens[n]) for n, t in done.items())
-            raise AssertionError(f"the long requests never queued {at_least} deep in the runtime. The gauge "
-                                 f"(s, value, answered): {seen[:40]}; the long answers (s, tokens): {answered}")
+            raise AssertionError(f"the {prefix!r} requests never queued {depth} deep in the runtime. The gauge "
+                                 f"(s, value, answered): {seen[:40]}; the answers (s, tokens): {answered}")
+
+        fill("long", hogs, hog_tokens, stagger, at_least)
+        if queued:
+            fill("wait", queued, queued_tokens, 0, at_least + queued)
         for name, priority in (("none", {}), ("level 2", {"priority": 2}), ("level 1", {"priority": 1})):
             futures.append(pool.submit(ask, name, **priority))
             time.sleep(0.2)  # sent in this order

@@ -341,27 +341,33 @@ def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
 
 def _request_classes_through_triton(work_root) -> None:
     """triton.priority_levels 2 on the vllm target (published last: the repository keeps it): behind Triton's
-    ensemble, vLLM's priority scheduling takes a level 1 request ahead of a queue of long default-level ones
-    (max_num_seqs running, as many waiting) and of the no-priority and level 2 requests sent before it."""
+    ensemble, vLLM's priority scheduling starts a level 1 request ahead of default-level ones that were waiting
+    in its queue before it (and of the no-priority and level 2 requests sent just before it)."""
     from pipeline.serving.server import server_for_target
 
     proc = run_invoke("publish", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),
                       "--set", "triton.priority_levels=2", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cfg = load_config(VLLM_CONFIG).config
-    # Triton hands the model at most twice its max_batch_size at once (seen: the gauge held at 32 of 48 sent; the
-    # rest waited in Triton's own queue, first come first served, ahead of the level-1 request): 16 running in
-    # vLLM and 16 waiting; long requests of 400 tokens keep them there (see completion_order_with_classes)
-    hogs = 2 * cfg.build.max_batch_size
+    # max_num_seqs long requests run (400 to 520 tokens, one ending every 8 steps), 12 requests of 100 tokens
+    # wait behind them in vLLM, then the three classes come. Each slot a long one frees goes to the highest level
+    # waiting: level 1 runs its 16 tokens and is answered before any "wait" request (which needs 100); first come
+    # first served, the 12 "wait" ones would start first and the first of them end before level 1 does.
+    # Two things this avoids, both seen: Triton hands the ensemble's model at most twice its max_batch_size at
+    # once (the gauge held at 32 of 48 sent; the rest waited in Triton's queue), so 16 + 12 + 3 stay under 32;
+    # and long requests of one length started in one step end in one step, where the requests already waiting in
+    # vLLM took every freed slot before the level 1 request, held in Triton's queue, reached vLLM (CI, 32 sent).
+    running = cfg.build.max_batch_size
+    queued = running - 4  # in flight: 16 + 12 + 3 = 31, under Triton's 32
     with server_for_target("vllm", work_root / NAME / "publish" / "model_repository", frontend="triton") as server:
         active = lambda: metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type",  # noqa: E731
                                 "active")
-        order = completion_order_with_classes(server.http_url, cfg.triton.model_name, active, hogs, hogs=hogs,
-                                              hog_tokens=400)
-    # the no-priority and level-2 requests are not held to arrival order here: vLLM may start both in one step
-    # (slots free by the batch) and then they finish together
-    assert order.index("level 1") < min(order.index("none"), order.index("level 2")), order
-    assert sum(n.startswith("long") for n in order[order.index("level 1"):]) >= 3, order  # it overtook the queue
+        order = completion_order_with_classes(server.http_url, cfg.triton.model_name, active, running, hogs=running,
+                                              hog_tokens=400, stagger=8, queued=queued, queued_tokens=100)
+    later = [n for n in order if n.startswith("wait") or n in ("none", "level 2")]
+    assert order.index("level 1") < min(order.index(n) for n in later), order  # ahead of the queue before it
+    assert sum(n.startswith("long") for n in order[order.index("level 1"):]) >= 3, order  # long ones still running
+
 
 def _serve_and_stop(work_root, light) -> None:
     """`invoke serve` on the vllm repository: it prints the OpenAI endpoints, answers a completion, stops on
