@@ -79,6 +79,31 @@ def test_quantize_refuses_a_model_that_cannot_fit_in_memory_before_starting(tiny
                           compute.Bound(4 * fp32 + LIBRARIES_BYTES + logits - 1, "x"), 64)
 
 
+def test_quantize_on_gpus_refuses_bounds_under_its_copies_of_the_model_and_warns_under_the_measured_peak(
+        tiny_model_dir, caplog):
+    """Two bf16 copies on GPUs (the gate's original and the quantized one), three with the HF export's own; the
+    GPUs' bounds are summed (accelerate spreads each copy over them)."""
+    from pipeline.config import QuantizationSection
+    from pipeline.quant.quantize import GPU_MEASURED_PEAK, check_gpu_memory
+
+    bf16 = compute.model_bytes(tiny_model_dir, "bfloat16")
+    assert bf16 == compute.model_bytes(tiny_model_dir, "float32") // 2
+    gpus = lambda total: [compute.Bound(total // 2, "free GPU memory less compute.memory_margin 0.1")] * 2  # noqa: E731
+    roomy = int(GPU_MEASURED_PEAK * bf16) + 2
+    with caplog.at_level("WARNING"):
+        assert check_gpu_memory(tiny_model_dir, QuantizationSection(), "bfloat16", gpus(roomy)) == 2 * bf16
+    assert "may run out of GPU memory" not in caplog.text
+    with pytest.raises(InputError, match=r"on 2 GPU\(s\) holds at least .* the model 2 times in bfloat16 .* "
+                                         r"\(free GPU memory less compute.memory_margin 0.1\).*layer_streaming: always"):
+        check_gpu_memory(tiny_model_dir, QuantizationSection(), "bfloat16", gpus(2 * bf16 - 2))
+    hf = QuantizationSection(export_hf_checkpoint=True, kv_cache="fp8")
+    with pytest.raises(InputError, match="the model 3 times in bfloat16.*not with quantization.export_hf_checkpoint"):
+        check_gpu_memory(tiny_model_dir, hf, "bfloat16", gpus(3 * bf16 - 2))
+    with caplog.at_level("WARNING"):
+        assert check_gpu_memory(tiny_model_dir, hf, "bfloat16", gpus(3 * bf16)) == 3 * bf16
+    assert "under the 4.0 times the weights" in caplog.text and "may run out of GPU memory" in caplog.text
+
+
 def test_gpus_are_counted_from_the_drivers_proc_entries_else_its_device_nodes(tmp_path, monkeypatch):
     """A container sees the driver's /proc/driver/nvidia/gpus; a sandboxed kernel (gVisor) may pass only the
     device nodes /dev/nvidia0, ... beside nvidiactl and nvidia-uvm, which are not GPUs."""

@@ -543,6 +543,38 @@ def check_host_memory(model_dir: Path, quant: QuantizationSection, bound, eval_s
     return need
 
 
+# On GPUs the model is loaded twice in the reference dtype (the accuracy gate's original and the copy ModelOpt
+# quantizes), three times where the HF export gets its own copy (families with both exports): the least it can
+# hold. The peak is higher: at Llama-3.1-8B's shape on an H200 (scripts/gpu_check.py, no HF export) 55.6 GiB for
+# 13.75 GiB of bf16 weights, 4.0 times, for FP8 and INT8 SmoothQuant alike.
+GPU_MEASURED_PEAK = 4.0
+
+
+def check_gpu_memory(model_dir: Path, quant: QuantizationSection, dtype: str, bounds: list) -> int:
+    """Refuse, before the model is loaded, GPUs whose bounds (compute.Bound, one per GPU) together cannot hold
+    the in-memory path's copies of the model; warn where they are under the measured peak. Returns the least
+    bytes it needs."""
+    from pipeline import compute as comp
+
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    fam = families.FAMILIES.get(model_type)
+    copies = 2 + int(bool(quant.export_hf_checkpoint and (fam is None or fam.trtllm_checkpoint)))
+    weights = comp.model_bytes(model_dir, dtype)
+    need, room = copies * weights, sum(b.bytes for b in bounds)
+    held = f"the model {copies} times in {dtype} ({comp.gib(weights)} each)"
+    if need > room:
+        raise InputError(
+            f"quantize in memory on {len(bounds)} GPU(s) holds at least {comp.gib(need)}, {held}; their bound is "
+            f"{comp.gib(room)} together ({bounds[0].source}). Give it more GPUs (CUDA_VISIBLE_DEVICES), or set "
+            f"compute.layer_streaming: always to quantize one decoder layer at a time"
+            + (" (not with quantization.export_hf_checkpoint)" if quant.export_hf_checkpoint else "") + ".")
+    if GPU_MEASURED_PEAK * weights > room:
+        log.warning("quantize: the GPUs' bound %s is under the %.1f times the weights (%s) this stage peaked at "
+                    "where measured; it may run out of GPU memory", comp.gib(room), GPU_MEASURED_PEAK,
+                    comp.gib(int(GPU_MEASURED_PEAK * weights)))
+    return need
+
+
 def quantize_streams(model_dir: Path, cfg, bound) -> bool:
     """Whether quantize streams the model layer by layer (compute.layer_streaming; auto: on the CPU, when the
     in-memory path would not fit ``bound``). Refuses, before any work, what neither way can do."""
@@ -573,16 +605,33 @@ def quantize_streams(model_dir: Path, cfg, bound) -> bool:
     return True
 
 
-def _load_model(model_dir: Path, device: str, dtype_name: str, gpu_bound):
+def _gpu_bounds(compute: ComputeSection) -> list:
+    """One compute.Bound per visible GPU, for what is still free on it: read again before each load, so that
+    the second copy of the model is mapped around the first (compute.max_gpu_memory less what this process holds
+    there; else the free memory less the margin)."""
+    import torch
+
+    from pipeline import compute as comp
+
+    bounds = []
+    for i in range(torch.cuda.device_count()):
+        bound = comp.gpu_memory_bound(compute, torch.cuda.mem_get_info(i)[0])
+        if compute.max_gpu_memory is not None:
+            bound = comp.Bound(max(0, bound.bytes - torch.cuda.memory_allocated(i)), bound.source)
+        bounds.append(bound)
+    return bounds
+
+
+def _load_model(model_dir: Path, device: str, dtype_name: str, compute: ComputeSection):
     """The HF model for calibration: on the CPU as it is; on CUDA spread over the visible GPUs by a device map
-    (accelerate), each GPU held to ``gpu_bound`` bytes."""
+    (accelerate), each GPU held to what its bound leaves (_gpu_bounds)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, dtype_name)
     if device == "cpu":
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()
-    max_memory = {i: gpu_bound for i in range(torch.cuda.device_count())}
+    max_memory = {i: b.bytes for i, b in enumerate(_gpu_bounds(compute))}
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa",
                                                 device_map="auto", max_memory=max_memory).eval()
 
@@ -605,10 +654,6 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     bound = memory_bound or comp.host_memory_bound(compute)
     device = comp.resolve_device(compute)
     ref_dtype = comp.reference_dtype(device, "float32")
-    gpu_bound = None
-    if device == "cuda":
-        free, _ = torch.cuda.mem_get_info(0)
-        gpu_bound = comp.gpu_memory_bound(compute, free).bytes
     log.info("quantize on %s in %s", device, ref_dtype)
 
     t0 = time.perf_counter()
@@ -637,10 +682,12 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
                 "calibrate_s": res["calibrate_s"], "elapsed_s": time.perf_counter() - t0, "device": device,
                 "calibration_tokens": int(calib.numel()), "greedy_generations": quant.greedy_generations,
                 "compute": comp.compute_record(device, ref_dtype, bound)}
-    original = _load_model(model_dir, device, ref_dtype, gpu_bound)
+    if device == "cuda":
+        check_gpu_memory(model_dir, quant, ref_dtype, _gpu_bounds(compute))
+    original = _load_model(model_dir, device, ref_dtype, compute)
     # the model ModelOpt quantizes in place; on GPUs a second load (a deep copy of a dispatched model would
     # share accelerate's hooks)
-    model = copy.deepcopy(original) if device == "cpu" else _load_model(model_dir, device, ref_dtype, gpu_bound)
+    model = copy.deepcopy(original) if device == "cpu" else _load_model(model_dir, device, ref_dtype, compute)
     calib = calib.to(_input_device(model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
