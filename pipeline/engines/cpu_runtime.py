@@ -42,11 +42,12 @@ import torch
 
 from pipeline import artifacts, families
 from pipeline.errors import InputError, IntegrityError
+from pipeline.quant.quant_math import FP8_MAX
 
 log = logging.getLogger(__name__)
 
 KV_STORAGE = {"INT8": torch.int8, "FP8": torch.float8_e4m3fn, None: torch.float32}
-_INT8_MAX, _FP8_MAX = 127.0, 448.0
+_INT8_MAX = 127.0
 _DONE = object()  # end-of-stream marker in a request's token queue
 
 
@@ -127,7 +128,7 @@ class KVBlockPool:
         if self.quant_algo == "INT8":
             return torch.clamp(torch.round(x.float() / self.scales[layer]), -_INT8_MAX, _INT8_MAX).to(torch.int8)
         if self.quant_algo == "FP8":
-            return (x.float() / self.scales[layer]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+            return (x.float() / self.scales[layer]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return x.float()
 
     def decode(self, codes: torch.Tensor, layer: int) -> torch.Tensor:
