@@ -110,6 +110,9 @@ def main() -> int:
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="a folder with a tokenizer and its config.json (default: the embedded default's, downloaded)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model of the same family (to test this script)")
+    ap.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS), help="the formats to run")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                    help="a config override for every quantize run, e.g. compute.layer_streaming=always")
     a = ap.parse_args()
     import torch
 
@@ -143,12 +146,13 @@ def main() -> int:
         work_root = root / "work"
         rows, summaries = [], {}
         header = f"{'format':8} {'stage':12} {'device':6} {'dtype':9} {'host RSS':>10} {'GPU peak':>10} {'time':>8}"
-        for fmt, sets in FORMATS.items():
+        for fmt in a.formats:
+            sets = FORMATS[fmt] + a.sets
             args = ["quantize", "--config", str(DEFAULT_CONFIG), "--work-root", str(work_root),
                     "--set", "model.source={kind: local, path: " + str(model_dir) + "}", "--set", "model.dtype=auto",
                     "--set", f"compute.device={a.device}", "--set", "build.dtype=bfloat16"]
-            for s in sets + WIDE_GATE:
-                args += ["--set", s]
+            for override in sets + WIDE_GATE:
+                args += ["--set", override]
             wall = invoke(*args)
             work = work_root / DEFAULT_CONFIG.stem
             print(f"{fmt}: invoke quantize took {wall:.0f} s\n{header}")
@@ -159,6 +163,7 @@ def main() -> int:
                 rows.append((fmt, stage, c.get("device"), c.get("dtype"), s.get("peak_rss_bytes"),
                              c.get("peak_gpu_bytes"), s.get("analysis_s") or (s.get("timing_s") or {}).get("total")))
                 print(row(*rows[-1]), flush=True)
+            print(f"{fmt}: quantize streamed layer by layer: {s.get('layer_streaming')}")
             # every stage summary (timings, peaks, accuracy) for whoever reads the run afterwards
             (root / "summary.json").write_text(json.dumps(summaries, indent=1, default=str))
             # the next format's checkpoint is written beside this one before this one is replaced: at 8B that is
@@ -172,7 +177,7 @@ def main() -> int:
         total = time.perf_counter() - t_all
         ok = all(dev == a.device for _, _, dev, *_ in rows)
         what = "a tiny Llama" if a.tiny else "a Llama-3.1-8B-shape model"
-        print(f"\n{'PASS' if ok else 'FAIL'}: sensitivity and quantize (fp8, int8_sq) of {what} on {a.device} "
+        print(f"\n{'PASS' if ok else 'FAIL'}: sensitivity and quantize ({', '.join(a.formats)}) of {what} on {a.device} "
               f"in {total:.0f} s")
         return 0 if ok else 1
     finally:

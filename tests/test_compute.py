@@ -104,6 +104,27 @@ def test_quantize_on_gpus_refuses_bounds_under_its_copies_of_the_model_and_warns
     assert "under the 4.0 times the weights" in caplog.text and "may run out of GPU memory" in caplog.text
 
 
+def test_quantize_on_gpus_streams_under_the_measured_peak_unless_told_not_to_or_exporting_hf(tiny_model_dir):
+    """layer_streaming auto streams where the GPUs' bounds are under the measured peak; never (and an HF export,
+    which is not streamed) keeps the model whole: refused under its copies, allowed (with a warning) above."""
+    from pipeline.config import QuantizationSection
+    from pipeline.quant.quantize import GPU_MEASURED_PEAK, gpu_streams
+
+    bf16 = compute.model_bytes(tiny_model_dir, "bfloat16")
+    plain, hf = QuantizationSection(), QuantizationSection(export_hf_checkpoint=True, kv_cache="fp8")
+    one = lambda n: [compute.Bound(n, "compute.max_gpu_memory")]  # noqa: E731
+    peak = int(GPU_MEASURED_PEAK * bf16)
+    assert gpu_streams(tiny_model_dir, plain, "auto", "bfloat16", one(peak)) is False
+    assert gpu_streams(tiny_model_dir, plain, "auto", "bfloat16", one(peak - 1)) is True
+    assert gpu_streams(tiny_model_dir, plain, "auto", "bfloat16", one(bf16)) is True  # where whole would not fit
+    assert gpu_streams(tiny_model_dir, plain, "never", "bfloat16", one(peak - 1)) is False
+    with pytest.raises(InputError, match="the model 2 times"):
+        gpu_streams(tiny_model_dir, plain, "never", "bfloat16", one(2 * bf16 - 1))
+    assert gpu_streams(tiny_model_dir, hf, "auto", "bfloat16", one(3 * bf16)) is False
+    with pytest.raises(InputError, match="the model 3 times.*not with quantization.export_hf_checkpoint"):
+        gpu_streams(tiny_model_dir, hf, "auto", "bfloat16", one(3 * bf16 - 1))
+
+
 def test_gpus_are_counted_from_the_drivers_proc_entries_else_its_device_nodes(tmp_path, monkeypatch):
     """A container sees the driver's /proc/driver/nvidia/gpus; a sandboxed kernel (gVisor) may pass only the
     device nodes /dev/nvidia0, ... beside nvidiactl and nvidia-uvm, which are not GPUs."""

@@ -119,3 +119,31 @@ def test_a_bound_too_small_for_the_whole_model_streams_and_one_too_small_for_a_l
     hf = cfg.model_copy(update={"quantization": cfg.quantization.model_copy(update={"export_hf_checkpoint": True})})
     with pytest.raises(InputError, match="HF unified checkpoint"):
         quantize_streams(tiny_model_dir, hf, compute.Bound(need - 1, "test"))
+
+
+def test_the_read_back_takes_the_reference_in_a_gpus_bfloat16(tmp_path, tiny_model_dir):
+    """On a GPU the streamed pass's reference (the original's final hidden states) is in bfloat16, the reference
+    dtype there, and the read-back's head in float32: seen on an H200, the product refused the mix. The same
+    read-back here on the CPU, with the reference in both dtypes, against the in-memory path's figures."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pipeline import artifacts
+    from pipeline.quant import streaming
+    from pipeline.quant.plan import read_plan
+    from pipeline.quant.quantize import kept_layers
+
+    out = _quantize(_tiny_config(tmp_path, tiny_model_dir), tmp_path / "w", "never", *LOOSE)
+    work = out.parent
+    evals = load_file(str(work / "text" / artifacts.EVALUATION_TOKENS_FILE))[artifacts.TOKENS_KEY]
+    with torch.no_grad():
+        hidden = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).model(evals).last_hidden_state
+    names = [l["name"] for l in json.loads((work / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON).read_text())["layers"]]
+    kept = kept_layers(read_plan(work / "plan" / artifacts.PLAN_FILE, names))
+    ckpt = out / artifacts.TRTLLM_CHECKPOINT_DIR
+    fp32, _ = streaming.read_back_streamed(ckpt, tiny_model_dir, kept, evals, hidden, "cpu")
+    bf16, _ = streaming.read_back_streamed(ckpt, tiny_model_dir, kept, evals, hidden.to(torch.bfloat16), "cpu")
+    whole = json.loads((out / "manifest.json").read_text())["summary"]["accuracy"]["from_checkpoint"]
+    assert fp32["perplexity_quantized"] == bf16["perplexity_quantized"] == whole["perplexity_quantized"]
+    assert fp32["perplexity_original"] == pytest.approx(bf16["perplexity_original"], rel=0.01)

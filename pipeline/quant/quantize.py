@@ -575,9 +575,28 @@ def check_gpu_memory(model_dir: Path, quant: QuantizationSection, dtype: str, bo
     return need
 
 
+def gpu_streams(model_dir: Path, quant: QuantizationSection, mode: str, dtype: str, bounds: list) -> bool:
+    """On GPUs (in the child, which knows their free memory): whether quantize streams the model layer by layer.
+    ``mode`` auto streams where the GPUs' bounds together are under the measured peak (GPU_MEASURED_PEAK times
+    the weights) and no HF export is asked for (it is not streamed); else check_gpu_memory refuses what cannot
+    fit and warns under the peak."""
+    from pipeline import compute as comp
+
+    if mode == "auto" and not quant.export_hf_checkpoint:
+        weights, room = comp.model_bytes(model_dir, dtype), sum(b.bytes for b in bounds)
+        if GPU_MEASURED_PEAK * weights > room:
+            log.info("layer streaming on %d GPU(s): %.1f times the weights (%s) is more than their bound %s (%s)",
+                     len(bounds), GPU_MEASURED_PEAK, comp.gib(int(GPU_MEASURED_PEAK * weights)), comp.gib(room),
+                     bounds[0].source)
+            return True
+    check_gpu_memory(model_dir, quant, dtype, bounds)
+    return False
+
+
 def quantize_streams(model_dir: Path, cfg, bound) -> bool:
     """Whether quantize streams the model layer by layer (compute.layer_streaming; auto: on the CPU, when the
-    in-memory path would not fit ``bound``). Refuses, before any work, what neither way can do."""
+    in-memory path would not fit ``bound``; on GPUs the child decides, gpu_streams). Refuses, before any work,
+    what neither way can do."""
     from pipeline import compute as comp
 
     mode = cfg.compute.layer_streaming
@@ -668,6 +687,8 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
     ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
     kept = kept_layers(plan_doc)
+    if device == "cuda" and not stream:
+        stream = gpu_streams(model_dir, quant, compute.layer_streaming, ref_dtype, _gpu_bounds(compute))
     if stream:
         from pipeline.quant import streaming
 
@@ -682,8 +703,6 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
                 "calibrate_s": res["calibrate_s"], "elapsed_s": time.perf_counter() - t0, "device": device,
                 "calibration_tokens": int(calib.numel()), "greedy_generations": quant.greedy_generations,
                 "compute": comp.compute_record(device, ref_dtype, bound)}
-    if device == "cuda":
-        check_gpu_memory(model_dir, quant, ref_dtype, _gpu_bounds(compute))
     original = _load_model(model_dir, device, ref_dtype, compute)
     # the model ModelOpt quantizes in place; on GPUs a second load (a deep copy of a dispatched model would
     # share accelerate's hooks)

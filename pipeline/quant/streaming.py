@@ -557,6 +557,8 @@ def read_back_streamed(ckpt: Path, model_dir: Path, kept: set[str], evals, refer
         for a in range(0, evals.shape[0], q.EVAL_BATCH):
             x = final[a:a + q.EVAL_BATCH]
             lq = (transform(x) if transform is not None else x) @ head_w.T
-            score.add(evals[a:a + q.EVAL_BATCH], reference_final_hidden[a:a + q.EVAL_BATCH] @ original_head.T, lq)
+            # the reference comes in the streamed pass's dtype (bfloat16 on a GPU), the head in float32
+            ref = reference_final_hidden[a:a + q.EVAL_BATCH].to(original_head.dtype)
+            score.add(evals[a:a + q.EVAL_BATCH], ref @ original_head.T, lq)
     log.info("read back layer by layer (peak RSS %s)", _peak())
     return score.result(), facts
