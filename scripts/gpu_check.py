@@ -4,6 +4,7 @@ random-weight model of Llama-3.1-8B's shape, on one GPU, with no network.
 
     .venv/bin/python scripts/gpu_check.py [--work DIR] [--layers 32]
     .venv/bin/python scripts/gpu_check.py --device cpu --tiny   # the same flow on a CPU, a tiny model (tests)
+    python3 scripts/gpu_check.py --formats fp8 --set compute.layer_streaming=always   # the streamed path on a GPU
 
 Needs a CUDA build of torch and one H100/H200-class GPU (FP8 needs SM 89+); meant to finish in under
 8 minutes there. What it does:
