@@ -86,6 +86,16 @@ def memory_cgroup(limit_bytes: int):
                 time.sleep(0.1)
 
 
+def sigint_at_default() -> None:
+    """``preexec_fn`` for a command a test stops with Ctrl-C (SIGINT), as a terminal's foreground command gets it.
+    A shell that starts a command in the background without job control (``cmd &`` in a script, or a run under
+    setsid) hands it SIGINT ignored; Python then installs no KeyboardInterrupt handler, and the signal does nothing
+    (seen: a whole suite started so had every Ctrl-C test time out)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def read_until(proc, marker: str, timeout_s: float) -> list[str]:
     """Lines a process prints (``stdout=PIPE, text=True``) up to the first holding ``marker``, or until it
     closes its output or ``timeout_s`` passes."""

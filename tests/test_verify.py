@@ -24,7 +24,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, completion_order_with_classes, metric, read_until, run_invoke, tiny_config
+from conftest import (
+    REPO,
+    completion_order_with_classes,
+    metric,
+    read_until,
+    run_invoke,
+    sigint_at_default,
+    tiny_config,
+)
 
 from pipeline import artifacts
 from pipeline.config import load_config
@@ -330,7 +338,8 @@ def test_invoke_serve_prints_endpoints_answers_and_stops_on_ctrl_c(tiny):
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
     for s in TINY_SETS:
         cmd += ["--set", s]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=sigint_at_default)
     try:
         banner = read_until(proc, "Ctrl-C stops the server", 300)
         text = "\n".join(banner)
@@ -351,7 +360,7 @@ def _ctrl_c(proc) -> None:
     proc.send_signal(signal.SIGINT)
     try:
         proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired as e:  # seen once in a full local run, never alone: what it said and ran
+    except subprocess.TimeoutExpired as e:  # what it said and ran (a SIGINT ignored: see sigint_at_default)
         ps = subprocess.run(["ps", "-o", "pid,pgid,stat,etime,args", "--ppid", str(proc.pid), "-p", str(proc.pid)],
                             capture_output=True, text=True).stdout
         said = e.output or ""
@@ -565,7 +574,7 @@ def test_the_watchdog_stops_a_failing_and_a_leaking_server_and_the_supervisor_re
     for s in TINY_SETS + sets:
         cmd += ["--set", s]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, FAULT_ENV: str(fault)})
+                            env={**os.environ, FAULT_ENV: str(fault)}, preexec_fn=sigint_at_default)
     try:
         read_until(proc, "Ctrl-C stops the server", 300)
         want = _outcome(http)

@@ -16,7 +16,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, completion_order_with_classes, metric, read_until, run_invoke, tiny_config
+from conftest import (
+    REPO,
+    completion_order_with_classes,
+    metric,
+    read_until,
+    run_invoke,
+    sigint_at_default,
+    tiny_config,
+)
 
 from pipeline import constants
 from pipeline.config import load_config
@@ -382,7 +390,8 @@ def _serve_and_stop(work_root, light) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "invoke", "serve", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),
            "--http-port", str(port), *light]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=sigint_at_default)
     server_pid = None
     try:
         text = "\n".join(read_until(proc, "Ctrl-C stops the server", 600))
