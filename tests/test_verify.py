@@ -24,15 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import (
-    REPO,
-    completion_order_with_classes,
-    metric,
-    read_until,
-    run_invoke,
-    sigint_at_default,
-    tiny_config,
-)
+from conftest import REPO, completion_order_with_classes, metric, read_until, run_invoke, sigint_at_default, tiny_config
 
 from pipeline import artifacts
 from pipeline.config import load_config

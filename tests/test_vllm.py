@@ -16,15 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import (
-    REPO,
-    completion_order_with_classes,
-    metric,
-    read_until,
-    run_invoke,
-    sigint_at_default,
-    tiny_config,
-)
+from conftest import REPO, completion_order_with_classes, metric, read_until, run_invoke, sigint_at_default, tiny_config
 
 from pipeline import constants
 from pipeline.config import load_config
