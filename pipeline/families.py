@@ -25,7 +25,10 @@ their intermediate size; the checkpoint reader reads the stacked experts back pe
 
 The vllm target's export (pipeline/engines/vllm/export.py) writes dense layers with their biases and q/k norms
 (Llama, Mistral, Qwen2, Qwen3) and MoE layers as vLLM's Mixtral and Qwen3-MoE load them: the router unquantized,
-each expert's gate/up/down under its HF name, a layer's experts in one compressed-tensors scheme.
+each expert's gate/up/down under its HF name, a layer's experts in one compressed-tensors scheme. For the dense
+families with the HF unified checkpoint only (Phi-3, Gemma 3) the vLLM export starts from that checkpoint
+(pipeline/engines/vllm/export_hf.py), folding smoothing where ``Family.layout`` says each linear's input comes
+from.
 """
 
 from __future__ import annotations
@@ -47,6 +50,21 @@ class MoE:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """A dense decoder layer by its HF module names: what computes each linear's input, for an export that folds
+    smoothing scales into it (pipeline/engines/vllm/export_hf.py). ``qkv`` / ``gate_up`` with one name: the
+    family stores them as one linear (Phi-3), q/k/v rows or gate rows first."""
+
+    attn_norm: str = "input_layernorm"
+    qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    o: str = "self_attn.o_proj"
+    mlp_norm: str = "post_attention_layernorm"
+    gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
+    down: str = "mlp.down_proj"
+    unit_offset_norms: bool = False  # the RMSNorms scale by (1 + w) (Gemma), the final one too
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     hf_architecture: str
@@ -65,12 +83,13 @@ class Family:
     # the embedding rows are multiplied by sqrt(hidden size) before the first decoder layer (Gemma's
     # ScaledWordEmbedding); code that runs the layers one at a time (the sensitivity stage) must do the same
     scaled_embedding: bool = False
+    layout: Layout = Layout()
 
 
-# why a family without a TensorRT-LLM checkpoint here is served by the pytorch and cpu targets only (the CPU
-# runtime reads the HF unified checkpoint too)
-_HF_ONLY = ("ModelOpt writes no TensorRT-LLM checkpoint of it without tensorrt_llm installed: the engine and the "
-            "vLLM export start from that checkpoint")
+# why a family without a TensorRT-LLM checkpoint here is not served by the engine (the pytorch target, the CPU
+# runtime and the vLLM export read the HF unified checkpoint)
+_HF_ONLY = ("ModelOpt writes no TensorRT-LLM checkpoint of it without tensorrt_llm installed, and the engine "
+            "starts from that checkpoint")
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -91,20 +110,23 @@ FAMILIES = {f.model_type: f for f in (
     # Phi-3 / Phi-3.5 / Phi-4-mini: Llama's layer with q/k/v as one linear (qkv_proj) and gate/up as one
     # (gate_up_proj). ModelOpt 0.47 writes a TensorRT-LLM checkpoint config for it only through tensorrt_llm's
     # own Phi3 config class (tensorrt_llm_utils.py convert_to_tensorrt_llm_config: its manual path raises
-    # NotImplementedError for phi3), so here it is the HF unified checkpoint, served by the pytorch target (and
-    # the CPU runtime)
+    # NotImplementedError for phi3), so here it is the HF unified checkpoint, served by the pytorch target, the
+    # CPU runtime and vLLM (whose Phi3ForCausalLM loads qkv_proj and gate_up_proj whole, as they are stored)
     Family("phi3", "Phi3ForCausalLM", "phi3", "fused q/k/v (qkv_proj) and gate/up (gate_up_proj) linears",
-           ("pytorch", "cpu"), why_not=_HF_ONLY, trtllm_checkpoint=False,
+           ("pytorch", "cpu", "vllm"), why_not=_HF_ONLY, trtllm_checkpoint=False,
+           layout=Layout(qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",)),
            # TensorRT-LLM's pytorch Phi3ForCausalLM.load_weights splits qkv_proj / gate_up_proj by rows and hands
            # the halves per-tensor scales only: FP8 loads; a per-channel INT8 scale, SmoothQuant's pre-quant scale
            # and packed INT4 rows do not (tests/data/upstream/pytorch_fused_loaders.json)
            fused_formats=(("qkv_proj", "gate_up_proj"), ("fp8",))),
     # Gemma 3 text models (1B; the larger ones are Gemma3ForConditionalGeneration): (1 + w) RMSNorms before and
     # after attention and the MLP, embeddings scaled by sqrt(hidden), per-head q/k norms, sliding-window layers
-    # with their own rotary base. ModelOpt 0.47 writes no TensorRT-LLM config for it without tensorrt_llm (as phi3)
+    # with their own rotary base. ModelOpt 0.47 writes no TensorRT-LLM config for it without tensorrt_llm (as
+    # phi3). The MLP reads pre_feedforward_layernorm (post_attention_layernorm normalises the attention's output)
     Family("gemma3_text", "Gemma3ForCausalLM", "gemma3",
            "(1 + w) norms around attention and MLP, scaled embeddings, q/k norms, sliding-window layers",
-           ("pytorch", "cpu"), why_not=_HF_ONLY, trtllm_checkpoint=False, scaled_embedding=True),
+           ("pytorch", "cpu", "vllm"), why_not=_HF_ONLY, trtllm_checkpoint=False, scaled_embedding=True,
+           layout=Layout(mlp_norm="pre_feedforward_layernorm", unit_offset_norms=True)),
     # DeepSeek-V2 / V2-Lite (the seeds' model): multi-head latent attention (q_proj, or q_a_proj / q_b_proj where
     # q_lora_rank is set; kv_a_proj_with_mqa, kv_b_proj), the first first_k_dense_replace layers dense, the others
     # a router (DeepseekV2MoEGate: a weight, not an nn.Linear, giving the chosen experts) with routed experts and

@@ -95,17 +95,18 @@ def _run_build(ctx: StageContext) -> dict:
     cfg = ctx.config
     model_dir = ctx.upstream("model") / artifacts.MODEL_DIR
     ckpt = ctx.upstream("quantize") / artifacts.TRTLLM_CHECKPOINT_DIR
+    fam = families.family(json.loads((model_dir / "config.json").read_text()).get("model_type"))
+    if not fam.trtllm_checkpoint:  # the CPU runtime and the vLLM export read the HF unified one, the only export
+        ckpt = ctx.upstream("quantize") / artifacts.HF_CHECKPOINT_DIR
     if cfg.build.target == "cpu":
-        fam = families.family(json.loads((model_dir / "config.json").read_text()).get("model_type"))
-        if not fam.trtllm_checkpoint:  # the CPU runtime reads the HF unified checkpoint, the only export here
-            ckpt = ctx.upstream("quantize") / artifacts.HF_CHECKPOINT_DIR
         return build_cpu(ckpt, model_dir, cfg, ctx.out_dir)
     if cfg.build.target == "vllm":
         from pipeline.engines.vllm.target import build_vllm
 
         return build_vllm(ckpt, model_dir,
                           ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
-                          ctx.upstream("quantize") / artifacts.ACCURACY_FILE, cfg, ctx.out_dir)
+                          ctx.upstream("quantize") / artifacts.ACCURACY_FILE, cfg, ctx.out_dir,
+                          hf_checkpoint=not fam.trtllm_checkpoint)
     from pipeline.engines.trtllm import targets as trtllm
 
     if cfg.build.target == "tensorrt":

@@ -92,11 +92,11 @@ def _qwen3_moe():
     return model
 
 
-def _phi3():
+def _phi3(hidden: int = 64):
     """Phi-3-mini's shape, scaled down: q/k/v as one linear (qkv_proj), gate/up as one (gate_up_proj), GQA."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    return Phi3ForCausalLM(Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    return Phi3ForCausalLM(Phi3Config(vocab_size=512, hidden_size=hidden, intermediate_size=160, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False))
 
@@ -253,6 +253,9 @@ def test_a_family_outside_the_table_and_a_target_that_cannot_serve_one_are_refus
     with pytest.raises(InputError, match="the tensorrt target cannot serve qwen3_moe .*no moe section.*"
                                          "use build.target pytorch or cpu or vllm"):
         families.family("qwen3_moe", "tensorrt")
+    with pytest.raises(InputError, match="the vllm target cannot serve deepseek_v2 .*no multi-head latent attention"
+                                         "\\); use build.target cpu"):
+        families.family("deepseek_v2", "vllm")
     # at the first stage that reads the model, before any compute
     model_dir = tmp_path / "gemma"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -274,8 +277,8 @@ HF_ONLY = {"phi3": (_phi3, {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
 def test_a_family_with_only_an_hf_unified_export_reaches_a_gated_checkpoint(tmp_path, tiny_tokenizer_dir, family):
     """Phi-3 and Gemma 3 through download, sensitivity, plan and quantize on the pytorch target: their linears
     measured on the inputs the real model gives them (Gemma 3's sliding-window layers within their window), the
-    HF unified checkpoint the only export, read back and gated; the targets that start from a TensorRT-LLM
-    checkpoint refused before any work."""
+    HF unified checkpoint the only export, read back and gated; the engine target, which starts from a
+    TensorRT-LLM checkpoint, refused before any work."""
     import torch
 
     from pipeline.config import load_config
@@ -287,9 +290,9 @@ def test_a_family_with_only_an_hf_unified_export_reaches_a_gated_checkpoint(tmp_
     model = make().eval()
     model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
     cfg = tiny_config(tmp_path, model_dir)
-    with pytest.raises(InputError, match=f"the vllm target cannot serve {family} .*without tensorrt_llm installed.*"
-                                         "use build.target pytorch or cpu"):
-        Runner(load_config(cfg, ["build.target=vllm", "build.cuda_graphs.enabled=false"]), STAGES, tmp_path / "refused").run(
+    with pytest.raises(InputError, match=f"the tensorrt target cannot serve {family} .*without tensorrt_llm "
+                                         "installed.*use build.target pytorch or cpu or vllm"):
+        Runner(load_config(cfg, ["build.target=tensorrt"]), STAGES, tmp_path / "refused").run(
             ["quantize"], echo=lambda line: None)
     assert not (tmp_path / "refused" / "tiny" / "sensitivity").exists()
     with pytest.raises(InputError, match=f"{family} is exported as the HF unified checkpoint only"):

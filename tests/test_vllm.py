@@ -218,6 +218,40 @@ def test_moe_models_are_built_and_checked_by_vllm_on_this_cpu(tiny_tokenizer_dir
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.int8
 
 
+@pytest.mark.parametrize("family", ["phi3", "gemma3_text"])
+@needs_vllm
+def test_families_with_only_an_hf_unified_checkpoint_are_built_and_checked_by_vllm_on_this_cpu(
+        tiny_tokenizer_dir, tmp_path, family):
+    """`invoke build` on the vllm target for a tiny Phi-3 (q/k/v and gate/up fused on disk) and Gemma 3 ((1 + w)
+    norms, a sliding-window layer whose window of 8 the evaluation's 64 tokens outrun), INT8 SmoothQuant with an
+    FP8 KV cache: the export is written from the HF unified checkpoint, vLLM's engine loads it and it passes the
+    build's check against that checkpoint's read-back (perplexity, top-1 agreement, greedy tokens equal or first
+    different at a near-tie)."""
+    import torch
+    from safetensors import safe_open
+    from test_families import HF_ONLY_QUANTIZATION, _gemma3, _phi3, _saved
+
+    torch.manual_seed(0)
+    model = _phi3(hidden=128) if family == "phi3" else _gemma3()  # heads 32 wide
+    model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
+    cfg = tiny_config(tmp_path, model_dir, HF_ONLY_QUANTIZATION)
+    sets = ["build.target=vllm", "vllm.device=cpu", "vllm.dtype=bfloat16", "build.cuda_graphs.enabled=false",
+            "build.kv_cache.tokens_per_block=32"]
+    proc = run_invoke("build", "--config", str(cfg), "--work-root", str(tmp_path / "work"),
+                      *(a for s in sets for a in ("--set", s)), timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    build = tmp_path / "work" / "tiny" / "build"
+    export = build / "vllm_model"
+    check = json.loads((export / "vllm_check.json").read_text())
+    assert abs(check["perplexity"]["vllm"] / check["perplexity"]["simulated"] - 1) < 0.02, check
+    assert check["top1_agreement_with_simulated"] > 0.8 and check["evaluation_tokens"] > 100, check
+    assert all(p["ok"] for p in check["greedy_tokens"]["prompts"]), check["greedy_tokens"]
+    assert json.loads((build / "build_settings.json").read_text())["kv_cache"]["quant_algo"] == "fp8"
+    qkv = "model.layers.0.self_attn." + ("qkv_proj" if family == "phi3" else "q_proj")
+    with safe_open(str(export / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor(f"{qkv}.weight").dtype == torch.int8
+
+
 def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path):
     """No vLLM Python, or a Python without vLLM: the build's preflight stops every task that would build,
     exit 3, saying how the README's set-up installs it and which config serves without vLLM; no stage runs.

@@ -69,7 +69,11 @@ def _model_from_export(folder, model_dir):
         else:
             weights[name] = t.float()
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    tied = json.loads((folder / "config.json").read_text())["tie_word_embeddings"]
+    if tied:
+        model.tie_weights()
+    assert not unexpected and all("rotary" in m or tied and m == "lm_head.weight" for m in missing), (missing,
+                                                                                                       unexpected)
     return model
 
 
@@ -590,3 +594,80 @@ def _assert_vllm_builds_the_experts(folder, state, fmt, family):
                 assert "No WNA16 MoE backend" in got["error"], got
                 continue
             assert got["params"]["w13_weight_packed"] == [[n, 2 * w1.shape[0], w1.shape[1]], "int32"], got
+
+
+# ---------------------------------------------------------------- families with the HF unified checkpoint only
+
+HF_PRESETS = {"int8_sq": "INT8_SMOOTHQUANT_CFG", "int4_awq": "INT4_AWQ_CFG", "fp8": "FP8_DEFAULT_CFG"}
+
+
+@pytest.mark.parametrize("family, fmt", [("phi3", "int8_sq"), ("phi3", "int4_awq"), ("gemma3_text", "int8_sq"),
+                                         ("gemma3_text", "fp8")])
+def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_tokenizer_dir, tmp_path, family, fmt):
+    """Phi-3 and Gemma 3 quantized by ModelOpt and exported as the HF unified checkpoint (the only export of
+    them here): the vLLM export written from it computes what that checkpoint's read-back computes (the gate's
+    model). Phi-3's qkv_proj and gate_up_proj stay one linear each, o_proj's smoothing going into qkv_proj's v
+    rows where it folds and down_proj's into gate_up_proj's up rows; Gemma 3's (1 + w) norms take q/k/v's and
+    gate/up's smoothing (its MLP reads pre_feedforward_layernorm), its other norms are written as they were,
+    and its lm_head stays tied to the embedding."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from test_families import MAKERS, _saved
+
+    from pipeline.engines.vllm.export_hf import export_hf_for_vllm
+    from pipeline.quant.hf_checkpoint import rebuild_hf
+    from pipeline.quant.quantize import _set_block_size
+
+    torch.manual_seed(0)
+    original = MAKERS[family]().eval()
+    model_dir = _saved(original, tmp_path / "model", tiny_tokenizer_dir)
+    preset = copy.deepcopy(getattr(mtq, HF_PRESETS[fmt]))
+    for item in preset["quant_cfg"]:
+        _set_block_size(item.get("cfg"), 32)
+    ids = torch.randint(3, 500, (4, 48), generator=torch.Generator().manual_seed(1))
+    model = copy.deepcopy(original)
+    with torch.no_grad():
+        mtq.quantize(model, preset, lambda m: m(ids))
+        export_hf_checkpoint(model, torch.float16, export_dir=tmp_path / "hf")
+    facts = export_hf_for_vllm(tmp_path / "hf", model_dir, tmp_path / "vllm", dtype="float32")
+    state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    source = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+
+    smoothed = fmt != "fp8"
+    layout = {"phi3": ("post_attention_layernorm", ["self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"]),
+              "gemma3_text": ("pre_feedforward_layernorm", [f"{m}_proj" for m in ("self_attn.q", "self_attn.k",
+                              "self_attn.v", "mlp.gate", "mlp.up", "mlp.down")])}
+    mlp_norm, quantized = layout[family]
+    # o_proj: 4 query heads share each KV head and want different smoothing, so it is written in high precision
+    assert facts["dequantized_smoothing_not_foldable"] == (
+        [f"model.layers.{i}.self_attn.o_proj" for i in range(2)] if smoothed else [])
+    assert facts["quantized_linears"] == 2 * len(quantized) + (0 if smoothed else 2)
+    if smoothed:
+        assert facts["smoothing_folded_into"] == {"input_layernorm": 2, mlp_norm: 2, "up_proj rows": 2}
+    weight = "weight_packed" if fmt == "int4_awq" else "weight"
+    for name in quantized:
+        assert f"model.layers.1.{name}.{weight}" in state and f"model.layers.1.{name}.weight_scale" in state, name
+    if family == "phi3":
+        assert not any(".q_proj." in k or ".gate_proj." in k for k in state)
+        assert config["tie_word_embeddings"] is False and "lm_head" in config["quantization_config"]["ignore"]
+    else:
+        for norm in ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn.q_norm"):
+            key = f"model.layers.1.{norm}.weight"
+            assert torch.equal(state[key], source[key].float()), key
+        assert config["tie_word_embeddings"] is True and "lm_head.weight" not in state
+
+    want, _ = rebuild_hf(tmp_path / "hf")
+    for name in facts["dequantized_smoothing_not_foldable"]:  # written smoothed, its input no longer rounded
+        module = want.get_submodule(name)
+        module._forward_pre_hooks.clear()
+        smoothing = source[f"{name}.pre_quant_scale"].float()
+        module.register_forward_pre_hook(lambda m, a, s=smoothing: (a[0] * s,))
+    got = _model_from_export(tmp_path / "vllm", model_dir)
+    with torch.no_grad():
+        want_logits, got_logits = want(ids).logits, got(ids).logits
+    assert float((got_logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-2
+    lp, lq = want_logits.log_softmax(-1), got_logits.log_softmax(-1)
+    assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 1e-5

@@ -484,10 +484,13 @@ def _moe_mlp(ranks: _Ranks, p: str, block: str, moe, inter: int, layer_format, n
 
 
 def _fold_into_rows(target: Linear, lin: Linear, name: str, where: str, facts: ExportFacts,
-                    heads: Optional[tuple] = None):
-    """``lin``'s (HF ``name``) pre-quant scale into the output rows of ``target`` (which produces its input).
-    ``heads``: (query heads, KV heads, head dim) when ``target`` is v_proj and each KV head feeds several
-    query heads."""
+                    heads: Optional[tuple] = None, offset: int = 0):
+    """``lin``'s (HF ``name``) pre-quant scale into the output rows of ``target`` (which produces its input),
+    from row ``offset`` on (a part of a linear fused on disk: Phi-3's v rows in qkv_proj, up rows in
+    gate_up_proj). ``heads``: (query heads, KV heads, head dim) when ``target`` is v_proj and each KV head feeds
+    several query heads."""
+    import torch
+
     s = lin.prequant
     if s is None or not lin.quantized:
         return
@@ -499,9 +502,25 @@ def _fold_into_rows(target: Linear, lin: Linear, name: str, where: str, facts: E
             facts.unfoldable.append(name)
             return
         s = per_kv[:, 0].reshape(-1)
+    rows = target.weight.shape[0]
+    if offset or s.numel() != rows:
+        s = torch.cat([torch.ones(offset), s, torch.ones(rows - offset - s.numel())])
     target.scale_rows(s)
     lin.prequant = None
     facts.folded[where] = facts.folded.get(where, 0) + 1
+
+
+def fold_head(final_norm, head: Linear, vocab: int, facts: ExportFacts):
+    """lm_head cut to the vocabulary; a quantized one's pre-quant scale folded into the final norm (nothing
+    else comes before it). Returns the final norm."""
+    head.weight = head.weight[:vocab]
+    if head.quantized:
+        head.weight_scale = head.weight_scale[:vocab]
+        if head.prequant is not None:
+            final_norm = final_norm * head.prequant
+            head.prequant = None
+            facts.folded["norm"] = 1
+    return final_norm
 
 
 class ShardWriter:
@@ -591,14 +610,20 @@ def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str =
                     max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
     """Write ``out_dir`` (a new folder): the weights (one file or shards and an index), config.json with the
     quantization_config, the tokenizer files. Returns the export's facts."""
-    out_dir = Path(out_dir)
+    return into_new_folder(Path(out_dir), lambda folder: _export(Path(ckpt_dir), Path(model_dir), folder, dtype,
+                                                                 max_shard_bytes))
+
+
+def into_new_folder(out_dir: Path, write) -> dict:
+    """``write(folder)`` into a sibling ``.partial`` folder, renamed to ``out_dir`` once it returns; a failure
+    leaves nothing behind. ``out_dir`` must not exist."""
     if out_dir.exists():
         raise InputError(f"{out_dir} exists; the export writes a new folder")
     partial = out_dir.with_name(out_dir.name + ".partial")
     remove_tree(partial)
     partial.mkdir(parents=True)
     try:
-        facts = _export(Path(ckpt_dir), Path(model_dir), partial, dtype, max_shard_bytes)
+        facts = write(partial)
     except BaseException:
         remove_tree(partial)
         raise
@@ -606,11 +631,58 @@ def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str =
     return facts
 
 
+class Written:
+    """The export's linears as they are written: each in its compressed-tensors form or, high precision, in the
+    ignore list; ``finish`` writes the files' index, config.json and the tokenizer files."""
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int, dtype: str):
+        import torch
+
+        self.out_dir, self.dtype, self.torch_dtype = out_dir, dtype, getattr(torch, dtype)
+        self.writer = ShardWriter(out_dir, max_shard_bytes)
+        self.facts = ExportFacts()
+        self.by_algo: dict[str, list[str]] = {}  # quant_algo -> the HF linears written in it
+        self.group_sizes: set[int] = set()
+
+    def add(self, name: str, tensor) -> None:
+        """A tensor that is not a linear's (embeddings, norms), in the serving dtype."""
+        self.writer.add(name, tensor.to(self.torch_dtype).contiguous())
+
+    def put(self, hf_name: str, lin: Linear, expert: bool = False) -> None:
+        if lin.prequant is not None:
+            raise IntegrityError(f"{hf_name}: a pre-quant scale was left unfolded")  # a bug here, not bad input
+        per_tensor = expert and lin.algo == FP8
+        _write_linear(self.writer, hf_name, lin, self.torch_dtype, per_tensor)
+        if lin.quantized:
+            self.by_algo.setdefault(FP8_EXPERTS if per_tensor else lin.algo or "", []).append(hf_name)
+            self.facts.quantized_linears += 1
+            if lin.algo == INT4_AWQ:
+                self.group_sizes.add(int(lin.group_size or 0))
+        else:
+            self.facts.ignore.append(hf_name)
+            self.facts.high_precision_linears += 1
+
+    def finish(self, model_dir: Path, tied: bool) -> dict:
+        """The weight files, config.json (the model's, with the quantization_config) and the tokenizer files;
+        returns the export's facts."""
+        from pipeline.engines.build import copy_model_files
+
+        files = self.writer.finish()
+        copy_model_files(model_dir, self.out_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        config.update({"torch_dtype": self.dtype, "tie_word_embeddings": tied})
+        config.pop("dtype", None)
+        config.pop("quantization_config", None)
+        if self.facts.quantized_linears:
+            config["quantization_config"] = quantization_config(self.by_algo, self.group_sizes, self.facts.ignore)
+        atomic_write_text(self.out_dir / "config.json", json.dumps(config, indent=2) + "\n")
+        return {"dtype": self.dtype, "weights_bytes": sum((self.out_dir / f).stat().st_size for f in files),
+                "weight_files": len(files), **self.facts.as_dict()}
+
+
 def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
-    import torch
     from transformers import AutoConfig
 
-    from pipeline.engines.build import copy_model_files
     from pipeline.quant.checkpoint import HEAD_NORMS, _layer_formats
 
     ckpt_cfg = json.loads((ckpt_dir / "config.json").read_text())
@@ -621,31 +693,14 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     ranks = _Ranks(ckpt_dir)
     tp = ranks.tp
     qkv_split = [n_heads // tp * head_dim, n_kv // tp * head_dim, n_kv // tp * head_dim]
-    torch_dtype = getattr(torch, dtype)
     moe, ranks.experts, expert_inter = _moe_shape(hf)
-    facts = ExportFacts()
-    writer = ShardWriter(out_dir, max_shard_bytes)
-    by_algo: dict[str, list[str]] = {}  # quant_algo -> the HF linears written in it
-    group_sizes: set[int] = set()
-
-    def put(hf_name: str, lin: Linear, expert: bool = False) -> None:
-        if lin.prequant is not None:
-            raise IntegrityError(f"{hf_name}: a pre-quant scale was left unfolded")  # a bug here, not bad input
-        per_tensor = expert and lin.algo == FP8
-        _write_linear(writer, hf_name, lin, torch_dtype, per_tensor)
-        if lin.quantized:
-            by_algo.setdefault(FP8_EXPERTS if per_tensor else lin.algo or "", []).append(hf_name)
-            facts.quantized_linears += 1
-            if lin.algo == INT4_AWQ:
-                group_sizes.add(int(lin.group_size or 0))
-        else:
-            facts.ignore.append(hf_name)
-            facts.high_precision_linears += 1
+    out = Written(out_dir, max_shard_bytes, dtype)
+    facts = out.facts
 
     emb = ranks.each("transformer.vocab_embedding.weight")
     split_dim = ckpt_cfg.get("embedding_sharding_dim", 0) if tp > 1 and ckpt_cfg.get("use_parallel_embedding") else None
     embed = (emb[0] if split_dim is None else _join(emb, split_dim))[:hf.vocab_size]
-    writer.add("model.embed_tokens.weight", embed.to(torch_dtype).contiguous())
+    out.add("model.embed_tokens.weight", embed)
     del emb, embed
     final_norm = ranks.one("transformer.ln_f.weight").float()  # written last: lm_head's smoothing may fold into it
     for i in range(hf.num_hidden_layers):
@@ -659,42 +714,25 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
             mlp, experts = _dense_mlp(ranks, p, h, layer_format, facts), {}
             ln_post = _fold_into_norm(ln_post, {n: mlp[n] for n in (f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj")},
                                       "post_attention_layernorm", facts)
-        writer.add(f"{h}.input_layernorm.weight", ln_in.to(torch_dtype))
-        writer.add(f"{h}.post_attention_layernorm.weight", ln_post.to(torch_dtype))
+        out.add(f"{h}.input_layernorm.weight", ln_in)
+        out.add(f"{h}.post_attention_layernorm.weight", ln_post)
         for trt, hf_norm in HEAD_NORMS.items():  # Qwen3's per-head q/k RMSNorms, after the projections
             if ranks.has(f"{p}.{trt}.weight"):
-                writer.add(f"{h}.{hf_norm}.weight", ranks.one(f"{p}.{trt}.weight").to(torch_dtype))
+                out.add(f"{h}.{hf_norm}.weight", ranks.one(f"{p}.{trt}.weight"))
         for name, lin in {**attention, **mlp}.items():
-            put(name, lin)
+            out.put(name, lin)
         for name, lin in experts.items():
-            put(name, lin, expert=True)
+            out.put(name, lin, expert=True)
     tied = getattr(hf, "tie_word_embeddings", False)
     if ranks.has("lm_head.weight"):
         head, = _read_linear(ranks, "lm_head", layer_format("lm_head"), "column")
-        head.weight = head.weight[:hf.vocab_size]
-        if head.quantized:
-            head.weight_scale = head.weight_scale[:hf.vocab_size]
-            if head.prequant is not None:  # nothing before lm_head to fold into but the final norm
-                final_norm = final_norm * head.prequant
-                head.prequant = None
-                facts.folded["norm"] = 1
-        put("lm_head", head)
+        final_norm = fold_head(final_norm, head, hf.vocab_size, facts)
+        out.put("lm_head", head)
         tied = False
     elif not tied:
         raise IntegrityError(f"{ckpt_dir}: no lm_head, and the model does not tie its word embeddings")
-    writer.add("model.norm.weight", final_norm.to(torch_dtype))
+    out.add("model.norm.weight", final_norm)
     leftover = ranks.unread()
     if leftover:
         raise IntegrityError(f"{ckpt_dir}: tensors the vLLM export does not know: {leftover[:4]}")
-
-    files = writer.finish()
-    copy_model_files(model_dir, out_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update({"torch_dtype": dtype, "tie_word_embeddings": tied})
-    config.pop("dtype", None)
-    config.pop("quantization_config", None)
-    if facts.quantized_linears:
-        config["quantization_config"] = quantization_config(by_algo, group_sizes, facts.ignore)
-    atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
-    return {"dtype": dtype, "weights_bytes": sum((out_dir / f).stat().st_size for f in files), "weight_files": len(files),
-            **facts.as_dict()}
+    return out.finish(model_dir, tied)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pipeline import artifacts
 from pipeline.constants import CHECK_PROMPTS as PROMPTS
-from pipeline.errors import StageFailed
+from pipeline.errors import InputError, StageFailed
 
 EXPORT_DIR = artifacts.VLLM_MODEL_DIR
 log = logging.getLogger(__name__)
@@ -38,22 +38,24 @@ REFERENCE_HEADROOM_BYTES = 1 << 30  # activations and logits of a 256-token forw
 
 
 def reference_figures(ckpt_dir: Path, model_dir: Path, prompt_ids: list[list[int]], evaluation: list[list[int]],
-                      max_tokens: int, end_id, streamed: bool = False) -> dict:
+                      max_tokens: int, end_id, streamed: bool = False, hf_checkpoint: bool = False) -> dict:
     """(child process) The simulated model's greedy tokens and logits per prompt, and the simulated and the
     original model's top-1 token at each evaluation position. ``streamed``: both models hold one decoder layer
-    at a time, read when a forward reaches it (for a model larger than this machine's memory bound)."""
+    at a time, read when a forward reaches it (for a model larger than this machine's memory bound).
+    ``hf_checkpoint``: ``ckpt_dir`` is the HF unified checkpoint (pipeline.quant.hf_checkpoint reads it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pipeline.engines import reference
     from pipeline.quant.checkpoint import rebuild
+    from pipeline.quant.hf_checkpoint import rebuild_hf
     from pipeline.quant.streaming import streamed_original
 
     def top1(model) -> list[list[int]]:
         with torch.no_grad():
             return [model(torch.tensor([seq])).logits[0, :-1].argmax(-1).tolist() for seq in evaluation]
 
-    sim, _ = rebuild(ckpt_dir, model_dir, streamed=streamed)
+    sim, _ = rebuild_hf(ckpt_dir) if hf_checkpoint else rebuild(ckpt_dir, model_dir, streamed=streamed)
     greedy = [reference.greedy(sim, p, max_tokens, end_id=end_id) for p in prompt_ids]
     out = {"greedy": [(g.tokens, [row.tolist() for row in g.logits]) for g in greedy], "sim_top1": top1(sim)}
     del sim
@@ -68,8 +70,11 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file: Path, cfg, out_dir: Path) -> dict:
-    """Export, write the engine arguments, check the export in vLLM, write build_settings.json."""
+def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file: Path, cfg, out_dir: Path,
+               hf_checkpoint: bool = False) -> dict:
+    """Export, write the engine arguments, check the export in vLLM, write build_settings.json. ``hf_checkpoint``:
+    ``ckpt_dir`` is the HF unified checkpoint (a family with no TensorRT-LLM checkpoint here), exported by
+    pipeline.engines.vllm.export_hf."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
@@ -81,6 +86,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     from pipeline.engines.vllm import engine_args as ea
     from pipeline.engines.vllm import runtime
     from pipeline.engines.vllm.export import export_for_vllm
+    from pipeline.engines.vllm.export_hf import export_hf_for_vllm
     from pipeline.fsutil import atomic_write_json
 
     t0 = time.perf_counter()
@@ -89,9 +95,10 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     version = runtime.vllm_version(python)
     export_dir = out_dir / EXPORT_DIR
     runtime.check_cpu_attention(cfg, model_dir)
-    runtime.check_cpu_experts(cfg, ckpt_dir)
-    exported, _ = run_in_child(export_for_vllm, ckpt_dir, model_dir, export_dir, cfg.vllm.dtype, log_path=log_path,
-                               what="the vLLM export")
+    if not hf_checkpoint:  # the HF unified export is of dense families only
+        runtime.check_cpu_experts(cfg, ckpt_dir)
+    exported, _ = run_in_child(export_hf_for_vllm if hf_checkpoint else export_for_vllm, ckpt_dir, model_dir,
+                               export_dir, cfg.vllm.dtype, log_path=log_path, what="the vLLM export")
     args, env = ea.engine_args(cfg), ea.engine_env(cfg)
     atomic_write_json(export_dir / artifacts.VLLM_ENGINE_FILE, {
         "vllm_version": version, "server_module": ea.SERVER_MODULE, "server_flags": ea.server_flags(args),
@@ -105,8 +112,13 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
                              env, log_path)
     bound = compute.host_memory_bound(cfg.compute)
     streamed = compute.model_bytes(model_dir, "float32") + REFERENCE_HEADROOM_BYTES > bound.bytes
+    if streamed and hf_checkpoint:
+        raise InputError(
+            f"the vLLM check's reference, the HF unified checkpoint rebuilt in fp32, is held whole, and "
+            f"{compute.model_bytes(model_dir, 'float32') / 2**30:.1f} GiB and its forward's do not fit this machine's "
+            f"memory bound {bound}: run the build on a machine with more memory")
     ref, _ = run_in_child(reference_figures, ckpt_dir, model_dir, prompt_ids, evaluation, CHECK_TOKENS,
-                          tok.eos_token_id, streamed, log_path=log_path, bound=bound,
+                          tok.eos_token_id, streamed, hf_checkpoint, log_path=log_path, bound=bound,
                           what="the simulated model's reference figures")
     gate = json.loads(accuracy_file.read_text())["accuracy"]
     ppl = math.exp(got["nll_sum"] / max(got["tokens_scored"], 1))

@@ -1,0 +1,195 @@
+"""ModelOpt's HF unified checkpoint rewritten as an HF folder vLLM loads (compressed-tensors): the vllm target's
+export for the families quantize writes no TensorRT-LLM checkpoint of here (``Family.trtllm_checkpoint`` False:
+Phi-3, Gemma 3).
+
+The HF unified checkpoint is what the accuracy gate measured for them (pipeline.quant.hf_checkpoint reads it
+back), so the export starts from it, as pipeline.engines.vllm.export starts from the TensorRT-LLM checkpoint, and
+writes the same compressed-tensors formats with the same arithmetic (that module's ``Linear``, folding rules and
+writer). What differs is the reading:
+
+- a linear's tensors sit beside it under the model's own names (ModelOpt 0.47, unified_export_hf.py):
+  ``weight`` (INT8 I8; FP8 F8_E4M3; INT4 two codes per byte, U8 [out / 2, in]), ``weight_scale`` (INT8 [out];
+  FP8 one value; INT4 [out, in / group]), ``input_scale`` (one value) and ``pre_quant_scale`` ([in], SmoothQuant
+  or AWQ; none where ModelOpt folded it into the norm before);
+- ``Family.layout`` names what computes each linear's input: the norm before attention takes q/k/v's smoothing,
+  the norm before the MLP gate/up's (Gemma 3: pre_feedforward_layernorm); a norm that scales by (1 + w) (Gemma)
+  is written as (1 + w) * s - 1. o_proj's smoothing goes into v's output rows and down_proj's into up's; where
+  q/k/v or gate/up are one linear on disk (Phi-3's qkv_proj, gate_up_proj; transformers' Phi3 puts q, k, v rows
+  in that order and gate's before up's) those are the last rows: vLLM's Phi3ForCausalLM loads such a linear
+  whole, so it stays one linear in one format here;
+- the KV-cache scales (``k_scale`` / ``v_scale``) are left out: vLLM's KV-cache dtype decides, as in the other
+  export.
+
+Mixture-of-experts families are not here: the one without a TensorRT-LLM checkpoint, DeepSeek-V2, has multi-head
+latent attention, which no vLLM export here writes (the family table keeps it off the vllm target).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline import artifacts, families
+from pipeline.engines.vllm.export import (
+    EXPORTABLE_ALGOS,
+    FP8,
+    INT4_AWQ,
+    INT8_SQ,
+    MAX_SHARD_BYTES,
+    Linear,
+    Written,
+    _fold_into_norm,
+    _fold_into_rows,
+    fold_head,
+    into_new_folder,
+    one_format,
+)
+from pipeline.errors import InputError, IntegrityError
+
+SCALES = ("weight_scale", "input_scale", "pre_quant_scale")  # what the export reads beside a quantized weight
+SKIPPED = ("k_scale", "v_scale", "weight_scale_2")  # KV-cache scales; W4A8's second scale (refused by its algo)
+
+
+def export_hf_for_vllm(hf_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bfloat16",
+                       max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+    """Write ``out_dir`` (a new folder) from the HF unified checkpoint ``hf_dir``: the weights, config.json with
+    the quantization_config, the tokenizer files. Returns the export's facts."""
+    return into_new_folder(Path(out_dir), lambda folder: _export(Path(hf_dir), Path(model_dir), folder, dtype,
+                                                                 max_shard_bytes))
+
+
+class _Checkpoint:
+    """The HF unified checkpoint's tensors, read one at a time, with what has been read."""
+
+    def __init__(self, hf_dir: Path):
+        from pipeline.quant.checkpoint import layer_formats
+        from pipeline.quant.hf_checkpoint import _files, quant_config
+
+        qcfg = quant_config(hf_dir)
+        self.hf_dir = hf_dir
+        self.format = layer_formats(qcfg, qcfg.get("quantized_layers"), str(hf_dir), artifacts.HF_QUANT_CONFIG_FILE)
+        self.where = _files(hf_dir)
+        self.read: set[str] = {k for k in self.where if k.rsplit(".", 1)[-1] in SKIPPED}
+        self.handles: dict[Path, object] = {}
+
+    def has(self, key: str) -> bool:
+        return key in self.where
+
+    def get(self, key: str):
+        from safetensors import safe_open
+
+        path = self.where[key]
+        if path not in self.handles:
+            self.handles[path] = safe_open(str(path), framework="pt")
+        self.read.add(key)
+        return self.handles[path].get_tensor(key)  # type: ignore[attr-defined]
+
+    def unread(self, prefix: str = "") -> list[str]:
+        return sorted(k for k in self.where if k not in self.read and k.startswith(prefix))
+
+    def linear(self, name: str) -> Linear:
+        """The linear ``name`` as the export writes it: codes and scales, or a float weight (an unquantized
+        linear's own pre-quant scale, if it has one, folded into its columns: exact)."""
+        import torch
+
+        from pipeline.quant.checkpoint import unpack_int4
+
+        algo, group = self.format(name)
+        weight = self.get(f"{name}.weight")
+        scales = {k: self.get(f"{name}.{k}").float() for k in SCALES if self.has(f"{name}.{k}")}
+        bias = self.get(f"{name}.bias").float() if self.has(f"{name}.bias") else None
+        if algo is None:
+            if weight.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn) or scales.keys() - {"pre_quant_scale"}:
+                raise IntegrityError(f"{name}: unquantized in {artifacts.HF_QUANT_CONFIG_FILE} but stored as "
+                                     f"{weight.dtype} with {sorted(scales)}")
+            lin = Linear(weight.float(), bias=bias)
+            if "pre_quant_scale" in scales:
+                lin.scale_columns(scales["pre_quant_scale"])
+            return lin
+        if algo not in EXPORTABLE_ALGOS:
+            raise InputError(f"{name}: {algo} cannot be exported for vLLM (exportable: {', '.join(EXPORTABLE_ALGOS)})")
+        stored = (torch.float8_e4m3fn,) if algo == FP8 else (torch.uint8, torch.int8) if algo == INT4_AWQ \
+            else (torch.int8,)
+        needed = ("weight_scale", "input_scale") if algo in (INT8_SQ, FP8) else ("weight_scale",)
+        if weight.dtype not in stored or any(k not in scales for k in needed) or (algo == INT4_AWQ and not group):
+            raise IntegrityError(f"{name}: {algo} needs {stored[0]} weights and {', '.join(needed)}"
+                                 + (" with a group size" if algo == INT4_AWQ else "") + f"; found {weight.dtype}, "
+                                 f"{sorted(scales)}")
+        ws = scales["weight_scale"]
+        if algo == INT4_AWQ:
+            weight = unpack_int4(weight.view(torch.int8))  # [out, in] codes
+            if tuple(ws.shape) != (weight.shape[0], weight.shape[1] // group):
+                raise IntegrityError(f"{name}: INT4 group scales of shape {tuple(ws.shape)} do not fit a weight of "
+                                     f"{tuple(weight.shape)} with group size {group}")
+        elif algo == FP8:
+            if ws.numel() != 1:
+                raise IntegrityError(f"{name}: an FP8 weight takes one scale; found {tuple(ws.shape)}")
+            ws = ws.reshape(())
+        else:
+            ws = ws.reshape(-1)
+            ws = ws.expand(weight.shape[0]).clone() if ws.numel() == 1 else ws
+        lin = Linear(weight, ws, algo=algo, group_size=group if algo == INT4_AWQ else None, bias=bias)
+        if "input_scale" in scales and algo in (INT8_SQ, FP8):
+            lin.input_scale = scales["input_scale"].reshape(())
+        lin.prequant = scales.get("pre_quant_scale")
+        return lin
+
+
+def _export(hf_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_dir)
+    fam = families.family(hf.model_type, "vllm")
+    if fam.moe is not None:
+        raise InputError(f"{hf.model_type}: the vLLM export of an HF unified checkpoint writes dense families only")
+    layout = fam.layout
+    n_heads, n_kv, head_dim = hf.num_attention_heads, hf.num_key_value_heads, families.head_dim(hf)
+    offset = 1.0 if layout.unit_offset_norms else 0.0  # a (1 + w) norm's effective scale is w + 1
+    ckpt = _Checkpoint(hf_dir)
+    out = Written(out_dir, max_shard_bytes, dtype)
+    facts = out.facts
+
+    def norm(name: str):
+        return ckpt.get(f"{name}.weight").float() + offset
+
+    out.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight")[:hf.vocab_size])
+    final_norm = norm("model.norm")  # written last: lm_head's smoothing may fold into it
+    heads = (n_heads, n_kv, head_dim) if n_heads != n_kv else None
+    for i in range(hf.num_hidden_layers):
+        h = f"model.layers.{i}"
+        qkv = {f"{h}.{n}": ckpt.linear(f"{h}.{n}") for n in layout.qkv}
+        gate_up = {f"{h}.{n}": ckpt.linear(f"{h}.{n}") for n in layout.gate_up}
+        o_name, down_name = f"{h}.{layout.o}", f"{h}.{layout.down}"
+        o, down = ckpt.linear(o_name), ckpt.linear(down_name)
+        one_format(qkv, facts)
+        one_format(gate_up, facts)
+        # what produces o_proj's and down_proj's inputs: v's rows and up's, the last ones of a linear fused on disk
+        v, up = list(qkv.values())[-1], list(gate_up.values())[-1]
+        _fold_into_rows(v, o, o_name, "v_proj rows", facts, heads=heads,
+                        offset=0 if len(qkv) == 3 else (n_heads + n_kv) * head_dim)
+        _fold_into_rows(up, down, down_name, "up_proj rows", facts,
+                        offset=0 if len(gate_up) == 2 else hf.intermediate_size)
+        attn_norm = _fold_into_norm(norm(f"{h}.{layout.attn_norm}"), qkv, layout.attn_norm, facts)
+        mlp_norm = _fold_into_norm(norm(f"{h}.{layout.mlp_norm}"), gate_up, layout.mlp_norm, facts)
+        out.add(f"{h}.{layout.attn_norm}.weight", attn_norm - offset)
+        out.add(f"{h}.{layout.mlp_norm}.weight", mlp_norm - offset)
+        for name, lin in {**qkv, o_name: o, **gate_up, down_name: down}.items():
+            out.put(name, lin)
+        for key in ckpt.unread(f"{h}."):  # the layer's other norms (q/k norms, Gemma's post-norms), as they are
+            tensor = ckpt.get(key)
+            if not tensor.is_floating_point() or key.rsplit(".", 1)[-1] != "weight":
+                raise IntegrityError(f"{hf_dir}: {key} ({tensor.dtype}) is not a tensor the vLLM export knows")
+            out.add(key, tensor)
+    tied = bool(getattr(hf, "tie_word_embeddings", False))
+    if ckpt.has("lm_head.weight"):
+        head = ckpt.linear("lm_head")
+        final_norm = fold_head(final_norm, head, hf.vocab_size, facts)
+        out.put("lm_head", head)
+        tied = False
+    elif not tied:
+        raise IntegrityError(f"{hf_dir}: no lm_head, and the model does not tie its word embeddings")
+    out.add("model.norm.weight", final_norm - offset)
+    leftover = ckpt.unread()
+    if leftover:
+        raise IntegrityError(f"{hf_dir}: tensors the vLLM export does not know: {leftover[:4]}")
+    ckpt.handles.clear()
+    return out.finish(model_dir, tied)
