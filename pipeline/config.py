@@ -35,6 +35,7 @@ from pipeline.formats import (
     HIGH_PRECISION,
     NO_QUANT,
     VLLM_CPU_BLOCK_MULTIPLE,
+    VLLM_CPU_MLA_BLOCK,
     VLLM_SERVABLE,
 )
 
@@ -867,9 +868,10 @@ def _check_vllm(cfg: PipelineConfig) -> None:
     if b.pipeline_parallel_size != 1:
         raise ValueError("build.target: vllm shards with build.tensor_parallel_size; pipeline_parallel_size must be 1")
     if v.device == "cpu":
-        if b.kv_cache.tokens_per_block % VLLM_CPU_BLOCK_MULTIPLE:
+        if b.kv_cache.tokens_per_block % VLLM_CPU_BLOCK_MULTIPLE and b.kv_cache.tokens_per_block != VLLM_CPU_MLA_BLOCK:
             raise ValueError(f"build.kv_cache.tokens_per_block {b.kv_cache.tokens_per_block}: vLLM's CPU attention "
-                             f"takes blocks of a multiple of {VLLM_CPU_BLOCK_MULTIPLE} tokens")
+                             f"takes blocks of a multiple of {VLLM_CPU_BLOCK_MULTIPLE} tokens ({VLLM_CPU_MLA_BLOCK} for "
+                             f"a model with multi-head latent attention, whose CPU backend takes that only)")
         if b.cuda_graphs.enabled:
             raise ValueError("build.cuda_graphs.enabled: there are no CUDA graphs on vllm.device cpu; set it false")
         quantized = sorted({q.weight_format, *(f for _, f in named)} - {NO_QUANT, HIGH_PRECISION})

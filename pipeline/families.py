@@ -133,12 +133,12 @@ FAMILIES = {f.model_type: f for f in (
     # always-on shared experts (mlp.shared_experts, a dense MLP). ModelOpt 0.47 writes no TensorRT-LLM checkpoint
     # of it (tensorrt_llm_utils.py raises NotImplementedError for deepseek) and TensorRT-LLM 1.2's PyTorch backend
     # does not take DeepseekV2ForCausalLM (tests/data/upstream/pytorch_backend_models.json): here the CPU runtime
-    # serves its HF unified checkpoint
+    # serves its HF unified checkpoint, and vLLM the export written from it (pipeline/engines/vllm/export_hf.py)
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek",
-           "multi-head latent attention; a router, routed experts and shared experts per layer (MoE)", ("cpu",),
+           "multi-head latent attention; a router, routed experts and shared experts per layer (MoE)", ("cpu", "vllm"),
            MoE("mlp.gate", "mlp.experts", ("gate_proj", "up_proj"), "down_proj", "num_experts_per_tok"),
-           why_not="TensorRT-LLM 1.2's PyTorch backend does not list DeepseekV2ForCausalLM, ModelOpt writes no "
-                   "TensorRT-LLM checkpoint of it, and the vLLM export has no multi-head latent attention",
+           why_not="TensorRT-LLM 1.2's PyTorch backend does not list DeepseekV2ForCausalLM, and ModelOpt writes no "
+                   "TensorRT-LLM checkpoint of it for the engine",
            trtllm_checkpoint=False),
 )}
 

@@ -74,6 +74,10 @@ KV_CACHE_ALGOS: dict[str, Optional[str]] = {"int8": "INT8", "fp8": "FP8", "none"
 VLLM_SERVABLE: dict[str, tuple[str, ...]] = {NO_QUANT: ("cpu", "cuda"), "int8_sq": ("cpu", "cuda"),
                                              "int4_awq": ("cpu", "cuda"), "fp8": ("cuda",), "int8_wo": ("cuda",)}
 VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM 0.32 v1/attention/backends/cpu_attn.py: kernel block sizes MultipleOf(32)
+# vLLM 0.32 v1/attention/backends/mla/cpu_mla.py: multi-head latent attention on a CPU takes blocks of 16 only (the
+# platform forces it), a latent KV of 576 (kv_lora_rank 512 + rope 64, DeepSeek-V2's) and the model's dtype
+VLLM_CPU_MLA_BLOCK = 16
+VLLM_CPU_MLA_LATENT = 576
 
 # derived views, for the code that only needs one column
 TRTLLM_QUANT_ALGO = {f.name: f.trtllm_quant_algo for f in FORMATS.values()}

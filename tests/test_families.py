@@ -119,20 +119,24 @@ def _gemma3():
     return model
 
 
-def _deepseek_v2(experts: int = 8, full: bool = False):
+def _deepseek_v2(experts: int = 8, full: bool = False, cpu_mla: bool = False):
     """DeepSeek-V2-Lite's shape (deepseek-ai/DeepSeek-V2-Lite config.json), scaled down: multi-head latent
     attention with no q compression (q_lora_rank null; a KV latent of 32, each head's key 16 + 8 rotary wide and
     its value 16), the first layer dense (first_k_dense_replace 1), then 8 routed experts, greedy top-2 of the
     softmax scores unrenormalised (norm_topk_prob false) and 2 shared experts; untied lm_head. Router weights are
     drawn wider than the initializer's so the routing is not a near-tie everywhere. ``full``: DeepSeek-V2's own
     differences, q compressed too (q_a_proj, q_a_layernorm, q_b_proj) and group-limited routing (the top-2
-    chosen within the best 2 of 4 expert groups)."""
+    chosen within the best 2 of 4 expert groups). ``cpu_mla``: the latent KV of DeepSeek-V2 itself (kv_lora_rank 512,
+    each head's key 64 + 64 rotary wide, its value 64; hidden 128), which vLLM's CPU multi-head latent attention
+    needs (576 wide only)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     model = DeepseekV2ForCausalLM(DeepseekV2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=160, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48 if full else None, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=experts, n_shared_experts=2,
+        vocab_size=512, hidden_size=128 if cpu_mla else 64, intermediate_size=160, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48 if full else None,
+        kv_lora_rank=512 if cpu_mla else 32, qk_nope_head_dim=64 if cpu_mla else 16,
+        qk_rope_head_dim=64 if cpu_mla else 8, v_head_dim=64 if cpu_mla else 16, n_routed_experts=experts,
+        n_shared_experts=2,
         num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1,
         topk_method="group_limited_greedy" if full else "greedy", n_group=4 if full else 1,
         topk_group=2 if full else 1, norm_topk_prob=False, routed_scaling_factor=1.0, scoring_func="softmax",

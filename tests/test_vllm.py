@@ -49,7 +49,7 @@ def vllm_python() -> str:
     ("quantization.weight_format=w4a8_awq", "cannot serve quantization.weight_format w4a8_awq"),
     ("quantization.weight_format=int8_wo", "int8_wo on vllm.device cpu.*or vllm.device cuda"),
     ('plan.rules=[{pattern: "*.down_proj", format: fp8}]', r"plan.rules '\*.down_proj': fp8: vLLM on cpu serves"),
-    ("build.kv_cache.tokens_per_block=16", "multiple of 32"),
+    ("build.kv_cache.tokens_per_block=8", "multiple of 32 tokens .16 for a model with multi-head latent attention"),
     ("build.cuda_graphs.enabled=true", "no CUDA graphs on vllm.device cpu"),
     ("vllm.dtype=float32", "take bfloat16 or float16 activations only"),
     ("build.pipeline_parallel_size=2", "pipeline_parallel_size must be 1"),
@@ -218,25 +218,31 @@ def test_moe_models_are_built_and_checked_by_vllm_on_this_cpu(tiny_tokenizer_dir
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.int8
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma3_text"])
+@pytest.mark.parametrize("family", ["phi3", "gemma3_text", "deepseek_v2"])
 @needs_vllm
 def test_families_with_only_an_hf_unified_checkpoint_are_built_and_checked_by_vllm_on_this_cpu(
         tiny_tokenizer_dir, tmp_path, family):
-    """`invoke build` on the vllm target for a tiny Phi-3 (q/k/v and gate/up fused on disk) and Gemma 3 ((1 + w)
-    norms, a sliding-window layer whose window of 8 the evaluation's 64 tokens outrun), INT8 SmoothQuant with an
-    FP8 KV cache: the export is written from the HF unified checkpoint, vLLM's engine loads it and it passes the
-    build's check against that checkpoint's read-back (perplexity, top-1 agreement, greedy tokens equal or first
-    different at a near-tie)."""
+    """`invoke build` on the vllm target for a tiny Phi-3 (q/k/v and gate/up fused on disk), Gemma 3 ((1 + w)
+    norms, a sliding-window layer whose window of 8 the evaluation's 64 tokens outrun) and DeepSeek-V2 (multi-head
+    latent attention, 576 wide as vLLM's CPU backend needs; routed experts, kept in bfloat16 as vLLM runs no
+    quantized experts on this CPU, and shared ones), INT8 SmoothQuant, an FP8 KV cache where vLLM's CPU attention
+    keeps one (not with latent attention): the export is written from the HF unified checkpoint, vLLM's engine
+    loads it and it passes the build's check against that checkpoint's read-back (perplexity, top-1 agreement,
+    greedy tokens equal or first different at a near-tie)."""
     import torch
     from safetensors import safe_open
-    from test_families import HF_ONLY_QUANTIZATION, _gemma3, _phi3, _saved
+    from test_families import HF_ONLY_QUANTIZATION, _deepseek_v2, _gemma3, _phi3, _saved, _with_rules
 
     torch.manual_seed(0)
-    model = _phi3(hidden=128) if family == "phi3" else _gemma3()  # heads 32 wide
+    model = {"phi3": lambda: _phi3(hidden=128), "gemma3_text": _gemma3,  # heads 32 wide
+             "deepseek_v2": lambda: _deepseek_v2(cpu_mla=True)}[family]()
     model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
-    cfg = tiny_config(tmp_path, model_dir, HF_ONLY_QUANTIZATION)
+    mla = family == "deepseek_v2"
+    cfg = tiny_config(tmp_path, model_dir, HF_ONLY_QUANTIZATION.replace("fp8", "none") if mla else HF_ONLY_QUANTIZATION)
+    if mla:
+        _with_rules(cfg, "{pattern: '*.experts.*', keep_high_precision: true}")
     sets = ["build.target=vllm", "vllm.device=cpu", "vllm.dtype=bfloat16", "build.cuda_graphs.enabled=false",
-            "build.kv_cache.tokens_per_block=32"]
+            f"build.kv_cache.tokens_per_block={16 if mla else 32}"]
     proc = run_invoke("build", "--config", str(cfg), "--work-root", str(tmp_path / "work"),
                       *(a for s in sets for a in ("--set", s)), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -246,7 +252,7 @@ def test_families_with_only_an_hf_unified_checkpoint_are_built_and_checked_by_vl
     assert abs(check["perplexity"]["vllm"] / check["perplexity"]["simulated"] - 1) < 0.02, check
     assert check["top1_agreement_with_simulated"] > 0.8 and check["evaluation_tokens"] > 100, check
     assert all(p["ok"] for p in check["greedy_tokens"]["prompts"]), check["greedy_tokens"]
-    assert json.loads((build / "build_settings.json").read_text())["kv_cache"]["quant_algo"] == "fp8"
+    assert json.loads((build / "build_settings.json").read_text())["kv_cache"]["quant_algo"] == ("auto" if mla else "fp8")
     qkv = "model.layers.0.self_attn." + ("qkv_proj" if family == "phi3" else "q_proj")
     with safe_open(str(export / "model.safetensors"), framework="pt") as f:
         assert f.get_tensor(f"{qkv}.weight").dtype == torch.int8

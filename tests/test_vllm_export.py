@@ -598,18 +598,28 @@ def _assert_vllm_builds_the_experts(folder, state, fmt, family):
 
 # ---------------------------------------------------------------- families with the HF unified checkpoint only
 
+def _written_order(name: str) -> tuple:
+    """The export writes a layer's attention, then its MLP (the router first), then lm_head."""
+    parts = name.split(".")
+    return (int(parts[2]) if name.startswith("model.layers.") else 1 << 30, "mlp" in parts, "gate" not in parts)
+
+
 HF_PRESETS = {"int8_sq": "INT8_SMOOTHQUANT_CFG", "int4_awq": "INT4_AWQ_CFG", "fp8": "FP8_DEFAULT_CFG"}
 
 
 @pytest.mark.parametrize("family, fmt", [("phi3", "int8_sq"), ("phi3", "int4_awq"), ("gemma3_text", "int8_sq"),
-                                         ("gemma3_text", "fp8")])
+                                         ("gemma3_text", "fp8"), ("deepseek_v2", "int8_sq"),
+                                         ("deepseek_v2", "int4_awq")])
 def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_tokenizer_dir, tmp_path, family, fmt):
-    """Phi-3 and Gemma 3 quantized by ModelOpt and exported as the HF unified checkpoint (the only export of
-    them here): the vLLM export written from it computes what that checkpoint's read-back computes (the gate's
-    model). Phi-3's qkv_proj and gate_up_proj stay one linear each, o_proj's smoothing going into qkv_proj's v
-    rows where it folds and down_proj's into gate_up_proj's up rows; Gemma 3's (1 + w) norms take q/k/v's and
-    gate/up's smoothing (its MLP reads pre_feedforward_layernorm), its other norms are written as they were,
-    and its lm_head stays tied to the embedding."""
+    """Phi-3, Gemma 3 and DeepSeek-V2 quantized by ModelOpt and exported as the HF unified checkpoint (the only
+    export of them here): the vLLM export written from it computes what that checkpoint's read-back computes (the
+    gate's model). Phi-3's qkv_proj and gate_up_proj stay one linear each, down_proj's smoothing going into
+    gate_up_proj's up rows; Gemma 3's (1 + w) norms take q/k/v's and gate/up's smoothing (its MLP reads
+    pre_feedforward_layernorm), its other norms are written as they were, its lm_head stays tied. DeepSeek-V2's
+    o_proj smoothing goes into kv_b_proj's value rows (one KV head per query head: it always folds), kv_b_proj's
+    into kv_a_layernorm, and the router, every routed expert and the shared experts read the post-attention
+    norm, which takes their one smoothing, the router (unquantized, ignored) its inverse; every expert is written
+    under its own name."""
     import copy
 
     import modelopt.torch.quantization as mtq
@@ -625,7 +635,7 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
     model_dir = _saved(original, tmp_path / "model", tiny_tokenizer_dir)
     preset = copy.deepcopy(getattr(mtq, HF_PRESETS[fmt]))
     for item in preset["quant_cfg"]:
-        _set_block_size(item.get("cfg"), 32)
+        _set_block_size(item.get("cfg"), 16 if family == "deepseek_v2" else 32)  # experts 32 wide, kv_b_proj 32
     ids = torch.randint(3, 500, (4, 48), generator=torch.Generator().manual_seed(1))
     model = copy.deepcopy(original)
     with torch.no_grad():
@@ -637,22 +647,45 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
     config = json.loads((tmp_path / "vllm" / "config.json").read_text())
 
     smoothed = fmt != "fp8"
-    layout = {"phi3": ("post_attention_layernorm", ["self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"]),
-              "gemma3_text": ("pre_feedforward_layernorm", [f"{m}_proj" for m in ("self_attn.q", "self_attn.k",
-                              "self_attn.v", "mlp.gate", "mlp.up", "mlp.down")])}
-    mlp_norm, quantized = layout[family]
-    # o_proj: 4 query heads share each KV head and want different smoothing, so it is written in high precision
-    assert facts["dequantized_smoothing_not_foldable"] == (
-        [f"model.layers.{i}.self_attn.o_proj" for i in range(2)] if smoothed else [])
-    assert facts["quantized_linears"] == 2 * len(quantized) + (0 if smoothed else 2)
-    if smoothed:
+    mla = family == "deepseek_v2"
+    attention = {"phi3": ["self_attn.qkv_proj"], "gemma3_text": [f"self_attn.{m}_proj" for m in "qkv"],
+                 "deepseek_v2": ["self_attn.q_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+                                 "self_attn.o_proj"]}[family]
+    mlp = ["mlp.gate_up_proj", "mlp.down_proj"] if family == "phi3" else [f"mlp.{m}_proj" for m in ("gate", "up", "down")]
+    experts = [f"mlp.{e}.{m}_proj" for e in (*(f"experts.{i}" for i in range(8)), "shared_experts")
+               for m in ("gate", "up", "down")] if mla else mlp
+    quantized = [f"model.layers.0.{n}" for n in attention + mlp] + [f"model.layers.1.{n}" for n in attention + experts]
+    # o_proj (Phi-3, Gemma 3): 4 query heads share each KV head and want different smoothing, so it is written in
+    # high precision. DeepSeek-V2 with INT4 AWQ: ModelOpt folded the shared experts' AWQ scale into the norm that
+    # the router and the routed experts (which keep theirs) read too, so the shared experts are written in high
+    # precision, exactly
+    unfoldable = [f"model.layers.{i}.self_attn.o_proj" for i in range(2)] if smoothed and not mla else \
+        [f"model.layers.1.mlp.shared_experts.{m}_proj" for m in ("gate", "up")] if fmt == "int4_awq" else []
+    assert facts["dequantized_smoothing_not_foldable"] == unfoldable
+    # latent attention's kv_b_proj: in high precision, as vLLM runs it
+    kv_b = [f"model.layers.{i}.self_attn.kv_b_proj" for i in range(2)] if mla else []
+    assert facts["dequantized_kv_b_proj_of_latent_attention"] == kv_b
+    quantized = [n for n in quantized if n not in unfoldable + kv_b]
+    assert facts["quantized_linears"] == len(quantized) + (2 if not smoothed else 0)
+    if smoothed and mla:
+        assert facts["smoothing_folded_into"]["kv_b_proj value rows"] == 2  # o_proj's, exactly, in every case
+        assert facts["smoothing_folded_into"]["up_proj rows"] == 1 + 8 + 1
+        if fmt == "int8_sq":
+            assert facts["smoothing_folded_into"] == {"input_layernorm": 2, "kv_b_proj value rows": 2,
+                                                      "post_attention_layernorm": 2, "up_proj rows": 1 + 8 + 1}
+    elif smoothed:
+        mlp_norm = "pre_feedforward_layernorm" if family == "gemma3_text" else "post_attention_layernorm"
         assert facts["smoothing_folded_into"] == {"input_layernorm": 2, mlp_norm: 2, "up_proj rows": 2}
     weight = "weight_packed" if fmt == "int4_awq" else "weight"
     for name in quantized:
-        assert f"model.layers.1.{name}.{weight}" in state and f"model.layers.1.{name}.weight_scale" in state, name
+        assert f"{name}.{weight}" in state and f"{name}.weight_scale" in state, name
     if family == "phi3":
         assert not any(".q_proj." in k or ".gate_proj." in k for k in state)
         assert config["tie_word_embeddings"] is False and "lm_head" in config["quantization_config"]["ignore"]
+    elif mla:
+        assert config["quantization_config"]["ignore"] == sorted(unfoldable + kv_b + ["model.layers.1.mlp.gate",
+                                                                                     "lm_head"], key=_written_order)
+        assert state["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     else:
         for norm in ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn.q_norm"):
             key = f"model.layers.1.{norm}.weight"
@@ -660,11 +693,12 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
         assert config["tie_word_embeddings"] is True and "lm_head.weight" not in state
 
     want, _ = rebuild_hf(tmp_path / "hf")
-    for name in facts["dequantized_smoothing_not_foldable"]:  # written smoothed, its input no longer rounded
+    for name in unfoldable + kv_b:  # written in high precision, smoothed: its input no longer rounded
         module = want.get_submodule(name)
         module._forward_pre_hooks.clear()
-        smoothing = source[f"{name}.pre_quant_scale"].float()
-        module.register_forward_pre_hook(lambda m, a, s=smoothing: (a[0] * s,))
+        if f"{name}.pre_quant_scale" in source:
+            smoothing = source[f"{name}.pre_quant_scale"].float()
+            module.register_forward_pre_hook(lambda m, a, s=smoothing: (a[0] * s,))
     got = _model_from_export(tmp_path / "vllm", model_dir)
     with torch.no_grad():
         want_logits, got_logits = want(ids).logits, got(ids).logits

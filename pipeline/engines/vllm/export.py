@@ -196,6 +196,7 @@ class ExportFacts:
     requantized: list[str] = field(default_factory=list)  # INT4 requantized to share its fused group's scale
     input_rescaled: list[str] = field(default_factory=list)  # on its fused GEMM's larger static input scale
     unfused: list[str] = field(default_factory=list)  # quantized, but fused in vLLM with a layer in another format
+    mla_kv_b_dequantized: list[str] = field(default_factory=list)  # latent attention's kv_b_proj, run in dtype
 
     def as_dict(self) -> dict:
         return {"quantized_linears": self.quantized_linears, "high_precision_linears": self.high_precision_linears,
@@ -203,7 +204,8 @@ class ExportFacts:
                 "dequantized_smoothing_not_foldable": self.unfoldable,
                 "int4_requantized_to_share_a_prequant_scale": self.requantized,
                 "input_scale_raised_to_its_fused_gemms": self.input_rescaled,
-                "dequantized_fused_with_another_format": self.unfused}
+                "dequantized_fused_with_another_format": self.unfused,
+                "dequantized_kv_b_proj_of_latent_attention": self.mla_kv_b_dequantized}
 
 
 class _Ranks:
@@ -484,11 +486,12 @@ def _moe_mlp(ranks: _Ranks, p: str, block: str, moe, inter: int, layer_format, n
 
 
 def _fold_into_rows(target: Linear, lin: Linear, name: str, where: str, facts: ExportFacts,
-                    heads: Optional[tuple] = None, offset: int = 0):
-    """``lin``'s (HF ``name``) pre-quant scale into the output rows of ``target`` (which produces its input),
-    from row ``offset`` on (a part of a linear fused on disk: Phi-3's v rows in qkv_proj, up rows in
-    gate_up_proj). ``heads``: (query heads, KV heads, head dim) when ``target`` is v_proj and each KV head feeds
-    several query heads."""
+                    heads: Optional[tuple] = None, rows=None):
+    """``lin``'s (HF ``name``) pre-quant scale into the output rows of ``target`` (which produces its input):
+    all of them, or ``rows`` (an index tensor, in the order of ``lin``'s inputs: a part of a linear fused on
+    disk, as Phi-3's v rows in qkv_proj, or the value rows of multi-head latent attention's kv_b_proj).
+    ``heads``: (query heads, KV heads, head dim) when ``target`` is v_proj and each KV head feeds several query
+    heads."""
     import torch
 
     s = lin.prequant
@@ -502,9 +505,8 @@ def _fold_into_rows(target: Linear, lin: Linear, name: str, where: str, facts: E
             facts.unfoldable.append(name)
             return
         s = per_kv[:, 0].reshape(-1)
-    rows = target.weight.shape[0]
-    if offset or s.numel() != rows:
-        s = torch.cat([torch.ones(offset), s, torch.ones(rows - offset - s.numel())])
+    if rows is not None:
+        s = torch.ones(target.weight.shape[0]).index_copy_(0, rows, s)
     target.scale_rows(s)
     lin.prequant = None
     facts.folded[where] = facts.folded.get(where, 0) + 1

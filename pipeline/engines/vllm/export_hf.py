@@ -35,6 +35,7 @@ from pipeline.engines.vllm.export import (
     INT4_AWQ,
     INT8_SQ,
     MAX_SHARD_BYTES,
+    ExportFacts,
     Linear,
     Written,
     _fold_into_norm,
@@ -134,15 +135,112 @@ class _Checkpoint:
         return lin
 
 
+def _attention(ckpt: _Checkpoint, h: str, hf, layout, facts: ExportFacts) -> tuple[list, dict[str, Linear]]:
+    """A layer's q/k/v and o_proj (HF name -> Linear) with o_proj's smoothing folded into v's rows, and the norm
+    groups (norm, members) whose smoothing goes into a norm."""
+    import torch
+
+    n_heads, n_kv, head_dim = hf.num_attention_heads, hf.num_key_value_heads, families.head_dim(hf)
+    qkv = {f"{h}.{n}": ckpt.linear(f"{h}.{n}") for n in layout.qkv}
+    o_name = f"{h}.{layout.o}"
+    o = ckpt.linear(o_name)
+    one_format(qkv, facts)
+    v = list(qkv.values())[-1]  # v_proj, or a fused qkv_proj whose last rows are v's
+    start = 0 if len(qkv) == 3 else (n_heads + n_kv) * head_dim
+    _fold_into_rows(v, o, o_name, "v_proj rows", facts, heads=(n_heads, n_kv, head_dim) if n_heads != n_kv else None,
+                    rows=None if len(qkv) == 3 else torch.arange(start, start + n_kv * head_dim))
+    return [(layout.attn_norm, qkv)], {**qkv, o_name: o}
+
+
+def _mla_attention(ckpt: _Checkpoint, h: str, hf, facts: ExportFacts) -> tuple[list, dict[str, Linear]]:
+    """Multi-head latent attention (DeepSeek-V2): q_proj (or q_a_proj, q_a_layernorm, q_b_proj) and
+    kv_a_proj_with_mqa read the input norm; kv_b_proj reads kv_a_layernorm and gives each head its key's
+    unrotated part, then its value; o_proj reads the values, so its smoothing folds into kv_b_proj's value rows
+    (one KV head per query head: always foldable). vLLM 0.32 fuses q_a_proj with kv_a_proj_with_mqa
+    (deepseek_v2.py ``fused_qkv_a_proj``), so those two share one format. kv_b_proj is written in high precision,
+    its codes dequantized (its smoothing into its own columns): vLLM absorbs it into the query and output
+    projections of its latent attention in the model's dtype (mla_attention.py ``split_kv_b_proj``, through
+    ``get_and_maybe_dequant_weights``), and on a CPU it cannot even do that with an INT8 kv_b_proj, whose weight
+    the oneDNN kernel has taken away by then ("'NoneType' object has no attribute 'device'", found here)."""
+    import torch
+
+    a = f"{h}.self_attn"
+    first = {f"{a}.{n}": ckpt.linear(f"{a}.{n}")
+             for n in ("q_a_proj" if hf.q_lora_rank else "q_proj", "kv_a_proj_with_mqa")}
+    if hf.q_lora_rank:
+        one_format(first, facts)
+    groups: list = [("input_layernorm", first)]
+    linears = dict(first)
+    if hf.q_lora_rank:
+        q_b = {f"{a}.q_b_proj": ckpt.linear(f"{a}.q_b_proj")}
+        groups.append(("self_attn.q_a_layernorm", q_b))
+        linears.update(q_b)
+    kv_b, o = ckpt.linear(f"{a}.kv_b_proj"), ckpt.linear(f"{a}.o_proj")
+    if kv_b.quantized:  # vLLM runs it in the model's dtype whatever the checkpoint holds (see _mla_attention)
+        kv_b.dequantize()
+        facts.mla_kv_b_dequantized.append(f"{a}.kv_b_proj")
+    nope, v = hf.qk_nope_head_dim, hf.v_head_dim
+    value_rows = (torch.arange(hf.num_attention_heads)[:, None] * (nope + v) + nope + torch.arange(v)).reshape(-1)
+    _fold_into_rows(kv_b, o, f"{a}.o_proj", "kv_b_proj value rows", facts, rows=value_rows)
+    groups.append(("self_attn.kv_a_layernorm", {f"{a}.kv_b_proj": kv_b}))
+    return groups, {**linears, f"{a}.kv_b_proj": kv_b, f"{a}.o_proj": o}
+
+
+def _gated_mlp(ckpt: _Checkpoint, gate_up: list[str], down_name: str, inter: int,
+               facts: ExportFacts) -> tuple[dict[str, Linear], dict[str, Linear]]:
+    """A gated MLP (``gate_up``: gate and up, or the one linear holding both, gate's rows first): (gate/up,
+    {down}), down_proj's smoothing folded into up's rows, gate/up in one format (vLLM fuses them)."""
+    import torch
+
+    pair = {n: ckpt.linear(n) for n in gate_up}
+    down = ckpt.linear(down_name)
+    one_format(pair, facts)
+    _fold_into_rows(list(pair.values())[-1], down, down_name, "up_proj rows", facts,
+                    rows=None if len(pair) == 2 else torch.arange(inter, 2 * inter))
+    return pair, {down_name: down}
+
+
+def _moe(ckpt: _Checkpoint, h: str, hf, moe, facts: ExportFacts) -> tuple[list, dict[str, Linear]]:
+    """An MoE layer: the router (kept in high precision, in the ignore list), every routed expert, and the
+    shared experts where the family has them (DeepSeek-V2's ``mlp.shared_experts``, a dense gated MLP in vLLM).
+    vLLM runs a layer's experts as one fused MoE with one scheme, so their gate/up and their down each get one
+    format (all of them in high precision where those two differ); ModelOpt's HF export gives every linear that
+    reads the post-attention norm one pre-quant scale, which folds into that norm, the router taking 1 / s."""
+    block = f"{h}.{moe.experts.rsplit('.', 1)[0]}"
+    leaf = moe.experts.rsplit(".", 1)[-1]
+    gate_name, up_name = moe.fused
+    router_name = f"{h}.{moe.router}"
+    router = Linear(ckpt.get(f"{router_name}.weight").float())
+    n = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_local_experts", None) or hf.num_experts
+    pairs, downs = {}, {}
+    for e in range(n):
+        x = f"{block}.{leaf}.{e}"
+        pair, down = _gated_mlp(ckpt, [f"{x}.{gate_name}", f"{x}.{up_name}"], f"{x}.{moe.down}", 0, facts)
+        pairs.update(pair)
+        downs.update(down)
+    one_format(pairs, facts)
+    one_format(downs, facts)
+    if len({lin.algo for lin in (*pairs.values(), *downs.values())}) > 1:
+        one_format({**pairs, **downs}, facts)
+    members = {router_name: router, **pairs}
+    linears = {router_name: router}
+    for e in range(n):  # the HF order: an expert's gate, up, down
+        x = f"{block}.{leaf}.{e}"
+        linears.update({k: (pairs | downs)[k] for k in (f"{x}.{gate_name}", f"{x}.{up_name}", f"{x}.{moe.down}")})
+    if getattr(hf, "n_shared_experts", None):
+        s = f"{block}.shared_experts"
+        pair, down = _gated_mlp(ckpt, [f"{s}.gate_proj", f"{s}.up_proj"], f"{s}.down_proj", 0, facts)
+        members.update(pair)
+        linears.update({**pair, **down})
+    return [("post_attention_layernorm", members)], linears
+
+
 def _export(hf_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(model_dir)
     fam = families.family(hf.model_type, "vllm")
-    if fam.moe is not None:
-        raise InputError(f"{hf.model_type}: the vLLM export of an HF unified checkpoint writes dense families only")
     layout = fam.layout
-    n_heads, n_kv, head_dim = hf.num_attention_heads, hf.num_key_value_heads, families.head_dim(hf)
     offset = 1.0 if layout.unit_offset_norms else 0.0  # a (1 + w) norm's effective scale is w + 1
     ckpt = _Checkpoint(hf_dir)
     out = Written(out_dir, max_shard_bytes, dtype)
@@ -153,27 +251,20 @@ def _export(hf_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_
 
     out.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight")[:hf.vocab_size])
     final_norm = norm("model.norm")  # written last: lm_head's smoothing may fold into it
-    heads = (n_heads, n_kv, head_dim) if n_heads != n_kv else None
     for i in range(hf.num_hidden_layers):
         h = f"model.layers.{i}"
-        qkv = {f"{h}.{n}": ckpt.linear(f"{h}.{n}") for n in layout.qkv}
-        gate_up = {f"{h}.{n}": ckpt.linear(f"{h}.{n}") for n in layout.gate_up}
-        o_name, down_name = f"{h}.{layout.o}", f"{h}.{layout.down}"
-        o, down = ckpt.linear(o_name), ckpt.linear(down_name)
-        one_format(qkv, facts)
-        one_format(gate_up, facts)
-        # what produces o_proj's and down_proj's inputs: v's rows and up's, the last ones of a linear fused on disk
-        v, up = list(qkv.values())[-1], list(gate_up.values())[-1]
-        _fold_into_rows(v, o, o_name, "v_proj rows", facts, heads=heads,
-                        offset=0 if len(qkv) == 3 else (n_heads + n_kv) * head_dim)
-        _fold_into_rows(up, down, down_name, "up_proj rows", facts,
-                        offset=0 if len(gate_up) == 2 else hf.intermediate_size)
-        attn_norm = _fold_into_norm(norm(f"{h}.{layout.attn_norm}"), qkv, layout.attn_norm, facts)
-        mlp_norm = _fold_into_norm(norm(f"{h}.{layout.mlp_norm}"), gate_up, layout.mlp_norm, facts)
-        out.add(f"{h}.{layout.attn_norm}.weight", attn_norm - offset)
-        out.add(f"{h}.{layout.mlp_norm}.weight", mlp_norm - offset)
-        for name, lin in {**qkv, o_name: o, **gate_up, down_name: down}.items():
-            out.put(name, lin)
+        groups, linears = (_mla_attention(ckpt, h, hf, facts) if getattr(hf, "kv_lora_rank", None)
+                           else _attention(ckpt, h, hf, layout, facts))
+        if fam.moe is not None and ckpt.has(f"{h}.{fam.moe.router}.weight"):  # a family may keep some layers dense
+            mlp_groups, mlp = _moe(ckpt, h, hf, fam.moe, facts)
+        else:
+            pair, down = _gated_mlp(ckpt, [f"{h}.{n}" for n in layout.gate_up], f"{h}.{layout.down}",
+                                    hf.intermediate_size, facts)
+            mlp_groups, mlp = [(layout.mlp_norm, pair)], {**pair, **down}
+        for name, members in groups + mlp_groups:
+            out.add(f"{h}.{name}.weight", _fold_into_norm(norm(f"{h}.{name}"), members, name, facts) - offset)
+        for name, lin in {**linears, **mlp}.items():
+            out.put(name, lin, expert=f".{fam.moe.experts}." in name if fam.moe else False)
         for key in ckpt.unread(f"{h}."):  # the layer's other norms (q/k norms, Gemma's post-norms), as they are
             tensor = ckpt.get(key)
             if not tensor.is_floating_point() or key.rsplit(".", 1)[-1] != "weight":

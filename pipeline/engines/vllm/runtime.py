@@ -57,21 +57,44 @@ CPU_FP8_KV_HEAD_MULTIPLE = 32
 
 
 def check_cpu_attention(cfg, model_dir: Path) -> None:
-    """Stop before the export where vLLM's CPU attention cannot take the model's head size, or not with the FP8
-    KV cache the config asks for (vLLM would refuse it only when its engine starts, after the export)."""
+    """Stop before the export where vLLM's CPU attention cannot take the model's head size, its blocks, or the FP8
+    KV cache the config asks for (vLLM would refuse them only when its engine starts, after the export; a block
+    size for multi-head latent attention it would silently replace)."""
     from transformers import AutoConfig
 
     from pipeline import families
     from pipeline.engines.vllm.engine_args import kv_cache_dtype
+    from pipeline.formats import VLLM_CPU_BLOCK_MULTIPLE, VLLM_CPU_MLA_BLOCK, VLLM_CPU_MLA_LATENT
 
     if cfg.vllm.device != "cpu":
         return
-    head = families.head_dim(AutoConfig.from_pretrained(model_dir).get_text_config())
+    text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    block, kv = cfg.build.kv_cache.tokens_per_block, kv_cache_dtype(cfg)
+    if getattr(text, "kv_lora_rank", None):  # multi-head latent attention: cpu_mla.py
+        latent = text.kv_lora_rank + text.qk_rope_head_dim
+        if latent != VLLM_CPU_MLA_LATENT:
+            raise EnvironmentProblem(
+                f"the model's latent KV is {latent} wide (kv_lora_rank {text.kv_lora_rank} + qk_rope_head_dim "
+                f"{text.qk_rope_head_dim}), and vLLM's CPU multi-head latent attention takes {VLLM_CPU_MLA_LATENT} "
+                f"only: serve it on vllm.device cuda, or use build.target cpu")
+        if kv != "auto":
+            raise EnvironmentProblem(
+                f"vLLM's CPU multi-head latent attention keeps its KV cache in the model's dtype only (vllm."
+                f"kv_cache_dtype is {kv}): set vllm.kv_cache_dtype auto (or quantization.kv_cache none)")
+        if block != VLLM_CPU_MLA_BLOCK:
+            raise EnvironmentProblem(
+                f"vLLM's CPU multi-head latent attention takes blocks of {VLLM_CPU_MLA_BLOCK} tokens only: set "
+                f"build.kv_cache.tokens_per_block {VLLM_CPU_MLA_BLOCK}")
+        return
+    if block % VLLM_CPU_BLOCK_MULTIPLE:
+        raise EnvironmentProblem(
+            f"build.kv_cache.tokens_per_block {block}: vLLM's CPU attention takes blocks of a multiple of "
+            f"{VLLM_CPU_BLOCK_MULTIPLE} tokens for a model without multi-head latent attention")
+    head = families.head_dim(text)
     if head not in CPU_HEAD_SIZES:
         raise EnvironmentProblem(
             f"the model's attention heads are {head} wide, and vLLM's CPU attention takes heads of "
             f"{', '.join(map(str, CPU_HEAD_SIZES))} only: serve it on vllm.device cuda, or use build.target cpu")
-    kv = kv_cache_dtype(cfg)
     if kv.startswith("fp8") and head % CPU_FP8_KV_HEAD_MULTIPLE:
         raise EnvironmentProblem(
             f"the model's attention heads are {head} wide, and vLLM's CPU attention keeps an FP8 KV cache only for "
@@ -98,13 +121,27 @@ def check_cpu_experts(cfg, ckpt_dir: Path) -> None:
 
 
 def int4_expert_layers(ckpt_dir: Path) -> list[str]:
-    """The checkpoint's MoE layers (``transformer.layers.N.mlp``) whose stacked experts are INT4 (W4A16 AWQ)."""
+    """The checkpoint's MoE layers whose experts are INT4 (W4A16 AWQ): ``transformer.layers.N.mlp`` in a
+    TensorRT-LLM checkpoint (stacked experts), the expert block (``model.layers.N.mlp``) in an HF unified one."""
     from safetensors import safe_open
 
+    from pipeline import artifacts, families
     from pipeline.engines.vllm.export import INT4_AWQ
-    from pipeline.quant.checkpoint import _layer_formats
+    from pipeline.quant.checkpoint import _layer_formats, layer_formats
 
     cfg = json.loads((ckpt_dir / "config.json").read_text())
+    if (ckpt_dir / artifacts.HF_QUANT_CONFIG_FILE).is_file():
+        from pipeline.quant.hf_checkpoint import _files, quant_config
+
+        moe = families.family(cfg.get("model_type", "")).moe
+        if moe is None:
+            return []
+        qcfg = quant_config(ckpt_dir)
+        hf_fmt = layer_formats(qcfg, qcfg.get("quantized_layers"), str(ckpt_dir), artifacts.HF_QUANT_CONFIG_FILE)
+        names = _files(ckpt_dir)
+        return [f"model.layers.{i}.{moe.experts.rsplit('.', 1)[0]}" for i in range(cfg["num_hidden_layers"])
+                if f"model.layers.{i}.{moe.router}.weight" in names
+                and hf_fmt(f"model.layers.{i}.{moe.experts}.0.{moe.fused[0]}")[0] == INT4_AWQ]
     fmt = _layer_formats(ckpt_dir, cfg.get("quantization") or {})
     with safe_open(str(ckpt_dir / "rank0.safetensors"), framework="pt") as f:
         keys = set(f.keys())

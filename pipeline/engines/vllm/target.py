@@ -95,8 +95,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     version = runtime.vllm_version(python)
     export_dir = out_dir / EXPORT_DIR
     runtime.check_cpu_attention(cfg, model_dir)
-    if not hf_checkpoint:  # the HF unified export is of dense families only
-        runtime.check_cpu_experts(cfg, ckpt_dir)
+    runtime.check_cpu_experts(cfg, ckpt_dir)
     exported, _ = run_in_child(export_hf_for_vllm if hf_checkpoint else export_for_vllm, ckpt_dir, model_dir,
                                export_dir, cfg.vllm.dtype, log_path=log_path, what="the vLLM export")
     args, env = ea.engine_args(cfg), ea.engine_env(cfg)
