@@ -25,10 +25,10 @@ their intermediate size; the checkpoint reader reads the stacked experts back pe
 
 The vllm target's export (pipeline/engines/vllm/export.py) writes dense layers with their biases and q/k norms
 (Llama, Mistral, Qwen2, Qwen3) and MoE layers as vLLM's Mixtral and Qwen3-MoE load them: the router unquantized,
-each expert's gate/up/down under its HF name, a layer's experts in one compressed-tensors scheme. For the dense
-families with the HF unified checkpoint only (Phi-3, Gemma 3) the vLLM export starts from that checkpoint
-(pipeline/engines/vllm/export_hf.py), folding smoothing where ``Family.layout`` says each linear's input comes
-from.
+each expert's gate/up/down under its HF name, a layer's experts in one compressed-tensors scheme. For the
+families with the HF unified checkpoint only (Phi-3, Gemma 3, DeepSeek-V2) the vLLM export starts from that
+checkpoint (pipeline/engines/vllm/export_hf.py), folding smoothing where ``Family.layout`` (and, for DeepSeek-V2,
+its multi-head latent attention and shared experts) says each linear's input comes from.
 """
 
 from __future__ import annotations

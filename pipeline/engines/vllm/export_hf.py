@@ -1,6 +1,6 @@
 """ModelOpt's HF unified checkpoint rewritten as an HF folder vLLM loads (compressed-tensors): the vllm target's
 export for the families quantize writes no TensorRT-LLM checkpoint of here (``Family.trtllm_checkpoint`` False:
-Phi-3, Gemma 3).
+Phi-3, Gemma 3, DeepSeek-V2).
 
 The HF unified checkpoint is what the accuracy gate measured for them (pipeline.quant.hf_checkpoint reads it
 back), so the export starts from it, as pipeline.engines.vllm.export starts from the TensorRT-LLM checkpoint, and
@@ -20,8 +20,9 @@ writer). What differs is the reading:
 - the KV-cache scales (``k_scale`` / ``v_scale``) are left out: vLLM's KV-cache dtype decides, as in the other
   export.
 
-Mixture-of-experts families are not here: the one without a TensorRT-LLM checkpoint, DeepSeek-V2, has multi-head
-latent attention, which no vLLM export here writes (the family table keeps it off the vllm target).
+DeepSeek-V2 (``_mla_attention``, ``_moe``): multi-head latent attention, whose kv_b_proj is written in high
+precision as vLLM runs it, and an MoE block of a router, routed experts and shared experts, all reading the
+post-attention norm; every expert is written under its own name, as vLLM's DeepseekV2 loads them.
 """
 
 from __future__ import annotations
