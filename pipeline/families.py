@@ -84,6 +84,9 @@ class Family:
     # ScaledWordEmbedding); code that runs the layers one at a time (the sensitivity stage) must do the same
     scaled_embedding: bool = False
     layout: Layout = Layout()
+    # transformers' attention the stages run the family with: "sdpa", or "eager" where SDPA would compute
+    # something else (Gemma 2's attention soft-capping: sdpa_attention_forward ignores ``softcap``)
+    attention: str = "sdpa"
 
 
 # why a family without a TensorRT-LLM checkpoint here is not served by the engine (the pytorch target, the CPU
@@ -127,6 +130,17 @@ FAMILIES = {f.model_type: f for f in (
            "(1 + w) norms around attention and MLP, scaled embeddings, q/k norms, sliding-window layers",
            ("pytorch", "cpu", "vllm"), why_not=_HF_ONLY, trtllm_checkpoint=False, scaled_embedding=True,
            layout=Layout(mlp_norm="pre_feedforward_layernorm", unit_offset_norms=True)),
+    # Gemma 2: Gemma 3's layer without q/k norms, every other layer sliding (layer_types), the attention scores
+    # and the final logits soft-capped (tanh): transformers' SDPA path drops the attention capping, so every stage
+    # runs it with eager attention. ModelOpt 0.47 writes no TensorRT-LLM config for it (as gemma3), and TensorRT-LLM
+    # 1.2's PyTorch backend does not list Gemma2ForCausalLM (tests/data/upstream/pytorch_backend_models.json)
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2",
+           "attention and final-logit soft-capping (eager attention), (1 + w) norms around attention and MLP, scaled "
+           "embeddings, alternating sliding-window layers", ("cpu", "vllm"),
+           why_not="TensorRT-LLM 1.2's PyTorch backend does not list Gemma2ForCausalLM, and ModelOpt writes no "
+                   "TensorRT-LLM checkpoint of it for the engine",
+           trtllm_checkpoint=False, scaled_embedding=True,
+           layout=Layout(mlp_norm="pre_feedforward_layernorm", unit_offset_norms=True), attention="eager"),
     # DeepSeek-V2 / V2-Lite (the seeds' model): multi-head latent attention (q_proj, or q_a_proj / q_b_proj where
     # q_lora_rank is set; kv_a_proj_with_mqa, kv_b_proj), the first first_k_dense_replace layers dense, the others
     # a router (DeepseekV2MoEGate: a weight, not an nn.Linear, giving the chosen experts) with routed experts and
@@ -141,6 +155,13 @@ FAMILIES = {f.model_type: f for f in (
                    "TensorRT-LLM checkpoint of it for the engine",
            trtllm_checkpoint=False),
 )}
+
+
+def attn_implementation(model_type: str) -> str:
+    """transformers' attention implementation for a model of ``model_type`` (``Family.attention``; sdpa for one
+    outside the table, which the stages refuse before running it)."""
+    fam = FAMILIES.get(model_type)
+    return fam.attention if fam else "sdpa"
 
 
 def embedding_scale(hf) -> float:

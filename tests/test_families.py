@@ -119,6 +119,26 @@ def _gemma3():
     return model
 
 
+def _gemma2(hidden: int = 64):
+    """Gemma-2-2B's shape, scaled down: (1 + w) norms around attention and the MLP, scaled embeddings, alternating
+    sliding-window (8 tokens here) and global layers, tied embeddings, and both soft-caps, tighter than Gemma 2's
+    own (50 and 30) so that on these random weights they bind: the attention scores at 2, the logits at 3."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    model = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=512, hidden_size=hidden, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True))
+    for name, p in model.named_parameters():  # (1 + w) norms start at w = 0: give them weight, as trained ones have
+        if name.endswith("norm.weight"):
+            p.data.normal_(0.0, 0.3)
+    for layer in model.model.layers:  # attention scores wide enough for the cap to bind (initialised, they are not)
+        layer.self_attn.q_proj.weight.data *= 8.0
+        layer.self_attn.k_proj.weight.data *= 8.0
+    return model
+
+
 def _deepseek_v2(experts: int = 8, full: bool = False, cpu_mla: bool = False):
     """DeepSeek-V2-Lite's shape (deepseek-ai/DeepSeek-V2-Lite config.json), scaled down: multi-head latent
     attention with no q compression (q_lora_rank null; a KV latent of 32, each head's key 16 + 8 rotary wide and
@@ -146,7 +166,7 @@ def _deepseek_v2(experts: int = 8, full: bool = False, cpu_mla: bool = False):
 
 
 MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
-          "phi3": _phi3, "gemma3_text": _gemma3, "deepseek_v2": _deepseek_v2}
+          "phi3": _phi3, "gemma3_text": _gemma3, "gemma2": _gemma2, "deepseek_v2": _deepseek_v2}
 # plan rules a family needs beyond the tiny config's: experts in a format the export writes for them
 RULES = {"mixtral": "{pattern: '*.experts.*', format: fp8}", "qwen3_moe": "{pattern: '*.experts.*', format: fp8}"}
 # the families exported as the HF unified checkpoint only: it needs asking for, and takes no INT8 KV cache
@@ -250,24 +270,26 @@ def test_the_cpu_runtime_gives_the_rebuilt_models_greedy_tokens(verified):
 
 
 def test_a_family_outside_the_table_and_a_target_that_cannot_serve_one_are_refused(tiny_model_dir, tmp_path):
-    with pytest.raises(InputError, match=r"'gemma2' is not a supported family; supported: llama"):
-        families.family("gemma2")
+    with pytest.raises(InputError, match=r"'gpt_neox' is not a supported family; supported: llama"):
+        families.family("gpt_neox")
     assert families.family("mixtral", "vllm").moe is not None
     assert families.family("qwen3", "cpu").decoder_type == "qwen"
     with pytest.raises(InputError, match="the tensorrt target cannot serve qwen3_moe .*no moe section.*"
                                          "use build.target pytorch or cpu or vllm"):
         families.family("qwen3_moe", "tensorrt")
-    with pytest.raises(InputError, match="the vllm target cannot serve deepseek_v2 .*no multi-head latent attention"
-                                         "\\); use build.target cpu"):
-        families.family("deepseek_v2", "vllm")
+    with pytest.raises(InputError, match="the pytorch target cannot serve deepseek_v2 .*does not list "
+                                         "DeepseekV2ForCausalLM.*use build.target cpu or vllm"):
+        families.family("deepseek_v2", "pytorch")
+    with pytest.raises(InputError, match="the pytorch target cannot serve gemma2 .*does not list Gemma2ForCausalLM"):
+        families.family("gemma2", "pytorch")
     # at the first stage that reads the model, before any compute
-    model_dir = tmp_path / "gemma"
+    model_dir = tmp_path / "neox"
     shutil.copytree(tiny_model_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
     proc = run_invoke("sensitivity", "--config", str(tiny_config(tmp_path, model_dir)), "--work-root",
                       str(tmp_path / "work"), timeout=600)
-    assert proc.returncode != 0 and "model type 'gemma2' is not a supported family" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "model type 'gpt_neox' is not a supported family" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -349,6 +371,47 @@ def test_a_family_with_only_an_hf_unified_export_reaches_a_gated_checkpoint(tmp_
     # (Phi-3's are single linears: nothing to resmooth)
     assert acc["from_checkpoint"]["perplexity_quantized"] == pytest.approx(
         acc["perplexity_quantized"], rel=1e-3 if family == "phi3" else 2e-2)
+
+
+def test_gemma2_runs_with_eager_attention_so_its_soft_capping_holds(tmp_path, tiny_tokenizer_dir):
+    """transformers' SDPA path drops Gemma 2's attention soft-cap (it computes other logits on this model), so the
+    model quantize calibrates and measures is loaded with eager attention, and the sensitivity stage, running the
+    decoder layers one at a time, gives eager attention its causal mask: every linear's input there is the one the
+    whole (eager) model gives it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.config import ComputeSection, load_config
+    from pipeline.quant.quantize import _load_model
+    from pipeline.runner import Runner
+    from pipeline.stages import STAGES
+
+    torch.manual_seed(0)
+    model_dir = _saved(_gemma2().eval(), tmp_path / "model", tiny_tokenizer_dir)
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    eager, sdpa = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=a).eval()
+                   for a in ("eager", "sdpa"))
+    with torch.no_grad():
+        want = eager(ids).logits
+        assert float((sdpa(ids).logits - want).abs().max()) > 0.1  # the cap binds: SDPA is another model here
+        assert torch.allclose(_load_model(model_dir, "cpu", "float32", ComputeSection())(ids).logits, want, atol=1e-5)
+
+    cfg = tiny_config(tmp_path, model_dir, HF_ONLY_QUANTIZATION)
+    Runner(load_config(cfg, ["build.target=cpu"]), STAGES, tmp_path / "work").run(["sensitivity"], echo=lambda l: None)
+    from safetensors.torch import load_file
+
+    work = tmp_path / "work" / "tiny"
+    table = json.loads((work / "sensitivity" / "sensitivity_table.json").read_text())
+    calib = load_file(str(work / "text" / artifacts.CALIBRATION_TOKENS_FILE))[artifacts.TOKENS_KEY]
+    amax: dict[str, float] = {}
+    for name, mod in eager.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_pre_hook(
+                lambda m, args, n=name: amax.__setitem__(n, max(amax.get(n, 0.0), float(args[0].abs().max()))))
+    with torch.no_grad():
+        eager(calib)
+    for layer in table["layers"]:
+        assert layer["activation"]["amax"] == pytest.approx(amax[layer["name"]], rel=1e-4), layer["name"]
 
 
 # ---------------------------------------------------------------- mixture of experts (sensitivity and plan)

@@ -218,12 +218,13 @@ def test_moe_models_are_built_and_checked_by_vllm_on_this_cpu(tiny_tokenizer_dir
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.int8
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma3_text", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["phi3", "gemma3_text", "gemma2", "deepseek_v2"])
 @needs_vllm
 def test_families_with_only_an_hf_unified_checkpoint_are_built_and_checked_by_vllm_on_this_cpu(
         tiny_tokenizer_dir, tmp_path, family):
     """`invoke build` on the vllm target for a tiny Phi-3 (q/k/v and gate/up fused on disk), Gemma 3 ((1 + w)
-    norms, a sliding-window layer whose window of 8 the evaluation's 64 tokens outrun) and DeepSeek-V2 (multi-head
+    norms, a sliding-window layer whose window of 8 the evaluation's 64 tokens outrun), Gemma 2 (the same, with
+    its attention scores and logits soft-capped, tightly enough to bind) and DeepSeek-V2 (multi-head
     latent attention, 576 wide as vLLM's CPU backend needs; routed experts, kept in bfloat16 as vLLM runs no
     quantized experts on this CPU, and shared ones), INT8 SmoothQuant, an FP8 KV cache where vLLM's CPU attention
     keeps one (not with latent attention): the export is written from the HF unified checkpoint, vLLM's engine
@@ -231,10 +232,10 @@ def test_families_with_only_an_hf_unified_checkpoint_are_built_and_checked_by_vl
     greedy tokens equal or first different at a near-tie)."""
     import torch
     from safetensors import safe_open
-    from test_families import HF_ONLY_QUANTIZATION, _deepseek_v2, _gemma3, _phi3, _saved, _with_rules
+    from test_families import HF_ONLY_QUANTIZATION, _deepseek_v2, _gemma2, _gemma3, _phi3, _saved, _with_rules
 
     torch.manual_seed(0)
-    model = {"phi3": lambda: _phi3(hidden=128), "gemma3_text": _gemma3,  # heads 32 wide
+    model = {"phi3": lambda: _phi3(hidden=128), "gemma3_text": _gemma3, "gemma2": _gemma2,  # heads 32 wide
              "deepseek_v2": lambda: _deepseek_v2(cpu_mla=True)}[family]()
     model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
     mla = family == "deepseek_v2"

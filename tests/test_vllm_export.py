@@ -26,6 +26,7 @@ from conftest import REPO  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_checkpoint import _kept, exported, quantize_and_export, tokens  # noqa: E402,F401 - the ModelOpt exports
 
+from pipeline import families  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
 from pipeline.quant.checkpoint import rebuild  # noqa: E402
 
@@ -39,7 +40,9 @@ def _model_from_export(folder, model_dir):
     state = {}
     for shard in sorted(folder.glob("*.safetensors")):  # one file, or shards (the index is checked by the caller)
         state.update(load_file(str(shard)))
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,  # Gemma 2: eager, its soft-cap applied
+                                             attn_implementation=families.attn_implementation(config.model_type)).eval()
     weights = {}
     for name, t in state.items():
         if name.endswith((".weight_scale", ".input_scale", ".weight_shape")):
@@ -608,7 +611,7 @@ HF_PRESETS = {"int8_sq": "INT8_SMOOTHQUANT_CFG", "int4_awq": "INT4_AWQ_CFG", "fp
 
 
 @pytest.mark.parametrize("family, fmt", [("phi3", "int8_sq"), ("phi3", "int4_awq"), ("gemma3_text", "int8_sq"),
-                                         ("gemma3_text", "fp8"), ("deepseek_v2", "int8_sq"),
+                                         ("gemma3_text", "fp8"), ("gemma2", "int8_sq"), ("deepseek_v2", "int8_sq"),
                                          ("deepseek_v2", "int4_awq")])
 def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_tokenizer_dir, tmp_path, family, fmt):
     """Phi-3, Gemma 3 and DeepSeek-V2 quantized by ModelOpt and exported as the HF unified checkpoint (the only
@@ -649,6 +652,7 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
     smoothed = fmt != "fp8"
     mla = family == "deepseek_v2"
     attention = {"phi3": ["self_attn.qkv_proj"], "gemma3_text": [f"self_attn.{m}_proj" for m in "qkv"],
+                 "gemma2": [f"self_attn.{m}_proj" for m in "qkv"],
                  "deepseek_v2": ["self_attn.q_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
                                  "self_attn.o_proj"]}[family]
     mlp = ["mlp.gate_up_proj", "mlp.down_proj"] if family == "phi3" else [f"mlp.{m}_proj" for m in ("gate", "up", "down")]
@@ -674,7 +678,7 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
             assert facts["smoothing_folded_into"] == {"input_layernorm": 2, "kv_b_proj value rows": 2,
                                                       "post_attention_layernorm": 2, "up_proj rows": 1 + 8 + 1}
     elif smoothed:
-        mlp_norm = "pre_feedforward_layernorm" if family == "gemma3_text" else "post_attention_layernorm"
+        mlp_norm = "pre_feedforward_layernorm" if family.startswith("gemma") else "post_attention_layernorm"
         assert facts["smoothing_folded_into"] == {"input_layernorm": 2, mlp_norm: 2, "up_proj rows": 2}
     weight = "weight_packed" if fmt == "int4_awq" else "weight"
     for name in quantized:
@@ -687,7 +691,8 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
                                                                                      "lm_head"], key=_written_order)
         assert state["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     else:
-        for norm in ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn.q_norm"):
+        for norm in ("post_attention_layernorm", "post_feedforward_layernorm",
+                     *(("self_attn.q_norm",) if family == "gemma3_text" else ())):
             key = f"model.layers.1.{norm}.weight"
             assert torch.equal(state[key], source[key].float()), key
         assert config["tie_word_embeddings"] is True and "lm_head.weight" not in state

@@ -567,7 +567,9 @@ def rebuild(ckpt_dir: Path, model_dir: Path, kept: set[str] | None = None, strea
 
     reader = CheckpointReader(ckpt_dir, model_dir, kept)
     with init_empty_weights():  # parameters on the meta device; buffers (rotary frequencies) computed for real
-        model = AutoModelForCausalLM.from_config(reader.hf_config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(reader.hf_config, dtype=torch.float32,
+                                                 attn_implementation=families.attn_implementation(
+                                                     reader.hf_config.model_type))
     model.eval()
     embed = reader.embedding()
     state = {"model.embed_tokens.weight": embed, "model.norm.weight": reader.final_norm()}

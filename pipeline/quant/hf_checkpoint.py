@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline import artifacts
+from pipeline import artifacts, families
 from pipeline.errors import IntegrityError
 from pipeline.formats import FORMAT_OF_ALGO
 from pipeline.quant.checkpoint import INT4_ALGOS, _dequantize, _fake_act, _hook_input, layer_formats
@@ -133,7 +133,8 @@ def rebuild_hf(hf_dir: Path, kept: set[str] | None = None):
     if hasattr(config, "quantization_config"):  # transformers would hand the model to ModelOpt's own loader
         delattr(config, "quantization_config")
     with init_empty_weights():  # parameters on the meta device; buffers (rotary frequencies) computed for real
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation=families.attn_implementation(config.model_type))
     model.eval()
     where = _files(hf_dir)
     handles: dict[Path, object] = {}

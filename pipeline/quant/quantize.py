@@ -648,10 +648,11 @@ def _load_model(model_dir: Path, device: str, dtype_name: str, compute: ComputeS
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, dtype_name)
+    attention = families.attn_implementation(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type"))
     if device == "cpu":
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention).eval()
     max_memory = {i: b.bytes for i, b in enumerate(_gpu_bounds(compute))}
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa",
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention,
                                                 device_map="auto", max_memory=max_memory).eval()
 
 

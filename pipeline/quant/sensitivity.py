@@ -325,7 +325,7 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
     moe = families.FAMILIES[config.model_type].moe
     if moe is not None:
         fusion_groups = (*fusion_groups, moe.fused)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = families.attn_implementation(config.model_type)
     store = WeightStore(model_dir)
     model = skeleton(config, dtype)
     ids = torch.as_tensor(calibration_ids, dtype=torch.long, device=device)
@@ -394,14 +394,16 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
 
 def _window_masks(config, t: int, hidden) -> dict:
     """The attention mask of a decoder layer by its sliding window (``families.layer_window``): None (causal, as
-    the layer makes it) for the whole sample; a layer keeping to a window shorter than the sample gets the
-    additive causal mask cut to it (transformers' sliding_window_overlay: key > query - window)."""
+    SDPA makes it) for the whole sample, or the additive causal mask where the family runs eager attention (which
+    applies no causality of its own); a layer keeping to a window shorter than the sample gets the additive causal
+    mask cut to it (transformers' sliding_window_overlay: key > query - window)."""
     import torch
 
-    masks: dict = {None: None}
+    q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    masks: dict = {None: None if config._attn_implementation == "sdpa" else
+                   families.additive_mask(k <= q, q, k)[None, None].to(hidden.device, hidden.dtype)}
     window, _ = families.attention_window(config)
     if window:
-        q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
         masks[window] = families.additive_mask(k <= q, q, k, window)[None, None].to(hidden.device, hidden.dtype)
     return masks
 

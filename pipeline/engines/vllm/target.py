@@ -46,6 +46,7 @@ def reference_figures(ckpt_dir: Path, model_dir: Path, prompt_ids: list[list[int
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from pipeline import families
     from pipeline.engines import reference
     from pipeline.quant.checkpoint import rebuild
     from pipeline.quant.hf_checkpoint import rebuild_hf
@@ -59,8 +60,9 @@ def reference_figures(ckpt_dir: Path, model_dir: Path, prompt_ids: list[list[int
     greedy = [reference.greedy(sim, p, max_tokens, end_id=end_id) for p in prompt_ids]
     out = {"greedy": [(g.tokens, [row.tolist() for row in g.logits]) for g in greedy], "sim_top1": top1(sim)}
     del sim
-    original = (streamed_original(model_dir, AutoConfig.from_pretrained(model_dir)) if streamed
-                else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)).eval()
+    hf = AutoConfig.from_pretrained(model_dir)
+    original = (streamed_original(model_dir, hf) if streamed else AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=families.attn_implementation(hf.model_type))).eval()
     out["original_top1"] = top1(original)
     return out
 
