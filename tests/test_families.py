@@ -113,26 +113,29 @@ def _gemma3():
         num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True))
-    for name, p in model.named_parameters():  # (1 + w) norms start at w = 0: give them weight, as trained ones have
-        if name.endswith("norm.weight"):
-            p.data.normal_(0.0, 0.3)
+    _weigh_unit_offset_norms(model)
     return model
 
 
-def _gemma2(hidden: int = 64):
+def _weigh_unit_offset_norms(model) -> None:
+    """(1 + w) norms start at w = 0: give them weight, as trained ones have."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.normal_(0.0, 0.3)
+
+
+def _gemma2():
     """Gemma-2-2B's shape, scaled down: (1 + w) norms around attention and the MLP, scaled embeddings, alternating
     sliding-window (8 tokens here) and global layers, tied embeddings, and both soft-caps, tighter than Gemma 2's
     own (50 and 30) so that on these random weights they bind: the attention scores at 2, the logits at 3."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     model = Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=512, hidden_size=hidden, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True))
-    for name, p in model.named_parameters():  # (1 + w) norms start at w = 0: give them weight, as trained ones have
-        if name.endswith("norm.weight"):
-            p.data.normal_(0.0, 0.3)
+    _weigh_unit_offset_norms(model)
     for layer in model.model.layers:  # attention scores wide enough for the cap to bind (initialised, they are not)
         layer.self_attn.q_proj.weight.data *= 8.0
         layer.self_attn.k_proj.weight.data *= 8.0
