@@ -178,6 +178,28 @@ def test_a_head_size_vllms_cpu_attention_cannot_take_is_refused_before_the_expor
     runtime.check_cpu_attention(cfg, model(64, 4, head_dim=32))  # an explicit head_dim is the one that counts
     runtime.check_cpu_attention(load_config(VLLM_CONFIG, ["vllm.device=cuda", "build.cuda_graphs.enabled=true"]).config,
                                 model(64, 2, head_dim=16))
+    # multi-head latent attention (vLLM 0.32 cpu_mla.py, read here): a 576-wide latent only, KV in the model's
+    # dtype only, blocks of 16 only (which the platform would force without a word); other models not 16
+    mla = ("from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend as B; import json; "
+           "print(json.dumps([B.get_supported_head_sizes(), B.supported_kv_cache_dtypes, B.supports_block_size(16), "
+           "B.supports_block_size(32)]))")
+    out = subprocess.run([vllm_python, "-c", mla], capture_output=True, text=True, timeout=300, env=runtime.child_env({}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [[576], ["auto"], True, False]
+    latent = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+              "model_type": "deepseek_v2"}
+    mla_cfg = load_config(VLLM_CONFIG, ["vllm.kv_cache_dtype=auto", "build.kv_cache.tokens_per_block=16"]).config
+    runtime.check_cpu_attention(mla_cfg, model(2048, 16, **latent))  # DeepSeek-V2-Lite
+    with pytest.raises(EnvironmentProblem, match="latent KV is 40 wide .* takes 576 only"):
+        runtime.check_cpu_attention(mla_cfg, model(2048, 16, **{**latent, "kv_lora_rank": 32, "qk_rope_head_dim": 8}))
+    with pytest.raises(EnvironmentProblem, match="keeps its KV cache in the model's dtype only .*is fp8"):
+        runtime.check_cpu_attention(load_config(VLLM_CONFIG, ["build.kv_cache.tokens_per_block=16"]).config,
+                                    model(2048, 16, **latent))
+    with pytest.raises(EnvironmentProblem, match="takes blocks of 16 tokens only: set build.kv_cache.tokens_per_block 16"):
+        runtime.check_cpu_attention(load_config(VLLM_CONFIG, ["vllm.kv_cache_dtype=auto"]).config,
+                                    model(2048, 16, **latent))
+    with pytest.raises(EnvironmentProblem, match="tokens_per_block 16: .*multiple of 32 tokens for a model without"):
+        runtime.check_cpu_attention(mla_cfg, model(576, 9))
 
 
 @pytest.mark.skipif(not runtime.cpu_runs_vllm(), reason="vLLM's CPU build needs AVX-512 or AMX (this CPU has "
