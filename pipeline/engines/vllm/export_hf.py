@@ -67,7 +67,6 @@ class _Checkpoint:
         from pipeline.quant.hf_checkpoint import _files, quant_config
 
         qcfg = quant_config(hf_dir)
-        self.hf_dir = hf_dir
         self.format = layer_formats(qcfg, qcfg.get("quantized_layers"), str(hf_dir), artifacts.HF_QUANT_CONFIG_FILE)
         self.where = _files(hf_dir)
         self.read: set[str] = {k for k in self.where if k.rsplit(".", 1)[-1] in SKIPPED}
