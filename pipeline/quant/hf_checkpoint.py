@@ -98,14 +98,23 @@ def quant_config(hf_dir: Path) -> dict:
     return json.loads(path.read_text()).get("quantization") or {}
 
 
+def check_unquantized(name: str, w, scales) -> None:
+    """An IntegrityError where a linear ``hf_quant_config.json`` leaves unquantized is stored as codes or carries
+    quantization scales (``scales``: their names, HF or TensorRT-LLM; a pre-quant scale alone may be there)."""
+    import torch
+
+    if w.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn) or \
+            set(scales) - {"prequant_scaling_factor", "pre_quant_scale"}:
+        raise IntegrityError(f"{name}: unquantized in {artifacts.HF_QUANT_CONFIG_FILE} but stored as {w.dtype} "
+                             f"with {sorted(scales)}")
+
+
 def _linear(name: str, algo: str | None, group: int | None, w, present: dict, shape: tuple):
     """One linear's fp32 weight and its input transform (None where the input goes in as it is)."""
     import torch
 
-    if algo is None and (w.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn)
-                         or present.keys() - {"prequant_scaling_factor"}):
-        raise IntegrityError(f"{name}: unquantized in {artifacts.HF_QUANT_CONFIG_FILE} but stored as {w.dtype} "
-                             f"with {sorted(present)}")
+    if algo is None:
+        check_unquantized(name, w, present)
     if algo in INT4_ALGOS and w.dtype == torch.uint8:
         w = w.view(torch.int8)  # the TensorRT-LLM checkpoint's bytes, stored signed there
     weight = _dequantize(name, algo, w, present, group, required_scales(algo) if algo else None)

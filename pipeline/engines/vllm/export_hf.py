@@ -93,15 +93,14 @@ class _Checkpoint:
         import torch
 
         from pipeline.quant.checkpoint import unpack_int4
+        from pipeline.quant.hf_checkpoint import SCALE_NAMES, check_unquantized, required_scales
 
         algo, group = self.format(name)
         weight = self.get(f"{name}.weight")
         scales = {k: self.get(f"{name}.{k}").float() for k in SCALES if self.has(f"{name}.{k}")}
         bias = self.get(f"{name}.bias").float() if self.has(f"{name}.bias") else None
         if algo is None:
-            if weight.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn) or scales.keys() - {"pre_quant_scale"}:
-                raise IntegrityError(f"{name}: unquantized in {artifacts.HF_QUANT_CONFIG_FILE} but stored as "
-                                     f"{weight.dtype} with {sorted(scales)}")
+            check_unquantized(name, weight, scales)
             lin = Linear(weight.float(), bias=bias)
             if "pre_quant_scale" in scales:
                 lin.scale_columns(scales["pre_quant_scale"])
@@ -110,7 +109,7 @@ class _Checkpoint:
             raise InputError(f"{name}: {algo} cannot be exported for vLLM (exportable: {', '.join(EXPORTABLE_ALGOS)})")
         stored = (torch.float8_e4m3fn,) if algo == FP8 else (torch.uint8, torch.int8) if algo == INT4_AWQ \
             else (torch.int8,)
-        needed = ("weight_scale", "input_scale") if algo in (INT8_SQ, FP8) else ("weight_scale",)
+        needed = [hf for hf, trt in SCALE_NAMES.items() if trt in required_scales(algo)]
         if weight.dtype not in stored or any(k not in scales for k in needed) or (algo == INT4_AWQ and not group):
             raise IntegrityError(f"{name}: {algo} needs {stored[0]} weights and {', '.join(needed)}"
                                  + (" with a group size" if algo == INT4_AWQ else "") + f"; found {weight.dtype}, "

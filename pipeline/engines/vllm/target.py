@@ -112,11 +112,12 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
                                       "prompts": prompt_ids, "max_tokens": CHECK_TOKENS, "evaluation": evaluation},
                              env, log_path)
     bound = compute.host_memory_bound(cfg.compute)
-    streamed = compute.model_bytes(model_dir, "float32") + REFERENCE_HEADROOM_BYTES > bound.bytes
+    fp32_bytes = compute.model_bytes(model_dir, "float32")
+    streamed = fp32_bytes + REFERENCE_HEADROOM_BYTES > bound.bytes
     if streamed and hf_checkpoint:
         raise InputError(
             f"the vLLM check's reference, the HF unified checkpoint rebuilt in fp32, is held whole, and "
-            f"{compute.model_bytes(model_dir, 'float32') / 2**30:.1f} GiB and its forward's do not fit this machine's "
+            f"{fp32_bytes / 2**30:.1f} GiB and its forward's do not fit this machine's "
             f"memory bound {bound}: run the build on a machine with more memory")
     ref, _ = run_in_child(reference_figures, ckpt_dir, model_dir, prompt_ids, evaluation, CHECK_TOKENS,
                           tok.eos_token_id, streamed, hf_checkpoint, log_path=log_path, bound=bound,
