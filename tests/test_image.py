@@ -223,7 +223,7 @@ def test_from_images_are_pinned_or_arg_driven_with_pinned_defaults():
     default_version = BuildSection().trtllm_version
     assert args["TRITON_TAG"] == image_tags.triton_tags_for(default_version)[0]
     assert image_tags.trtllm_version_of_tag(args["TRITON_TAG"]) == default_version
-    assert {"gpu", "cpu", "builder", "vllm-cpu", "vllm-gpu", "vllm-triton-cpu"} <= names
+    assert {"gpu", "cpu", "builder", "vllm-cpu", "vllm-gpu", "vllm-triton-cpu", "vllm-triton-gpu"} <= names
 
 
 def copy_sources_checked() -> set[str]:
@@ -275,7 +275,7 @@ def test_dockerignore_keeps_everything_else_out():
 def test_serving_stages_run_tritonserver_non_root_with_health_metrics_and_provenance_labels():
     ins = dockerfile_instructions()
     by_name = {st["name"]: st for st in stages(ins)}
-    for name in ("gpu", "cpu", "vllm-triton-cpu"):
+    for name in ("gpu", "cpu", "vllm-triton-cpu", "vllm-triton-gpu"):
         body = by_name[name]["body"]
         kinds = [k for _, k, _ in body]
         entry = json.loads(next(a for _, k, a in body if k == "ENTRYPOINT"))
@@ -551,10 +551,11 @@ def test_vllm_images_serve_the_export_with_launch_non_root_with_health_and_label
 
 
 def test_a_vllm_build_served_by_triton_gets_the_triton_image_with_vllms_python(tmp_path):
-    """triton first in vllm.frontends (vllm.device cpu): the vllm-triton-cpu image runs nvidia-pytriton's
+    """triton first in vllm.frontends: on vllm.device cpu the vllm-triton-cpu image runs nvidia-pytriton's
     tritonserver on the published repository, with the vllm-cpu venv (numpy < 2) first on PATH, the Python the
-    Python-backend stub runs the models with, and its stub copied beside the backend; on cuda that
-    combination is refused, naming the fix."""
+    Python-backend stub runs the models with, and its stub copied beside the backend; on cuda the
+    vllm-triton-gpu image adds the same server's files to vLLM's own image (the vLLM of vllm-gpu), numpy < 2 in
+    its Python and the stub for that Python in place (its rpath finds the bundled libraries), GPU metrics on."""
     by_name = {st["name"]: st for st in stages(dockerfile_instructions())}
     body = by_name["vllm-triton-cpu"]["body"]
     entry = json.loads(next(a for _, k, a in body if k == "ENTRYPOINT"))
@@ -576,8 +577,29 @@ def test_a_vllm_build_served_by_triton_gets_the_triton_image_with_vllms_python(t
     assert done.returncode == 0, done.stderr
     (cmd,) = printed_commands(done.stdout)
     assert options(cmd, "--target") == ["vllm-triton-cpu"]
-    refused = run_invoke("image", "--dry-run", "--config", str(vllm_config), "--work-root", str(tmp_path),
-                         "--set", "vllm.frontends=[triton]", "--set", "vllm.device=cuda",
-                         "--set", "build.cuda_graphs.enabled=true")
-    assert refused.returncode != 0 and "vllm.frontends starts with triton on vllm.device cuda" in refused.stderr
-    assert "Put openai first" in refused.stderr
+
+    gpu = by_name["vllm-triton-gpu"]
+    args = global_args(dockerfile_instructions())
+    assert gpu["image"] == "${VLLM_GPU_IMAGE}" == next(st["image"] for st in stages(dockerfile_instructions())
+                                                      if st["name"] == "vllm-gpu")
+    assert args["VLLM_GPU_IMAGE"].endswith(f":v{args['VLLM_CPU_VERSION']}")
+    files = " ".join(a for _, k, a in by_name["triton-server-files"]["body"] if k == "RUN")
+    assert "--no-deps --target /opt/triton nvidia-pytriton==0.7.0" in files
+    assert "nvidia-pytriton==0.7.0" in server  # the same Triton server as the CPU image's
+    copies = [a for _, k, a in gpu["body"] if k == "COPY"]
+    assert "--from=triton-server-files /opt/triton /opt/triton" in copies
+    run = " ".join(a for _, k, a in gpu["body"] if k == "RUN")
+    assert '"numpy>=1.26,<2"' in run and "vllm.__version__" in run and "${VLLM_CPU_VERSION}" in run
+    # the stub goes where the package's own stubs are, two folders below tritonserver/, so that its
+    # $ORIGIN/../../../../nvidia_pytriton.libs rpath still reaches the bundled libraries; ldd checks it
+    assert ('cp "${triton_dir}/python_backend_stubs/${py}/triton_python_backend_stub" '
+            '"${triton_dir}/backends/python/"') in run and 'grep "not found"' in run
+    entry = json.loads(next(a for _, k, a in gpu["body"] if k == "ENTRYPOINT"))
+    assert "--backend-directory=/opt/triton/pytriton/tritonserver/backends" in entry
+    assert "--allow-gpu-metrics=true" in entry
+    done = run_invoke("image", "--dry-run", "--config", str(vllm_config), "--work-root", str(tmp_path),
+                      "--set", "vllm.frontends=[triton]", "--set", "vllm.device=cuda",
+                      "--set", "build.cuda_graphs.enabled=true")
+    assert done.returncode == 0, done.stderr
+    (cmd,) = printed_commands(done.stdout)
+    assert options(cmd, "--target") == ["vllm-triton-gpu"]

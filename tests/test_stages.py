@@ -30,3 +30,23 @@ def test_every_stages_inputs_resolve_on_the_default_config(tmp_path):
             inputs = runner.compute_inputs(s)
             assert set(inputs["config"]) == set(s.sections)
             assert set(inputs["upstream"]) == set(s.needs)
+
+
+def test_publish_runs_again_when_the_serving_model_code_changes(tmp_path, monkeypatch):
+    """publish copies triton_repo/'s model code into the repository: that code is one of its inputs, so a
+    repository published by older code is not kept as up to date."""
+    import shutil
+
+    from pipeline.serving import publish
+
+    source = tmp_path / "triton_repo"
+    shutil.copytree(publish.TRITON_SOURCE, source, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(publish, "TRITON_SOURCE", source)
+    runner = Runner(load_config(DEFAULT_CONFIG), STAGES, tmp_path / "work")
+    stage = next(s for s in STAGES if s.name == "publish")
+    before = runner.compute_inputs(stage)
+    assert before == runner.compute_inputs(stage)
+    model = source / "tensorrt_llm_vllm" / "model.py"
+    model.write_text(model.read_text() + "\n# changed\n")
+    after = runner.compute_inputs(stage)
+    assert after["external"]["model_code_sha256"] != before["external"]["model_code_sha256"]

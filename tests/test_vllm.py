@@ -405,7 +405,13 @@ def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
 def _request_classes_through_triton(work_root) -> None:
     """triton.priority_levels 2 on the vllm target (published last: the repository keeps it): behind Triton's
     ensemble, vLLM's priority scheduling starts a level 1 request ahead of default-level ones that were waiting
-    in its queue before it (and of the no-priority and level 2 requests sent just before it)."""
+    in its queue before it (and of the no-priority and level 2 requests sent just before it).
+
+    Meanwhile Triton's metrics show vLLM's own scheduler: the requests waiting in its queue (what the
+    autoscaler's queue metric reads) and the KV-cache blocks the running ones hold."""
+    import threading
+    import time
+
     from pipeline.serving.server import server_for_target
 
     proc = run_invoke("publish", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),
@@ -422,14 +428,47 @@ def _request_classes_through_triton(work_root) -> None:
     # vLLM took every freed slot before the level 1 request, held in Triton's queue, reached vLLM (CI, 32 sent).
     running = cfg.build.max_batch_size
     queued = running - 4  # in flight: 16 + 12 + 3 = 31, under Triton's 32
+    peaks: dict[str, float] = {}
     with server_for_target("vllm", work_root / NAME / "publish" / "model_repository", frontend="triton") as server:
-        active = lambda: metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type",  # noqa: E731
-                                "active")
-        order = completion_order_with_classes(server.http_url, cfg.triton.model_name, active, running, hogs=running,
-                                              hog_tokens=400, stagger=8, queued=queued, queued_tokens=100)
+        def series(family: str, label: str, value: str) -> float:
+            return metric(server.metrics_url, family, label, value)
+
+        def active() -> float:
+            return series("nv_trt_llm_request_metrics", "request_type", "active")
+
+        idle_kv = series("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "max")
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                for key, (family, label) in {"waiting": ("nv_trt_llm_request_metrics", "request_type"),
+                                             "scheduled": ("nv_trt_llm_request_metrics", "request_type"),
+                                             "used": ("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type")
+                                             }.items():
+                    peaks[key] = max(peaks.get(key, 0.0), series(family, label, key))
+                time.sleep(0.2)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            order = completion_order_with_classes(server.http_url, cfg.triton.model_name, active, running,
+                                                  hogs=running, hog_tokens=400, stagger=8, queued=queued,
+                                                  queued_tokens=100)
+        finally:
+            stop.set()
+            sampler.join(timeout=30)
+        kv_max = series("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "max")
+        time.sleep(1.5)  # every request answered, the gauges refreshed (every 0.5 s): nothing runs or waits
+        idle = [series("nv_trt_llm_request_metrics", "request_type", t) for t in ("scheduled", "waiting")]
+        idle.append(series("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "used"))
     later = [n for n in order if n.startswith("wait") or n in ("none", "level 2")]
     assert order.index("level 1") < min(order.index(n) for n in later), order  # ahead of the queue before it
     assert sum(n.startswith("long") for n in order[order.index("level 1"):]) >= 3, order  # long ones still running
+    # vLLM's scheduler through Triton: max_num_seqs running at once, the "wait" ones in its queue, their KV held
+    assert peaks["scheduled"] == running, peaks
+    assert peaks["waiting"] >= queued / 2, peaks
+    assert kv_max == idle_kv > 0 and 0 < peaks["used"] <= kv_max, (peaks, kv_max, idle_kv)
+    assert idle == [0, 0, 0], idle
 
 
 def _serve_and_stop(work_root, light) -> None:

@@ -13,8 +13,10 @@ The vllm target runs vLLM's image (``launch.py vllm``): one port (8000) for the 
 probes) and ``/metrics`` (the PodMonitor); the queue is vLLM's ``vllm:num_requests_waiting``, utilisation the
 DCGM exporter's on GPUs and the CPU's with ``vllm.device: cpu``. Its alert rules read vLLM's own series
 (pipeline/release/alerts.py; the GPU rules only with ``vllm.device: cuda``). A vllm build whose image is Triton
-(``triton`` first in ``vllm.frontends``: the ``vllm-triton-cpu`` image) keeps the Triton manifests, metrics and
-alert rules, with the cpu target's CPU resources.
+(``triton`` first in ``vllm.frontends``: the ``vllm-triton-cpu`` / ``vllm-triton-gpu`` images) keeps the Triton
+manifests, metrics and alert rules: the cpu target's CPU resources and metric with ``vllm.device: cpu``, the GPUs
+and Triton's GPU metric with ``cuda``. Its queue is vLLM's own: the vLLM Python-backend model reports vLLM's
+waiting requests in the tensorrtllm backend's request family, which ``triton_queued_requests`` reads.
 """
 
 from __future__ import annotations

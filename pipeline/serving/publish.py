@@ -500,6 +500,13 @@ class _DestinationLock:
         os.close(self.fd)
 
 
+def sources_digest() -> str:
+    """sha256 over the serving model code publish copies (triton_repo/*/*.py, names and contents): an input of
+    publish, so a repository published before the code changed is published again."""
+    return digest_of_files({f.relative_to(TRITON_SOURCE).as_posix(): sha256_file(f)
+                            for f in TRITON_SOURCE.glob("*/*.py")})
+
+
 def _copy_sources(model_src: str, version_dir: Path) -> None:
     version_dir.mkdir(parents=True, exist_ok=True)
     for f in sorted((TRITON_SOURCE / model_src).glob("*.py")) + sorted((TRITON_SOURCE / "common").glob("*.py")):

@@ -9,8 +9,11 @@ the same record vLLM's OpenAI server starts from). Parameters: ``model_dir`` (re
 vLLM's engine is asynchronous: one event loop runs in a thread of its own, every request is a coroutine on
 it, and its tokens reach the request's responder thread through a queue. Token ids go in and out (the
 preprocessing model tokenizes), so vLLM's own tokenizer only detokenizes for its stop strings: turned off.
-Triton's metrics get the requests in flight and the engine's limit (the tensorrtllm backend's request family);
-vLLM's KV-cache figures are not exported through Triton (its OpenAI server's /metrics has them).
+Triton's metrics get the tensorrtllm backend's request, batcher and KV-cache families (llm_serving.py) from
+vLLM's own scheduler: a stat logger of vLLM's (``StatLoggerBase``, v1/metrics/loggers.py) keeps the figures of
+its last step (requests running and waiting, the KV cache's share in use), so the queue the autoscaler reads
+and the KV alerts see vLLM's queue and cache, as its OpenAI server's ``vllm:num_requests_waiting`` and
+``vllm:kv_cache_usage_perc`` do.
 """
 
 import asyncio
@@ -60,6 +63,35 @@ class _VllmHandle(Handle):
         self.model.call(self.model.engine.abort(self.request_id))
 
 
+def _scheduler_logger(on_step):
+    """A stat-logger class for vLLM's engine (its factories are classes called with the config and the engine's
+    index): each step's scheduler figures, in the vocabulary of llm_serving's metric families, are handed to
+    ``on_step`` as a new dict. vLLM calls ``record`` on its event loop after every step's outputs."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SchedulerFigures(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index=0):
+            self.cache = vllm_config.cache_config  # num_gpu_blocks: set once the engine core has sized the cache
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is None:
+                return
+            blocks = int(self.cache.num_gpu_blocks or 0)
+            used = min(blocks, round(scheduler_stats.kv_cache_usage * blocks))
+            running = scheduler_stats.num_running_reqs
+            on_step({
+                "requests_scheduled": running, "requests_generating": running,
+                # as vLLM's own vllm:num_requests_waiting: the waiting ones and those deferred
+                "requests_waiting": scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+                "kv_max_blocks": blocks, "kv_used_blocks": used, "kv_free_blocks": blocks - used,
+                "kv_tokens_per_block": int(self.cache.block_size)})
+
+        def log_engine_initialized(self):
+            pass
+
+    return SchedulerFigures
+
+
 class TritonPythonModel(GenerationModel):
     def load(self, version_dir, params):
         folder = version_dir / params["model_dir"]
@@ -82,10 +114,19 @@ class TritonPythonModel(GenerationModel):
             args["scheduling_policy"] = "priority"
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True).start()
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(folder), **args))
+        self._scheduler = {}  # the last step's figures: replaced whole (the metrics thread reads it)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(folder), **args),
+                                                stat_loggers=[_scheduler_logger(self._on_step)])
+        cache = self.engine.vllm_config.cache_config  # sized by now: the figures before the first step
+        blocks = int(cache.num_gpu_blocks or 0)
+        self._scheduler = {"kv_max_blocks": blocks, "kv_free_blocks": blocks, "kv_used_blocks": 0,
+                           "kv_tokens_per_block": int(cache.block_size)}
         self._running = 0
         self._max_seqs = int(args.get("max_num_seqs", 0))
         self._count = threading.Lock()
+
+    def _on_step(self, figures):
+        self._scheduler = figures
 
     def call(self, coro, timeout_s=60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
@@ -132,7 +173,12 @@ class TritonPythonModel(GenerationModel):
     def stats(self):
         with self._count:
             active = self._running
-        return {"requests_active": active, "requests_max": self._max_seqs}
+        figures = dict(self._scheduler)
+        if not active:  # vLLM's last step still counts the requests it ended: none are left
+            blocks = figures.get("kv_max_blocks", 0)
+            figures.update(requests_scheduled=0, requests_generating=0, requests_waiting=0, kv_used_blocks=0,
+                           kv_free_blocks=blocks)
+        return {**figures, "requests_active": active, "requests_max": self._max_seqs}
 
     def close(self):
         self.engine.shutdown()
