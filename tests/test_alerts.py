@@ -172,3 +172,21 @@ def test_the_vllm_rules_read_only_series_verify_finds_on_vllms_real_server():
              and r["alert"] not in ("VllmTargetDown", "VllmPodRestarting")]
     read = {m for e in exprs for m in re.findall(r"([a-z_:]+)\{", e)}
     assert read and read <= set(METRIC_SERIES), read - set(METRIC_SERIES)
+
+
+def test_the_triton_rules_read_only_series_verify_finds_on_a_real_triton_server():
+    """Every series name in the Triton rules (bar the target and restart ones, Prometheus's and
+    kube-state-metrics', and the GPU ones, dcgm-exporter's) is one verify's Triton metrics check requires of a
+    build served by the project's own models (cpu, pytorch, vllm); the tensorrt target's C++ backend is held to
+    all of them but the pipeline's latency family."""
+    import re
+
+    from pipeline.serving.verify import PIPELINE_SERIES, metric_series
+
+    exprs = [r["expr"] for r in alerts.rules(AlertsSection(), NAME, "triton", gpu=False)
+             if r["alert"] not in ("TritonTargetDown", "TritonPodRestarting")]
+    read = {m for e in exprs for m in re.findall(r"([a-z_:]+)\{", e)}
+    read |= {m for e in exprs for names in re.findall(r'__name__=~"([^"]+)"', e) for m in names.split("|")}
+    required = {family for family, _, _ in metric_series("cpu")}
+    assert read and read <= required, read - required
+    assert set(metric_series("tensorrt")) == set(metric_series("cpu")) - set(PIPELINE_SERIES)

@@ -32,7 +32,7 @@ from pipeline.engines import reference
 from pipeline.runner import Runner
 from pipeline.serving import publish as pub
 from pipeline.serving.server import SHM_DIR, TritonServer, free_port
-from pipeline.serving.verify import Expected
+from pipeline.serving.verify import Expected, metric_series
 from pipeline.stages import STAGES
 
 pytest.importorskip("pytriton", reason="nvidia-pytriton provides the server")
@@ -96,8 +96,9 @@ def test_verify_passes_every_check_on_a_real_server(tiny):
     assert results["ok"] and results["target"] == "cpu" and results["version"] == 1
     checks = {c["name"]: c for c in results["checks"]}
     assert set(checks) == {"http_infer_ensemble", "grpc_infer_ensemble", "http_generate_ensemble",
-                           "http_generate_stream", "grpc_stream", "concurrent_16", "malformed_requests"}
+                           "http_generate_stream", "grpc_stream", "concurrent_16", "malformed_requests", "metrics"}
     assert all(c["ok"] for c in checks.values())
+    assert len(checks["metrics"]["found"]) == len(metric_series("cpu")) and all(checks["metrics"]["found"].values())
     solo = {r["prompt"]: r["tokens"] for r in checks["http_infer_ensemble"]["results"]}
     for name in ("grpc_infer_ensemble", "http_generate_ensemble", "http_generate_stream", "grpc_stream",
                  "concurrent_16"):

@@ -353,7 +353,7 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     names = {c["name"] for c in verify["checks"]}
     assert names >= {"completions", "completions_stream", "chat_completions", "malformed_requests", "metrics",
                      "triton_http_infer_ensemble", "triton_grpc_infer_ensemble", "triton_http_generate_stream",
-                     "triton_grpc_stream", "triton_concurrent_16", "triton_malformed_requests"}
+                     "triton_grpc_stream", "triton_concurrent_16", "triton_malformed_requests", "triton_metrics"}
     for r in verify["checks"][0]["results"]:  # the offline tokens, or first different at a near-tie of the server's
         assert r["text_is_decoding"] and (r["equal"] or 0 <= r["margin"] <= verify_vllm.BF16_TIE_BOUND), r
     by_name = {c["name"]: c for c in verify["checks"]}

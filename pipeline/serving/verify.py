@@ -11,7 +11,9 @@ tritonclient and plain HTTP it checks:
   be a float-rounding tie: the reference model's top-2 logit gap there below ``reference.TIE_BOUND``;
 - ``text_output`` equals the tokenizer's decoding of the tokens; streamed pieces concatenate to it;
 - 16 concurrent requests, each equal to its solo answer;
-- malformed requests get a 400-class error and the server stays up and keeps answering.
+- malformed requests get a 400-class error and the server stays up and keeps answering;
+- Triton's ``/metrics`` carries every series the alert rules and the autoscaler's queue read
+  (``METRIC_SERIES``: pipeline/release/alerts.py, deploy/monitoring/prometheus-adapter-rules.yaml).
 
 Results: ``verify_results.json`` (every check, latencies, server start time) beside the server's log.
 """
@@ -42,6 +44,23 @@ PROMPTS = constants.CHECK_PROMPTS
 MAX_TOKENS = 16
 CONCURRENT_REQUESTS = 16
 REQUEST_TIMEOUT_S = 300.0
+# The series the Triton alert rules (pipeline/release/alerts.py) and the autoscaler's queue metric
+# (deploy/monitoring/prometheus-adapter-rules.yaml) read, as (family, label, label value); label None: the family.
+# Triton's own, then the tensorrtllm backend's families (its C++ backend on the tensorrt target; the Python
+# models of the cpu, pytorch and vllm targets export the same names: triton_repo/common/llm_serving.py), then
+# the family only those Python models export (the latency rules read it).
+TRITON_SERIES = (("nv_inference_pending_request_count", None, None), ("nv_inference_request_success", None, None),
+                 ("nv_inference_request_failure", None, None))
+ENGINE_SERIES = (("nv_trt_llm_request_metrics", "request_type", "waiting"),
+                 ("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "used"),
+                 ("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "max"))
+PIPELINE_SERIES = (("trtllm_pipeline_model_metrics", "metric_type", "latency_p99_over_p50"),
+                   ("trtllm_pipeline_model_metrics", "metric_type", "latency_jitter"))
+
+
+def metric_series(target: str) -> tuple[tuple[str, Optional[str], Optional[str]], ...]:
+    """What the metrics check requires of a server of a ``target`` build."""
+    return TRITON_SERIES + ENGINE_SERIES + (PIPELINE_SERIES if target != "tensorrt" else ())
 
 
 @dataclass
@@ -312,6 +331,17 @@ class Verifier:
         ok = all(400 <= a["status"] < 500 for a in answers.values()) and live
         self._record("malformed_requests", ok, answers=answers, server_still_answering=live)
 
+    def metrics(self, series) -> None:
+        """Every one of ``series`` (see ``metric_series``) on the server's metrics endpoint."""
+        with urllib.request.urlopen(self.server.metrics_url, timeout=30) as r:
+            lines = [line for line in r.read().decode().splitlines() if line and not line.startswith("#")]
+        found = {}
+        for family, label, value in series:
+            key = family if label is None else f'{family}{{{label}="{value}"}}'
+            found[key] = any(line.startswith((family + "{", family + " ")) and
+                             (label is None or f'{label}="{value}"' in line) for line in lines)
+        self._record("metrics", all(found.values()), found=found)
+
 
 def _bundle_in(repo: Path, names, version: int) -> Optional[Path]:
     b = repo / names.tensorrt_llm / str(version) / "cpu_bundle"
@@ -319,9 +349,10 @@ def _bundle_in(repo: Path, names, version: int) -> Optional[Path]:
 
 
 def triton_checks(server: TritonServer, repo: Path, names, tokenizer, prompts: list[str], expected, max_tokens: int,
-                  concurrent: int) -> tuple[Verifier, Optional[int]]:
+                  concurrent: int, target: str) -> tuple[Verifier, Optional[int]]:
     """Start ``server``, run every Triton check, stop it: (the verifier with its checks, the server's exit code
-    if it died during them). ``expected.judge(i, tokens)`` judges each answer to prompt ``i``."""
+    if it died during them). ``expected.judge(i, tokens)`` judges each answer to prompt ``i``; ``target``: the
+    build's, for the metrics it must export."""
     with server:
         v = Verifier(server, names, tokenizer, prompts, expected, max_tokens)
         v._guard("http_infer_ensemble", v.http_infer)
@@ -334,6 +365,7 @@ def triton_checks(server: TritonServer, repo: Path, names, tokenizer, prompts: l
             v._record("streaming", True, skipped="triton.decoupled is false: no streaming model was published")
         v._guard(f"concurrent_{concurrent}", lambda: v.concurrent(concurrent))
         v._guard("malformed_requests", v.malformed)
+        v._guard("metrics", lambda: v.metrics(metric_series(target)))
         # a failed check may be a dead server (killed a moment ago: give it 2 s to be reaped)
         died = server.exit_code_within(2.0) if any(not c.ok for c in v.checks) else None
     return v, died
@@ -372,7 +404,7 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
     reference_s = time.perf_counter() - t0
 
     server = server_for_target(target, repo, log_path=out_dir / artifacts.SERVER_LOG_FILE)
-    v, died = triton_checks(server, repo, names, tokenizer, list(prompts), expected, max_tokens, concurrent)
+    v, died = triton_checks(server, repo, names, tokenizer, list(prompts), expected, max_tokens, concurrent, target)
     startup_s = server.startup_s
     failed = [c.name for c in v.checks if not c.ok]
     latency = latency_summary(v.latency_ms)

@@ -20,7 +20,8 @@ every target: pipeline.serving.verify's checks (HTTP and gRPC infer, generate, b
 malformed), each answer judged against the same offline tokens. An answer may leave them only where it is the
 OpenAI server's answer to the same prompt, or leaves that one at a near-tie of its log-probabilities (Triton's
 outputs carry none), so with the Triton frontend alone answers must be equal. The OpenAI server is checked
-first whatever the order of ``vllm.frontends``. Its checks are named ``triton_<check>``.
+first whatever the order of ``vllm.frontends``. Its checks are named ``triton_<check>``; ``triton_metrics``
+finds the series the Triton alert rules and autoscaler read, which the vLLM model fills from vLLM's scheduler.
 
 Every server runs on 127.0.0.1 with free ports and is stopped whatever happens.
 """
@@ -298,5 +299,5 @@ def _triton_checks(repo: Path, prov: dict, log_path: Path, tokenizer, prompts: l
 
     server = server_for_target("vllm", repo, frontend="triton", log_path=log_path)
     v, died = triton_checks(server, repo, model_names(prov["model_name"]), tokenizer, prompts, expected, max_tokens,
-                            concurrent)
+                            concurrent, "vllm")
     return server.startup_s, [c.as_dict() for c in v.checks], v.latency_ms, died
