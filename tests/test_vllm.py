@@ -109,6 +109,34 @@ def test_the_server_argv_is_what_vllms_own_parser_reads(vllm_python):
 
 
 
+def test_vllms_stat_logger_interface_is_what_the_triton_model_reads(vllm_python):
+    """What the vLLM Triton model's metrics rely on (triton_repo/tensorrt_llm_vllm/model.py), read from the
+    installed vLLM (its docstring warns the V1 stat-logger interface may change): AsyncLLM.from_engine_args takes
+    stat_loggers; StatLoggerBase's abstract methods are the three the model's logger defines, record with the
+    arguments it takes; SchedulerStats has the fields it reads; the cache config the block count and size."""
+    probe = textwrap.dedent("""
+        import dataclasses, inspect, json
+        from vllm.config.cache import CacheConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
+        from vllm.v1.metrics.stats import SchedulerStats
+        print(json.dumps({
+            "from_engine_args": list(inspect.signature(AsyncLLM.from_engine_args).parameters),
+            "abstract": sorted(StatLoggerBase.__abstractmethods__),
+            "record": list(inspect.signature(StatLoggerBase.record).parameters),
+            "stats": [f.name for f in dataclasses.fields(SchedulerStats)],
+            "cache": [f.name for f in dataclasses.fields(CacheConfig)]}))
+    """)
+    out = subprocess.run([vllm_python, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "stat_loggers" in got["from_engine_args"]
+    assert got["abstract"] == ["__init__", "log_engine_initialized", "record"]
+    assert got["record"] == ["self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"]
+    assert {"num_running_reqs", "num_waiting_reqs", "num_skipped_waiting_reqs", "kv_cache_usage"} <= set(got["stats"])
+    assert {"num_gpu_blocks", "block_size"} <= set(got["cache"])
+
+
 def test_vllms_engine_takes_a_priority_and_a_priority_policy(vllm_python):
     """What the vLLM Triton model relies on for request classes (triton.priority_levels), read from the
     installed vLLM itself: AsyncLLM.generate takes a keyword `priority`, the engine arguments a
