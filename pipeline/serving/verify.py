@@ -13,7 +13,7 @@ tritonclient and plain HTTP it checks:
 - 16 concurrent requests, each equal to its solo answer;
 - malformed requests get a 400-class error and the server stays up and keeps answering;
 - Triton's ``/metrics`` carries every series the alert rules and the autoscaler's queue read
-  (``METRIC_SERIES``: pipeline/release/alerts.py, deploy/monitoring/prometheus-adapter-rules.yaml).
+  (``metric_series``: pipeline/release/alerts.py, deploy/monitoring/prometheus-adapter-rules.yaml).
 
 Results: ``verify_results.json`` (every check, latencies, server start time) beside the server's log.
 """
