@@ -90,20 +90,20 @@ def test_the_server_argv_is_what_vllms_own_parser_reads(vllm_python):
     script = REPO / "tests" / "bin" / "vllm-parse-args"
     profiles = sorted((REPO / "engine_configs").glob("*vllm*.yaml"))
     assert REPO / "engine_configs" / "llama-3.1-8b-h100-vllm-fp8.yaml" in profiles
+    cases, wants = [], []
     for path, overrides in ([(p, []) for p in profiles] + [(VLLM_CONFIG, [
             "vllm.device=cuda", "build.cuda_graphs.enabled=true", "vllm.kv_offloading_gib=16",
             "build.tensor_parallel_size=1", "vllm.kv_cache_dtype=fp8_e4m3"])]):
         args = ea.engine_args(load_config(path, overrides).config)
         argv = ["--model", "/models/m", "--host", "127.0.0.1", "--port", "8000", *ea.server_flags(args),
                 "--disable-uvicorn-access-log"]  # as pipeline.serving.launch.vllm_argv puts it together
-        fields = [*args, "model"]
-        out = subprocess.run([vllm_python, str(script), json.dumps(argv), json.dumps(fields)],
-                             capture_output=True, text=True, timeout=300, env=runtime.child_env({}))
-        assert out.returncode == 0, out.stderr[-2000:]
-        parsed = json.loads(out.stdout.strip().splitlines()[-1])
-        want = {**args, "model": "/models/m", "served_model_name": [args["served_model_name"]]}
-        assert parsed == want
-    refused = subprocess.run([vllm_python, str(script), json.dumps(["--model", "/m", "--swap-space", "16"]), "[]"],
+        cases.append([argv, [*args, "model"]])
+        wants.append({**args, "model": "/models/m", "served_model_name": [args["served_model_name"]]})
+    out = subprocess.run([vllm_python, str(script), json.dumps(cases)],
+                         capture_output=True, text=True, timeout=300, env=runtime.child_env({}))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == wants
+    refused = subprocess.run([vllm_python, str(script), json.dumps([[["--model", "/m", "--swap-space", "16"], []]])],
                              capture_output=True, text=True, timeout=300, env=runtime.child_env({}))
     assert refused.returncode == 2 and "unrecognized arguments: --swap-space" in refused.stderr
 
