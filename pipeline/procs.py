@@ -5,7 +5,9 @@ pid and its children (Triton's Python-backend stubs, vLLM's engine core and work
 Stopping one ends the whole group, and then removes the POSIX shared memory (``/dev/shm``) its members had
 mapped: vLLM's message queues (Python ``multiprocessing.shared_memory``, ``psm_*``, hundreds of MiB each)
 and Triton's Python-backend regions stay behind when a process is killed before it cleans up, and they are
-memory. Only what the group's own processes mapped is removed.
+memory. Only what the group's own processes mapped is removed. Before any SIGKILL the group's last members get
+LINGER_S to end by themselves: Python's multiprocessing resource tracker (vLLM's processes have one) unlinks the
+semaphores and shared memory they left registered once they have all ended.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 STOP_GRACE_S = 15.0
+# After the SIGTERM, how long the group's last members get to end by themselves before SIGKILL. Python's
+# multiprocessing resource tracker (vLLM's processes have one) ignores SIGTERM, and once every process using it
+# has ended it unlinks what they left registered, named semaphores (/dev/shm/sem.mp-*) among them; a SIGKILL
+# at once left one behind per vLLM server stop (seen in bench, which stops a loaded server).
+LINGER_S = 5.0
 
 
 def group_members(pgid: int) -> list[int]:
@@ -98,6 +105,9 @@ def stop_process_group(proc: Optional[subprocess.Popen], what: str, grace_s: flo
             log.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it", what, pid, grace_s)
             proc.kill()
             proc.wait(timeout=30)
+    deadline = time.monotonic() + LINGER_S
+    while group_members(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     _end_group(pid, grace_s, shm, what)
 
 

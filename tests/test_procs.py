@@ -72,3 +72,52 @@ def test_killing_a_group_at_once_removes_its_shared_memory_too():
     shm = Path("/dev/shm") / facts["shm"]
     procs.kill_process_group(proc, "stand-in worker")
     assert proc.poll() is not None and not procs.group_members(proc.pid) and not shm.exists()
+
+
+# A server stand-in as vLLM's are: its spawned child makes a named semaphore (registered with Python's
+# multiprocessing resource tracker, a member of the group that ignores SIGTERM) and ends without unlinking it,
+# and another spawned child (vLLM's engine core) takes a second to shut down on SIGTERM. Nobody maps the
+# semaphore any more, so only the tracker knows it: once every process using the tracker has ended, the tracker
+# unlinks it, unless a SIGKILL ends the tracker first.
+SEM_SERVER = r"""
+import json, multiprocessing as mp, os, signal, time
+
+def make(names):
+    lock = mp.get_context("spawn").Lock()
+    names.put(lock._semlock.name)
+    time.sleep(0.5)
+    os._exit(0)  # without its finalizers: the semaphore stays behind
+
+def core(ready):
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1), os._exit(0)))
+    ready.put(True)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    names = ctx.SimpleQueue()
+    child = ctx.Process(target=make, args=(names,))
+    child.start()
+    name = names.get()
+    child.join()
+    ctx.Process(target=core, args=(names,)).start()
+    names.get()
+    print(json.dumps({"sem": name}), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_stopping_a_group_lets_its_resource_tracker_unlink_what_a_member_left(tmp_path):
+    script = tmp_path / "server.py"
+    script.write_text(SEM_SERVER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        name = json.loads(proc.stdout.readline())["sem"]
+        sem = Path("/dev/shm") / ("sem." + name.lstrip("/"))
+        assert sem.exists() and sem not in procs.mapped_shm(procs.group_members(proc.pid))
+        procs.stop_process_group(proc, "stand-in server")
+        assert proc.poll() is not None and not procs.group_members(proc.pid)
+        assert not sem.exists()
+    finally:
+        if proc.poll() is None:
+            procs.kill_process_group(proc, "stand-in server")
