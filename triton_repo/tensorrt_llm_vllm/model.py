@@ -63,28 +63,32 @@ class _VllmHandle(Handle):
         self.model.call(self.model.engine.abort(self.request_id))
 
 
+def _figures(cache, running=0, waiting=0, kv_usage=0.0):
+    """Scheduler figures in the vocabulary of llm_serving's metric families, from vLLM's cache config (its block
+    count is set once the engine core has sized the cache) and one step's counts; the defaults: nothing running."""
+    blocks = int(cache.num_gpu_blocks or 0)
+    used = min(blocks, round(kv_usage * blocks))
+    return {"requests_scheduled": running, "requests_generating": running, "requests_waiting": waiting,
+            "kv_max_blocks": blocks, "kv_used_blocks": used, "kv_free_blocks": blocks - used,
+            "kv_tokens_per_block": int(cache.block_size)}
+
+
 def _scheduler_logger(on_step):
     """A stat-logger class for vLLM's engine (its factories are classes called with the config and the engine's
-    index): each step's scheduler figures, in the vocabulary of llm_serving's metric families, are handed to
-    ``on_step`` as a new dict. vLLM calls ``record`` on its event loop after every step's outputs."""
+    index): each step's figures (``_figures``) are handed to ``on_step`` as a new dict. vLLM calls ``record`` on
+    its event loop after every step's outputs."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class SchedulerFigures(StatLoggerBase):
         def __init__(self, vllm_config, engine_index=0):
-            self.cache = vllm_config.cache_config  # num_gpu_blocks: set once the engine core has sized the cache
+            self.cache = vllm_config.cache_config
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-            if scheduler_stats is None:
-                return
-            blocks = int(self.cache.num_gpu_blocks or 0)
-            used = min(blocks, round(scheduler_stats.kv_cache_usage * blocks))
-            running = scheduler_stats.num_running_reqs
-            on_step({
-                "requests_scheduled": running, "requests_generating": running,
-                # as vLLM's own vllm:num_requests_waiting: the waiting ones and those deferred
-                "requests_waiting": scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
-                "kv_max_blocks": blocks, "kv_used_blocks": used, "kv_free_blocks": blocks - used,
-                "kv_tokens_per_block": int(self.cache.block_size)})
+            if scheduler_stats is not None:
+                # waiting as vLLM's own vllm:num_requests_waiting counts them: the waiting ones and those deferred
+                on_step(_figures(self.cache, scheduler_stats.num_running_reqs,
+                                 scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+                                 scheduler_stats.kv_cache_usage))
 
         def log_engine_initialized(self):
             pass
@@ -114,13 +118,10 @@ class TritonPythonModel(GenerationModel):
             args["scheduling_policy"] = "priority"
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True).start()
-        self._scheduler = {}  # the last step's figures: replaced whole (the metrics thread reads it)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(folder), **args),
                                                 stat_loggers=[_scheduler_logger(self._on_step)])
-        cache = self.engine.vllm_config.cache_config  # sized by now: the figures before the first step
-        blocks = int(cache.num_gpu_blocks or 0)
-        self._scheduler = {"kv_max_blocks": blocks, "kv_free_blocks": blocks, "kv_used_blocks": 0,
-                           "kv_tokens_per_block": int(cache.block_size)}
+        self._cache = self.engine.vllm_config.cache_config  # sized by now
+        self._scheduler = _figures(self._cache)  # the last step's: replaced whole (the metrics thread reads it)
         self._running = 0
         self._max_seqs = int(args.get("max_num_seqs", 0))
         self._count = threading.Lock()
@@ -173,11 +174,8 @@ class TritonPythonModel(GenerationModel):
     def stats(self):
         with self._count:
             active = self._running
-        figures = dict(self._scheduler)
-        if not active:  # vLLM's last step still counts the requests it ended: none are left
-            blocks = figures.get("kv_max_blocks", 0)
-            figures.update(requests_scheduled=0, requests_generating=0, requests_waiting=0, kv_used_blocks=0,
-                           kv_free_blocks=blocks)
+        # with none in flight, nothing runs: vLLM's last step still counts the requests it ended
+        figures = self._scheduler if active else _figures(self._cache)
         return {**figures, "requests_active": active, "requests_max": self._max_seqs}
 
     def close(self):
