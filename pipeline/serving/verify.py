@@ -63,6 +63,19 @@ def metric_series(target: str) -> tuple[tuple[str, Optional[str], Optional[str]]
     return TRITON_SERIES + ENGINE_SERIES + (PIPELINE_SERIES if target != "tensorrt" else ())
 
 
+def series_found(metrics_url: str, series) -> dict[str, bool]:
+    """{series: on the Prometheus endpoint ``metrics_url``} for each (family, label, label value) of ``series``
+    (label None: the family alone)."""
+    with urllib.request.urlopen(metrics_url, timeout=30) as r:
+        lines = [line for line in r.read().decode().splitlines() if line and not line.startswith("#")]
+    found = {}
+    for family, label, value in series:
+        key = family if label is None else f'{family}{{{label}="{value}"}}'
+        found[key] = any(line.startswith((family + "{", family + " ")) and
+                         (label is None or f'{label}="{value}"' in line) for line in lines)
+    return found
+
+
 @dataclass
 class Check:
     name: str
@@ -333,13 +346,7 @@ class Verifier:
 
     def metrics(self, series) -> None:
         """Every one of ``series`` (see ``metric_series``) on the server's metrics endpoint."""
-        with urllib.request.urlopen(self.server.metrics_url, timeout=30) as r:
-            lines = [line for line in r.read().decode().splitlines() if line and not line.startswith("#")]
-        found = {}
-        for family, label, value in series:
-            key = family if label is None else f'{family}{{{label}="{value}"}}'
-            found[key] = any(line.startswith((family + "{", family + " ")) and
-                             (label is None or f'{label}="{value}"' in line) for line in lines)
+        found = series_found(self.server.metrics_url, series)
         self._record("metrics", all(found.values()), found=found)
 
 

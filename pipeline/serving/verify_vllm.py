@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -201,10 +200,9 @@ class VllmVerifier:
                 "answers_after": still}
 
     def metrics(self) -> dict:
-        with urllib.request.urlopen(self.server.metrics_url, timeout=30) as r:
-            text = r.read().decode()
-        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
-        found = {m: m in names for m in METRICS}
+        from pipeline.serving.verify import series_found
+
+        found = series_found(self.server.metrics_url, [(m, None, None) for m in METRICS])
         return {"ok": all(found.values()), "found": found}
 
 
