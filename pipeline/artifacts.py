@@ -168,6 +168,7 @@ class PublishedBuildInfo(_Record):
     target: str
     trtllm_version: Optional[str]
     world_size: int = 1  # GPUs (tensor x pipeline parallel ranks) one server of it needs
+    server_ranks: int = 1  # tritonserver processes that serve it: world_size for an engine per rank, else 1
     tensorrt_llm_model: str = ""  # the engine model: the one every rank loads (serving/launch.py)
 
 

@@ -8,6 +8,7 @@ shell. This is the only module that opens a Runner from a config path; everythin
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import sys
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from pipeline import artifacts, constants
+from pipeline import artifacts, constants, targets
 from pipeline.config import LoadedConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.fsutil import remove_tree
@@ -51,9 +52,28 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def open_runner(config: Optional[str], overrides: Sequence[str], work_root: Path) -> Runner:
-    """The runner for ``config``; without one, for ``default_config()``."""
-    loaded: LoadedConfig = load_config(config or default_config(), list(overrides))
-    return Runner(loaded, STAGES, work_root)
+    """The runner for ``config``; without one, for ``default_config()``. A model whose type the source alone does
+    not tell (a Hub model not in the local cache) is resolved from the model stage's download where it is there."""
+    path = config or default_config()
+    loaded: LoadedConfig = load_config(path, list(overrides))
+    runner = Runner(loaded, STAGES, work_root)
+    if loaded.resolution is not None and loaded.resolution.model_type is None:
+        downloaded = runner.stage_dir("model") / artifacts.MODEL_DIR / "config.json"
+        if downloaded.is_file():
+            model_type = json.loads(downloaded.read_text()).get("model_type")
+            runner = Runner(load_config(path, list(overrides), model_type=model_type), STAGES, work_root)
+    return runner
+
+
+def _resolved_runner(runner: Runner, config: Optional[str], overrides: Sequence[str], work_root: Path,
+                     stages: Sequence[str], force: bool) -> Runner:
+    """``runner``, or where the model's family is not known yet and ``stages`` go past the download: the model
+    stage run first, then the runner reopened with the family's defaults (pipeline/autoconfig.py)."""
+    res = runner.loaded.resolution
+    if res is None or res.model_type is not None or list(stages) == ["model"]:
+        return runner
+    runner.run(["model"], force=["model"] if force else False)
+    return open_runner(config, overrides, work_root)
 
 
 @functools.lru_cache(maxsize=1)  # asked once per command (`invoke all` opens the runner twice): one note, one look
@@ -74,14 +94,16 @@ def run_task(task: str, config: Optional[str], overrides: Sequence[str], work_ro
              force: bool = False) -> list[dict]:
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
-    targets = list(TASK_STAGES[task])
-    return runner.run(targets, force=targets if force else False)
+    stages = list(TASK_STAGES[task])
+    runner = _resolved_runner(runner, config, overrides, work_root, stages, force)
+    return runner.run(stages, force=stages if force else False)
 
 
 def run_all(config: Optional[str], overrides: Sequence[str], work_root: Path, force: bool = False) -> None:
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
     names = [s.name for s in STAGES]
+    runner = _resolved_runner(runner, config, overrides, work_root, names, force)
     runner.run(names, force=force)
     print(f"all: {len(names)} stage(s) ran or were up to date; artifacts in {runner.work_dir}")
 
@@ -104,6 +126,13 @@ def explain(config: Optional[str], overrides: Sequence[str], work_root: Path) ->
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({', '.join(str(p) for p in runner.loaded.files)})")
     print(f"work dir: {runner.work_dir}")
+    res = runner.loaded.resolution
+    target = targets.get(runner.loaded.config.build.target)
+    print(f"target: {target.name} ({target.summary})")
+    if res is not None:
+        print(f"model type: {res.model_type or 'not known until the model is downloaded'}")
+        for dotted, (value, why) in res.chosen.items():
+            print(f"  chosen: {dotted} = {value!r}: {why}")
     all_current = True
     for st in runner.explain([s.name for s in STAGES]):
         if st.up_to_date:
@@ -157,7 +186,7 @@ def tune(config: Optional[str], overrides: Sequence[str], work_root: Path, resul
                   f"not in this work dir: publish applies it where that build is (copy the file into that work "
                   f"dir's {tuning.TUNE_DIR}/)")
             return out
-    elif cfg.build.target in tuning.GPU_TARGETS and gpu_server_binary() is None:
+    elif targets.get(cfg.build.target).gpu_only and gpu_server_binary() is None:
         with WorkDirLock(work_dir):
             out = tuning.write_plan(cfg, runner.loaded.name, work_dir)
         print(f"tune: {out['why']}")

@@ -28,16 +28,12 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline import constants
+from pipeline import autoconfig, constants, targets
 from pipeline.errors import ConfigError
 from pipeline.formats import (
     DECISION_COLUMN,
-    HIGH_PRECISION,
-    NO_QUANT,
-    VLLM_CPU_BLOCK_MULTIPLE,
-    VLLM_CPU_MLA_BLOCK,
-    VLLM_SERVABLE,
 )
+from pipeline.targets.cpu import ADAPTIVE_BATCH_WHAT
 
 SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # usable as a directory / Triton model name
 _SAFE_NAME_RE = re.compile(SAFE_NAME)
@@ -343,12 +339,13 @@ class QuantizationSection(Strict):
 
     @model_validator(mode="after")
     def _combos(self) -> "QuantizationSection":
-        if self.weight_format == "none" and self.kv_cache != "none":
+        explicit = self.model_fields_set
+        if self.weight_format == "none" and self.kv_cache != "none" and "kv_cache" in explicit:
             raise ValueError(
                 "weight_format: none builds the unquantized baseline, whose KV cache is unquantized too: "
                 "set kv_cache: none"
             )
-        if self.export_hf_checkpoint and self.kv_cache == "int8":
+        if self.export_hf_checkpoint and self.kv_cache == "int8" and "kv_cache" in explicit:
             raise ValueError(
                 "an INT8 KV cache cannot be exported as an HF unified checkpoint (ModelOpt refuses it); "
                 "use kv_cache: fp8 or none, or export_hf_checkpoint: false"
@@ -380,7 +377,8 @@ class CudaGraphs(Strict):
 
 
 class BuildSection(Strict):
-    target: Literal["tensorrt", "pytorch", "cpu", "vllm"] = "cpu"
+    # the registered build targets (pipeline/targets/): tensorrt, pytorch, cpu, vllm
+    target: str = "cpu"
     dtype: Dtype = "float16"
     max_batch_size: int = Field(8, ge=1, le=4096)
     max_input_len: int = Field(1024, ge=1)
@@ -415,6 +413,13 @@ class BuildSection(Strict):
     target_gpu: Optional[str] = None
     target_sm: Optional[int] = Field(None, ge=70, le=130)
 
+    @field_validator("target")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        if v not in targets.REGISTRY:
+            raise ValueError(f"must be one of the registered build targets: {', '.join(targets.names())}")
+        return v
+
     @model_validator(mode="after")
     def _sizes(self) -> "BuildSection":
         if self.max_input_len >= self.max_seq_len:
@@ -435,8 +440,9 @@ class BuildSection(Strict):
                 raise ValueError(
                     f"cuda_graphs.batch_sizes {list(sizes)} go beyond max_batch_size ({self.max_batch_size})"
                 )
-        if self.target == "cpu" and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
-            raise ValueError("the cpu target runs on one process: tensor/pipeline parallel sizes must be 1")
+        if targets.get(self.target).single_process and (self.tensor_parallel_size,
+                                                         self.pipeline_parallel_size) != (1, 1):
+            raise ValueError(f"the {self.target} target runs on one process: tensor/pipeline parallel sizes must be 1")
         return self
 
 
@@ -774,19 +780,9 @@ class PipelineConfig(Strict):
     @model_validator(mode="after")
     def _cross(self) -> "PipelineConfig":
         q, b = self.quantization, self.build
-        if b.target == "pytorch":
-            if q.kv_cache == "int8":
-                raise ValueError(
-                    "quantization.kv_cache: int8 is not supported by the pytorch target (TensorRT-LLM's LLM "
-                    "API has FP8 KV only); use fp8 or none, or build.target: tensorrt"
-                )
-            if q.weight_format != "none" and not q.export_hf_checkpoint:
-                raise ValueError(
-                    "build.target: pytorch serves the HF unified checkpoint: set "
-                    "quantization.export_hf_checkpoint: true"
-                )
-        if b.target == "vllm":
-            _check_vllm(self)
+        problems = targets.get(b.target).check(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         decision = DECISION_COLUMN.get(q.weight_format)
         if self.plan.budget is not None:
             unmeasured = [f for f in self.plan.budget.wider_formats
@@ -812,72 +808,35 @@ class PipelineConfig(Strict):
 
 
 def _check_serving_keys(t: TritonSection, b: BuildSection, sla: SlaSection) -> None:
-    """The triton keys that set how the runtime batches, held to the targets whose runtime has the setting."""
-    if t.adaptive_batch and not (b.target == "pytorch" or (b.target == "cpu" and sla.p99_itl_ms is not None)):
-        raise ValueError(
-            "triton.adaptive_batch: the cpu runtime keeps its step time at sla.p99_itl_ms (build.target: cpu with "
-            "sla.p99_itl_ms set), and the pytorch target turns on TensorRT-LLM's dynamic batch tuning; "
-            + ("sla.p99_itl_ms is not set" if b.target == "cpu" else
-               f"the {b.target} target has no such setting at run time" + (
-                   " (the tensorrtllm backend reads no dynamic-batch parameter: use build.target: pytorch)"
-                   if b.target == "tensorrt" else "")))
-    if t.max_running is not None and (b.target not in ("cpu", "pytorch") or t.max_running > b.max_batch_size):
+    """The triton keys that set how the runtime batches, held to the targets whose runtime reads them
+    (``Target.serving_settings``)."""
+    target = targets.get(b.target)
+    reads = target.serving_settings
+    if t.adaptive_batch and "adaptive_batch" not in reads:
+        raise ValueError(ADAPTIVE_BATCH_WHAT + f"the {b.target} target has no such setting at run time"
+                         + target.serving_setting_note("adaptive_batch"))
+    if t.max_running is not None and ("max_running" not in reads or t.max_running > b.max_batch_size):
         raise ValueError(
             f"triton.max_running {t.max_running}: the runtime's limit on sequences run at once (cpu and pytorch "
             f"targets), at most build.max_batch_size ({b.max_batch_size}); " + (
-                f"the {b.target} target's limit is build.max_batch_size itself" if b.target not in ("cpu", "pytorch")
-                else "lower it, or raise build.max_batch_size (a rebuild)"))
-    if t.prefill_chunk_tokens is not None and b.target != "cpu":
+                (target.serving_setting_note("max_running") or f"the {b.target} target has no such limit")
+                if "max_running" not in reads else "lower it, or raise build.max_batch_size (a rebuild)"))
+    if t.prefill_chunk_tokens is not None and "prefill_chunk_tokens" not in reads:
         raise ValueError(f"triton.prefill_chunk_tokens is the cpu runtime's chunked prefill; the {b.target} target "
-                         f"does not read it" + (" (TensorRT-LLM's is build.chunked_context with build.max_num_tokens)"
-                                                if b.target in ("tensorrt", "pytorch") else ""))
+                         f"does not read it" + target.serving_setting_note("prefill_chunk_tokens"))
     if t.default_priority_level is not None and (t.priority_levels is None
                                                  or t.default_priority_level > t.priority_levels):
         raise ValueError(f"triton.default_priority_level {t.default_priority_level}: must be one of the levels "
                          f"1..triton.priority_levels ({t.priority_levels or 'not set'})")
-    if t.priority_levels is not None and b.target not in ("cpu", "vllm"):
+    if t.priority_levels is not None and "priority_levels" not in reads:
         raise ValueError(
             f"triton.priority_levels: request classes reach the cpu runtime's and vLLM's schedulers; the "
-            f"{b.target} target's runtime is given no priority (" + {
-                "tensorrt": "the tensorrtllm backend sets no executor request priority",
-                "pytorch": "the LLM API's generate_async takes no priority"}[b.target] + ")")
-    gpu_only = [k for k in ("scheduler_policy", "kv_cache_free_gpu_memory_fraction") if getattr(t, k) is not None]
-    if gpu_only and b.target not in ("tensorrt", "pytorch"):
-        raise ValueError(f"triton.{gpu_only[0]} sets TensorRT-LLM's executor (build.target: tensorrt or pytorch); "
+            f"{b.target} target's runtime is given no priority ({target.serving_setting_note('priority_levels')})")
+    unread = [k for k in ("scheduler_policy", "kv_cache_free_gpu_memory_fraction")
+              if getattr(t, k) is not None and k not in reads]
+    if unread:
+        raise ValueError(f"triton.{unread[0]} sets TensorRT-LLM's executor (build.target: tensorrt or pytorch); "
                          f"the {b.target} target has no such setting")
-
-
-def _check_vllm(cfg: PipelineConfig) -> None:
-    """What the vllm target cannot serve, refused before any work (facts: pipeline.formats.VLLM_SERVABLE)."""
-    q, b, v = cfg.quantization, cfg.build, cfg.vllm
-    servable = [f for f, where in VLLM_SERVABLE.items() if v.device in where]
-    if q.weight_format not in servable:
-        elsewhere = [d for d in VLLM_SERVABLE.get(q.weight_format, ()) if d != v.device]
-        raise ValueError(
-            f"build.target: vllm cannot serve quantization.weight_format {q.weight_format} on vllm.device "
-            f"{v.device}: the vLLM export writes compressed-tensors INT8 W8A8 (int8_sq) and INT4 W4A16 (int4_awq) "
-            f"for any device, FP8 (fp8) and INT8 W8A16 (int8_wo) for cuda only (vLLM 0.32's CPU build has no "
-            f"working kernel for them). Use weight_format {', '.join(servable)}"
-            + (f", or vllm.device {elsewhere[0]}" if elsewhere else "")
-            + f", or build.target tensorrt / cpu for {q.weight_format}")
-    named = [("plan.budget.wider_formats", f) for f in (cfg.plan.budget.wider_formats if cfg.plan.budget else ())]
-    named += [(f"plan.rules {r.pattern!r}", r.format) for r in cfg.plan.rules if r.format is not None]
-    unservable = [f"{where}: {f}" for where, f in named if f not in servable and f != HIGH_PRECISION]
-    if unservable:
-        raise ValueError(f"{'; '.join(unservable)}: vLLM on {v.device} serves {', '.join(servable)}")
-    if b.pipeline_parallel_size != 1:
-        raise ValueError("build.target: vllm shards with build.tensor_parallel_size; pipeline_parallel_size must be 1")
-    if v.device == "cpu":
-        if b.kv_cache.tokens_per_block % VLLM_CPU_BLOCK_MULTIPLE and b.kv_cache.tokens_per_block != VLLM_CPU_MLA_BLOCK:
-            raise ValueError(f"build.kv_cache.tokens_per_block {b.kv_cache.tokens_per_block}: vLLM's CPU attention "
-                             f"takes blocks of a multiple of {VLLM_CPU_BLOCK_MULTIPLE} tokens ({VLLM_CPU_MLA_BLOCK} for "
-                             f"a model with multi-head latent attention, whose CPU backend takes that only)")
-        if b.cuda_graphs.enabled:
-            raise ValueError("build.cuda_graphs.enabled: there are no CUDA graphs on vllm.device cpu; set it false")
-        quantized = sorted({q.weight_format, *(f for _, f in named)} - {NO_QUANT, HIGH_PRECISION})
-        if quantized and v.dtype == "float32":
-            raise ValueError(f"vllm.dtype float32 with {', '.join(quantized)} weights: vLLM's CPU INT8 and INT4 GEMMs "
-                             f"take bfloat16 or float16 activations only; use vllm.dtype bfloat16")
 
 
 # ---------------------------------------------------------------- loading
@@ -895,26 +854,57 @@ class LoadedConfig:
     files: tuple[Path, ...]  # it and every file it extends, child first
     overrides: tuple[str, ...] = ()
     origins: dict[str, str] = field(default_factory=dict)  # YAML path -> file (or "--set") that set it
+    # the defaults the model's family and the build target chose, and why (pipeline.autoconfig)
+    resolution: Optional[autoconfig.Resolution] = None
 
     @property
     def name(self) -> str:
         return self.config.name
 
 
-def load_config(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> LoadedConfig:
-    """Read, merge (``extends:``), override and validate a config; raise ConfigError on any problem."""
+def load_config(path: str | Path, overrides: tuple[str, ...] | list[str] = (),
+                model_type: Optional[str] = None) -> LoadedConfig:
+    """Read, merge (``extends:``), override, resolve (pipeline.autoconfig: the defaults the model's family and the
+    build target choose) and validate a config; raise ConfigError on any problem, every conflict at once.
+    ``model_type``: the model's, where the caller knows it (a downloaded Hub model); else probed from the
+    source."""
     path = Path(path)
     raw, origins, files = _load_chain(path, chain=())
     raw.setdefault("name", path.stem)
     origins.setdefault("name", str(path))
     for item in overrides:
         _apply_override(raw, origins, item)
+    cfg = _validate(raw, origins, path)
+    _check_sources_exist(cfg, origins)
+    src = cfg.model.source
+    model_type = model_type or autoconfig.probe_model_type(
+        src, gguf_package_file(src) if isinstance(src, GGUFPackageSource) else None)
+    resolution = autoconfig.resolve(raw, model_type, _RESOLVED_DEFAULTS)
+    if resolution.conflicts:
+        where = f"{path}" + (f" (model type {model_type})" if model_type else "")
+        raise ConfigError(f"{where}: the config conflicts with what the model's family and the build target take:\n"
+                          + "\n".join(f"  - {c}" for c in resolution.conflicts))
+    if resolution.chosen:
+        autoconfig.apply(raw, origins, resolution)
+        cfg = _validate(raw, origins, path)
+    return LoadedConfig(cfg, path, files, tuple(overrides), origins, resolution)
+
+
+def _validate(raw: dict, origins: dict[str, str], path: Path) -> PipelineConfig:
     try:
-        cfg = PipelineConfig.model_validate(raw)
+        return PipelineConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, raw, origins, path)) from None
-    _check_sources_exist(cfg, origins)
-    return LoadedConfig(cfg, path, files, tuple(overrides), origins)
+
+
+# the schema defaults autoconfig.resolve reads for fields a config leaves unset
+_RESOLVED_DEFAULTS = {
+    "build.target": BuildSection.model_fields["target"].default,
+    "quantization.weight_format": QuantizationSection.model_fields["weight_format"].default,
+    "quantization.kv_cache": QuantizationSection.model_fields["kv_cache"].default,
+    "quantization.export_hf_checkpoint": QuantizationSection.model_fields["export_hf_checkpoint"].default,
+    "vllm.device": VllmSection.model_fields["device"].default,
+}
 
 
 def _read_yaml(path: Path) -> dict:

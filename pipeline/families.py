@@ -35,9 +35,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline import targets
 from pipeline.errors import InputError
 
-ALL_TARGETS = ("tensorrt", "pytorch", "cpu", "vllm")
+ALL_TARGETS = targets.names()
 
 
 @dataclass(frozen=True)
@@ -237,10 +238,17 @@ def family(model_type: str, target: str | None = None) -> Family:
     the targets that serve it when ``target`` is not one of them."""
     fam = FAMILIES.get(model_type)
     if fam is None:
-        raise InputError(f"model type {model_type!r} is not a supported family; supported: "
-                         f"{', '.join(f'{f.model_type} ({f.hf_architecture})' for f in FAMILIES.values())}")
+        raise InputError(unsupported_message(model_type))
     if target is not None and target not in fam.targets:
-        why = fam.why_not or f"{fam.extras} are not in its export"
-        raise InputError(f"the {target} target cannot serve {model_type} ({why}); "
-                         f"use build.target {' or '.join(fam.targets)}")
+        raise InputError(cannot_serve_message(fam, target))
     return fam
+
+
+def unsupported_message(model_type: str) -> str:
+    return (f"model type {model_type!r} is not a supported family; supported: "
+            f"{', '.join(f'{f.model_type} ({f.hf_architecture})' for f in FAMILIES.values())}")
+
+
+def cannot_serve_message(fam: Family, target: str) -> str:
+    why = fam.why_not or f"{fam.extras} are not in its export"
+    return f"the {target} target cannot serve {fam.model_type} ({why}); use build.target {' or '.join(fam.targets)}"

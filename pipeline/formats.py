@@ -57,6 +57,10 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 SENSITIVITY_COLUMNS = ("int8_w8a8", "int8_sq", "int8_wo", "fp8", "int4_awq")
 LAYER_FORMATS = (HIGH_PRECISION, *FORMATS)  # what a plan may give a layer
 NO_QUANT = "none"  # weight_format: none exports the unquantized baseline
+# what ModelOpt 0.47's TensorRT-LLM export writes for stacked experts, tried on tiny Mixtrals: FP8, INT4 AWQ and
+# W4A8 AWQ; INT8 SmoothQuant and INT8 weight-only fail in its to_quantized_weight (a per-expert scale of shape
+# [experts, out] divides a weight of [experts, out, in] as if it were 2-D)
+MOE_EXPORT_FORMATS = ("fp8", "int4_awq", "w4a8_awq")
 
 # KV-cache formats: config name -> TensorRT-LLM kv_cache_quant_algo (None: not quantized)
 KV_CACHE_ALGOS: dict[str, Optional[str]] = {"int8": "INT8", "fp8": "FP8", "none": None}

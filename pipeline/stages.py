@@ -89,43 +89,24 @@ def _compute_preflight(loaded) -> None:
 def _run_build(ctx: StageContext) -> dict:
     import json
 
-    from pipeline import families
-    from pipeline.engines.build import build_cpu
+    from pipeline import families, targets
 
-    cfg = ctx.config
     model_dir = ctx.upstream("model") / artifacts.MODEL_DIR
-    ckpt = ctx.upstream("quantize") / artifacts.TRTLLM_CHECKPOINT_DIR
     fam = families.family(json.loads((model_dir / "config.json").read_text()).get("model_type"))
-    if not fam.trtllm_checkpoint:  # the CPU runtime and the vLLM export read the HF unified one, the only export
-        ckpt = ctx.upstream("quantize") / artifacts.HF_CHECKPOINT_DIR
-    if cfg.build.target == "cpu":
-        return build_cpu(ckpt, model_dir, cfg, ctx.out_dir)
-    if cfg.build.target == "vllm":
-        from pipeline.engines.vllm.target import build_vllm
-
-        return build_vllm(ckpt, model_dir,
-                          ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
-                          ctx.upstream("quantize") / artifacts.ACCURACY_FILE, cfg, ctx.out_dir,
-                          hf_checkpoint=not fam.trtllm_checkpoint)
-    from pipeline.engines.trtllm import targets as trtllm
-
-    if cfg.build.target == "tensorrt":
-        return trtllm.build_tensorrt(ckpt, cfg, ctx.out_dir)
-    return trtllm.build_pytorch(ctx.upstream("quantize") / artifacts.HF_CHECKPOINT_DIR, cfg, ctx.out_dir)
+    target = targets.get(ctx.config.build.target)
+    # the TensorRT-LLM checkpoint, or the HF unified one where it is the only export (Family.trtllm_checkpoint) or
+    # what the target serves
+    hf = target.serves_hf_checkpoint or not fam.trtllm_checkpoint
+    ckpt = ctx.upstream("quantize") / (artifacts.HF_CHECKPOINT_DIR if hf else artifacts.TRTLLM_CHECKPOINT_DIR)
+    return target.call(target.build_entry, ctx, ckpt, hf_checkpoint=not fam.trtllm_checkpoint)
 
 
 def _build_preflight(loaded) -> None:
-    if loaded.config.build.target == "vllm":
-        from pipeline.engines.vllm import runtime  # vLLM's environment and a CPU it runs on, or stop before any work
+    from pipeline import targets
 
-        runtime.serving_python()
-        runtime.check_cpu(loaded.config)
-        return
-    from pipeline.engines.trtllm.preflight import (
-        preflight,  # GPU targets: a GPU and TensorRT-LLM here, or stop before any work
-    )
-
-    preflight(loaded)
+    target = targets.get(loaded.config.build.target)
+    if target.preflight_entry is not None:  # what this machine lacks for the target, before any work
+        target.call(target.preflight_entry, loaded)
 
 
 def _bench_preflight(loaded) -> None:

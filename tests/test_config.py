@@ -72,7 +72,7 @@ def test_relative_paths_resolve_against_the_declaring_file(tmp_path):
 BAD = [
     ("unknown-key", "build: {max_batchsize: 4}", [], ["build.max_batchsize", "unknown key", "did you mean 'max_batch_size'"]),
     ("wrong-type", "build: {max_batch_size: eight}", [], ["build.max_batch_size", "'eight'", "valid integer"]),
-    ("bad-target", "build: {target: gpu}", [], ["build.target", "'gpu'", "'tensorrt', 'pytorch', 'cpu' or 'vllm'"]),
+    ("bad-target", "build: {target: gpu}", [], ["build.target", "'gpu'", "registered build targets: tensorrt, pytorch, cpu, vllm"]),
     ("impossible-sizes", "build: {max_input_len: 4096, max_seq_len: 2048}", [],
      ["build", "max_input_len (4096) must be smaller than max_seq_len (2048)"]),
     ("tokens-per-block", "build: {kv_cache: {tokens_per_block: 48}}", [], ["tokens_per_block", "48", "power of two"]),

@@ -170,9 +170,8 @@ def _deepseek_v2(experts: int = 8, full: bool = False, cpu_mla: bool = False):
 
 MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
           "phi3": _phi3, "gemma3_text": _gemma3, "gemma2": _gemma2, "deepseek_v2": _deepseek_v2}
-# plan rules a family needs beyond the tiny config's: experts in a format the export writes for them
-RULES = {"mixtral": "{pattern: '*.experts.*', format: fp8}", "qwen3_moe": "{pattern: '*.experts.*', format: fp8}"}
-# the families exported as the HF unified checkpoint only: it needs asking for, and takes no INT8 KV cache
+# the HF unified checkpoint and a KV cache it takes, set explicitly (what pipeline/autoconfig.py chooses for the
+# families exported that way when a config leaves them unset)
 HF_ONLY_QUANTIZATION = "quantization: {export_hf_checkpoint: true, kv_cache: fp8}"
 
 
@@ -194,16 +193,15 @@ def _with_rules(cfg: Path, *rules: str) -> Path:
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))
 def verified(request, tmp_path_factory, tiny_tokenizer_dir):
-    """`invoke verify` on the family's tiny model: (family, its work dir)."""
+    """`invoke verify` on the family's tiny model, the tiny config with nothing else changed (the family and the
+    target choose the export, the KV format and the experts' format: pipeline/autoconfig.py): (family, its work
+    dir)."""
     import torch
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp(request.param)
     model_dir = _saved(MAKERS[request.param](), root / "model", tiny_tokenizer_dir)
-    hf_only = not families.FAMILIES[request.param].trtllm_checkpoint
-    cfg = tiny_config(root, model_dir, HF_ONLY_QUANTIZATION if hf_only else "")
-    if request.param in RULES:
-        _with_rules(cfg, RULES[request.param])
+    cfg = tiny_config(root, model_dir)
     proc = run_invoke("verify", "--config", str(cfg), "--work-root", str(root / "work"), timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return request.param, root / "work" / "tiny"
@@ -423,7 +421,8 @@ def test_gemma2_runs_with_eager_attention_so_its_soft_capping_holds(tmp_path, ti
 def test_moe_sensitivity_and_plan_then_quantize_refuses_experts_it_cannot_export(tmp_path, tiny_tokenizer_dir):
     """Each expert is measured on the tokens routed to it and summarised per expert type; routers stay in high
     precision; the experts of a layer share one format (a rule keeping one expert's w2 keeps its whole layer's
-    experts); quantize refuses INT8 SmoothQuant experts (ModelOpt's export cannot write them) before any work,
+    experts), FP8 where the config leaves them to the family (ModelOpt's export writes no INT8 SmoothQuant experts:
+    pipeline/autoconfig.py); quantize refuses INT8 SmoothQuant experts in a plan edited by hand before any work,
     saying what to set."""
     import torch
 
@@ -463,10 +462,16 @@ def test_moe_sensitivity_and_plan_then_quantize_refuses_experts_it_cannot_export
         assert router["format"] == "high_precision" and "MoE router" in router["reason"]
     layer0 = {n: e for n, e in plan.items() if n.startswith("model.layers.0.") and ".experts." in n}
     layer1 = {n: e for n, e in plan.items() if n.startswith("model.layers.1.") and ".experts." in n}
-    assert {e["format"] for e in layer0.values()} == {"int8_sq"}
+    assert {e["format"] for e in layer0.values()} == {"fp8"}
     assert {e["format"] for e in layer1.values()} == {"high_precision"}
     assert "share one format" in plan["model.layers.1.block_sparse_moe.experts.0.w1"]["reason"]
 
+    # the plan edited by hand (plan.yaml is editable): layer 0's experts back to INT8 SmoothQuant
+    plan_file = work / "tiny" / "plan" / artifacts.PLAN_FILE
+    doc = yaml.safe_load(plan_file.read_text())
+    for name in layer0:
+        doc["layers"][name]["format"] = "int8_sq"
+    plan_file.write_text(yaml.safe_dump(doc, sort_keys=False))
     proc = run_invoke("quantize", "--config", str(cfg_path), "--work-root", str(work), timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Traceback" not in out, out

@@ -228,7 +228,7 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
         assert "from tensorrt_llm import" in code
     prov = json.loads((snap / artifacts.PROVENANCE_FILE).read_text())
     assert prov["build"] == {"target": target, "trtllm_version": "1.2.1", "provenance": {"gpu": "stand-in"},
-                             "world_size": 1, "tensorrt_llm_model": names.tensorrt_llm}
+                             "world_size": 1, "server_ranks": 1, "tensorrt_llm_model": names.tensorrt_llm}
 
 
 def test_the_serving_keys_reach_the_gpu_targets_runtime_without_a_rebuild(setup):

@@ -1,6 +1,6 @@
 """build stage: the quantized checkpoint -> what a server runs, for the configured target.
 
-- ``cpu``: a self-contained bundle for the reference runtime (pipeline.cpu_runtime): the TensorRT-LLM
+- ``cpu``: a self-contained bundle for the reference runtime (pipeline.engines.cpu_runtime): the TensorRT-LLM
   checkpoint (the HF unified one for a family that has no other here, ``Family.trtllm_checkpoint``), the
   model's config and tokenizer files (no weights: those come from the checkpoint), and ``runtime.json``
   (limits and the KV block pool). The bundle is loaded once in a child process and asked for a few greedy
@@ -82,7 +82,7 @@ def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> dict:
     ckpt_hash = checkpoint_sha256(ckpt_dir)
     no_cuda_graphs = {"enabled": False, "batch_sizes": [], "enable_padding": False, "cuda_graph_mode": False,
                       "cuda_graph_cache_size": 0}
-    provenance = {"runtime": "pipeline.cpu_runtime (reference, not TensorRT)", "torch": _version("torch"),
+    provenance = {"runtime": "pipeline.engines.cpu_runtime (reference, not TensorRT)", "torch": _version("torch"),
                   "transformers": _version("transformers")}
     settings = build_settings(cfg, "cpu", artifacts.CPU_BUNDLE_DIR, kv_algo, no_cuda_graphs, None, provenance, ckpt_hash)
     (out_dir / artifacts.BUILD_SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
@@ -116,3 +116,9 @@ def _version(dist: str) -> str | None:
         return version(dist)
     except PackageNotFoundError:
         return None
+
+
+def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
+    """The cpu target's build (pipeline.targets.cpu): the bundle of ``ckpt_dir`` (the TensorRT-LLM checkpoint, or
+    the HF unified one for a family with only that export; the runtime reads either)."""
+    return build_cpu(ckpt_dir, ctx.upstream("model") / artifacts.MODEL_DIR, ctx.config, ctx.out_dir)

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline import artifacts, families
+from pipeline import artifacts, families, targets
 from pipeline.config import BuildSection, ComputeSection, QuantizationSection
 from pipeline.errors import InputError, StageFailed
 from pipeline.formats import (
@@ -53,6 +53,7 @@ from pipeline.formats import (
     FORMATS,
     HIGH_PRECISION,
     KV_CACHE_ALGOS,
+    MOE_EXPORT_FORMATS,
     TRTLLM_QUANT_ALGO,
 )
 
@@ -69,10 +70,6 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 # HF module -> TensorRT-LLM checkpoint module (llama family); q/k/v become one fused qkv GEMM
 TRTLLM_MODULE = {"q_proj": "attention.qkv", "k_proj": "attention.qkv", "v_proj": "attention.qkv",
                  "o_proj": "attention.dense", "gate_proj": "mlp.fc", "up_proj": "mlp.gate", "down_proj": "mlp.proj"}
-# what ModelOpt 0.47's TensorRT-LLM export writes for stacked experts, tried on tiny Mixtrals: FP8, INT4 AWQ and
-# W4A8 AWQ; INT8 SmoothQuant and INT8 weight-only fail in its to_quantized_weight (a per-expert scale of shape
-# [experts, out] divides a weight of [experts, out, in] as if it were 2-D)
-MOE_EXPORT_FORMATS = ("fp8", "int4_awq", "w4a8_awq")
 
 
 def trtllm_name(hf_name: str, moe=None) -> str:
@@ -145,7 +142,7 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
                             f"(a plan rule such as '{split[0]}.{group[0]}' with the other's format)")
     if quant.export_hf_checkpoint and quant.kv_cache == "int8":
         problems.append("an INT8 KV cache cannot be exported as an HF unified checkpoint; use kv_cache fp8 or none")
-    if fam is not None and fam.fused_formats is not None and build.target == "pytorch":
+    if fam is not None and fam.fused_formats is not None and targets.get(build.target).serves_hf_checkpoint:
         fused, loadable = fam.fused_formats
         wrong = sorted(n for n, e in plan_doc["layers"].items() if n.rsplit(".", 1)[-1] in fused
                        and e["format"] not in (HIGH_PRECISION, *loadable))
@@ -504,7 +501,7 @@ def _check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, m
     if quant.kv_cache == "fp8":
         fam = families.FAMILIES.get(model_config.get("model_type"))
         kv = _kv_range_check(hf_dir, model_config["num_hidden_layers"], target,
-                             engine_serves_it=fam is None or "tensorrt" in fam.targets)
+                             engine_serves_it=fam is None or any(targets.get(t).engine_per_rank for t in fam.targets))
     return {"quant_algo": q.get("quant_algo"), "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
             "exclude_modules": sorted(q.get("exclude_modules") or []),
             "quantized_layers": len(q.get("quantized_layers") or {}) or None, "kv_scales_max": kv,
@@ -801,7 +798,7 @@ def _kv_range_check(hf_dir: Path, num_layers: int, target: str, engine_serves_it
 
     scales = kv_scales(hf_dir, num_layers)
     over = [(i, k, v) for i, (k, v) in enumerate(scales) if max(k, v) > PYTORCH_FP8_KV_SCALE]
-    if over and target == "pytorch":
+    if over and targets.get(target).serves_hf_checkpoint:  # TensorRT-LLM's LLM API: one FP8 KV scale
         shown = ", ".join(f"layer {i}: K amax {k * FP8_MAX:.0f}, V amax {v * FP8_MAX:.0f}" for i, k, v in over[:4])
         engine = (", or with build.target: tensorrt, whose engine takes the checkpoint's scale" if engine_serves_it
                   else "")

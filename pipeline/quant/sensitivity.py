@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline import families
+from pipeline import families, targets
 from pipeline.config import ComputeSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
 
@@ -56,7 +56,7 @@ HF_UNIFIED_FUSION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_pr
 
 
 def fusion_groups_for(target: str) -> tuple[tuple[str, ...], ...]:
-    return HF_UNIFIED_FUSION_GROUPS if target == "pytorch" else TRTLLM_FUSION_GROUPS
+    return HF_UNIFIED_FUSION_GROUPS if targets.get(target).serves_hf_checkpoint else TRTLLM_FUSION_GROUPS
 
 
 def format_groups(target: str, fusion_groups: list[list[str]]) -> list[list[str]]:
@@ -64,7 +64,7 @@ def format_groups(target: str, fusion_groups: list[list[str]]) -> list[list[str]
     for the vllm target gate/up too. It quantizes the TensorRT-LLM checkpoint (gate and up smoothed apart), but
     vLLM's Llama runs q/k/v as qkv_proj and gate/up as gate_up_proj (its packed_modules_mapping), one GEMM in
     one format each."""
-    extra = [list(g) for g in HF_UNIFIED_FUSION_GROUPS] if target == "vllm" else []
+    extra = [list(g) for g in HF_UNIFIED_FUSION_GROUPS] if targets.get(target).fuses_gate_up else []
     return [*fusion_groups, *(g for g in extra if g not in fusion_groups)]
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import yaml
 
-from pipeline import constants
+from pipeline import constants, targets
 from pipeline.config import PipelineConfig
 from pipeline.errors import ConfigError, InputError
 from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
@@ -123,6 +123,7 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
         f"{ANNOTATION_PREFIX}repository-digest": f"sha256:{pub.repository_digest}",
     }
     out: dict[str, dict] = {}
+    on_cpu = targets.get(pub.target).on_cpu(cfg)
     for file_name, base in base_documents():
         doc = copy.deepcopy(base)
         doc["metadata"]["name"] = name
@@ -138,7 +139,7 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
             container = _containers(doc)[0]
             container["image"] = image_ref
             res = container["resources"]
-            if pub.target == "cpu" or (pub.target == "vllm" and cfg.vllm.device == "cpu"):
+            if on_cpu:
                 for part in ("requests", "limits"):
                     res[part].pop(GPU_RESOURCE, None)
                 res["requests"].update({"cpu": "2", "memory": "8Gi"})
@@ -160,7 +161,7 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
             for m in metrics:
                 if m["type"] == "Pods" and m["pods"]["metric"]["name"] == GPU_METRIC:
                     m["pods"]["target"]["averageValue"] = str(SCALE_OUT_UTILIZATION_PCT)
-                    if pub.target == "cpu" or (pub.target == "vllm" and cfg.vllm.device == "cpu"):  # no GPU: CPU
+                    if on_cpu:  # no GPU: CPU
                         m.clear()
                         m.update({"type": "Resource", "resource": {"name": "cpu", "target": {
                             "type": "Utilization", "averageUtilization": SCALE_OUT_UTILIZATION_PCT}}})
@@ -179,14 +180,12 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
 def serves_vllm_openai(cfg: PipelineConfig, target: str) -> bool:
     """Whether the image runs vLLM's OpenAI server (the vllm target with openai first in vllm.frontends), not
     Triton (pipeline.release.image.docker_target)."""
-    return target == "vllm" and cfg.vllm.frontends[0] == "openai"
+    return targets.get(target).server(targets.get(target).frontends(cfg)[0]) == targets.SERVER_VLLM_OPENAI
 
 
 def alert_engine(cfg: PipelineConfig, target: str) -> tuple[str, bool]:
     """(whose series the alert rules read, whether the GPU rules apply) for a build of ``target``."""
-    if target == "vllm":
-        return "vllm" if serves_vllm_openai(cfg, target) else "triton", cfg.vllm.device == "cuda"
-    return "triton", True
+    return targets.get(target).alert_engine(cfg)
 
 
 def _to_vllm(doc: dict, device: str) -> None:
@@ -219,7 +218,7 @@ def _to_vllm(doc: dict, device: str) -> None:
 def render_jobs(cfg: PipelineConfig, config_path: Path, overrides: Sequence[str], gpu_types: Sequence[str],
                 builder_ref: str) -> dict[str, dict]:
     """{file name: resource}: the shared volume and network policy, then one engine-build Job per GPU type."""
-    if cfg.build.target in ("cpu", "vllm"):
+    if not targets.get(cfg.build.target).gpu_only:
         raise ConfigError(f"build.target is {cfg.build.target}: engine-build Jobs are for the GPU targets. Render "
                           f"them for a tensorrt or pytorch config (or --set build.target=tensorrt).")
     try:
@@ -336,7 +335,7 @@ def render_manifests(runner: Runner, overrides: Sequence[str], gpu_types: Sequen
         echo(f"dashboard: {out / DASHBOARD_RESOURCE} (ConfigMap for Grafana's sidecar), {out / DASHBOARD_FILE}")
     if jobs:
         echo(f"engine-build Jobs: {out / 'jobs'} ({len(jobs) - len(JOBS_SHARED)} job(s); kubectl apply -k {out / 'jobs'})")
-    elif cfg.build.target not in ("cpu", "vllm"):
+    elif targets.get(cfg.build.target).gpu_only:
         echo("engine-build Jobs: pass --gpu-type <node label value> (repeatable) to render them")
     if cfg.image.repository is None:
         echo("note: image.repository is not set: the image name is local; a cluster cannot pull it")

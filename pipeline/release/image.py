@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from pipeline import __version__, artifacts, constants
+from pipeline import __version__, artifacts, constants, targets
 from pipeline.config import ImageSection, PipelineConfig
 from pipeline.errors import (
     ConfigError,
@@ -67,13 +67,8 @@ NAMED_CONTEXTS = {
     "model_repository": "the published Triton model repository (<work dir>/publish/model_repository)",
     "release_files": "provenance.json, image.json and, for a release, the report (<work dir>/image/release_files)",
 }
-DOCKER_TARGET = {"tensorrt": "gpu", "pytorch": "gpu", "cpu": "cpu", "vllm": "vllm-cpu"}
-# (vllm.device, the first of vllm.frontends: the server the image runs) -> Dockerfile target
-VLLM_DOCKER_TARGET = {("cpu", "openai"): "vllm-cpu", ("cuda", "openai"): "vllm-gpu",
-                      ("cpu", "triton"): "vllm-triton-cpu", ("cuda", "triton"): "vllm-triton-gpu"}
 # targets that pip-install from the registry
 PIP_SECRET_TARGETS = ("cpu", "vllm-cpu", "vllm-triton-cpu", "vllm-triton-gpu")
-NO_TRTLLM = ("cpu", "vllm")  # build targets that record no TensorRT-LLM version
 BUILDER_TARGET = "builder"
 LOCAL_REPOSITORY = "trtllm-pipeline"  # used when image.repository is unset (never pushed)
 LABEL_PREFIX = "trtllm-pipeline."
@@ -110,15 +105,15 @@ def read_published(repository_dir: Path) -> PublishedBuild:
         raise InputError(f"{path}: repository_digest {prov.repository_digest!r} is not a sha256 (64 hex characters). "
                          f"Publish again.")
     target = prov.build.target
-    if target not in DOCKER_TARGET:
-        raise InputError(f"{path}: build.target {target!r} is not one of {', '.join(DOCKER_TARGET)}.")
-    if target not in NO_TRTLLM and not prov.build.trtllm_version:
+    if target not in targets.REGISTRY:
+        raise InputError(f"{path}: build.target {target!r} is not one of {', '.join(targets.names())}.")
+    if targets.get(target).records_trtllm_version and not prov.build.trtllm_version:
         raise InputError(f"{path}: a {target} build must record the TensorRT-LLM version it was built for "
                          f"(build.trtllm_version is empty). Build and publish again.")
     return PublishedBuild(
         repository_dir=repository_dir, provenance=prov.model_dump(), config_name=prov.config_name,
         model_name=prov.model_name, version=prov.version, target=target,
-        trtllm_version=prov.build.trtllm_version if target not in NO_TRTLLM else None,
+        trtllm_version=prov.build.trtllm_version if targets.get(target).records_trtllm_version else None,
         weight_format=prov.quantization.weight_format, kv_cache=prov.quantization.kv_cache or "none",
         repository_digest=hexdigest,
     )
@@ -197,7 +192,7 @@ def content_tag(pub: PublishedBuild) -> str:
     """``<model>-<quant>-trtllm<version>-<short digest>`` (``cpu`` instead of trtllm<version> on the cpu target,
     ``vllm<version>`` on the vllm target)."""
     vllm = ((pub.provenance.get("build") or {}).get("provenance") or {}).get("vllm")
-    runtime = f"trtllm{pub.trtllm_version}" if pub.trtllm_version else f"vllm{vllm}" if pub.target == "vllm" else "cpu"
+    runtime = f"trtllm{pub.trtllm_version}" if pub.trtllm_version else f"vllm{vllm}" if vllm else "cpu"
     tail = f"-{_slug(quant_label(pub), 40)}-{_slug(runtime, 24)}-{pub.short_digest}"
     return f"{_slug(pub.model_name, 128 - len(tail))}{tail}"
 
@@ -242,7 +237,7 @@ class BaseImage:
 
 def choose_base(section: ImageSection, target: str, recorded_trtllm: str) -> BaseImage:
     """The Triton TensorRT-LLM base for a GPU build; refuse one whose TensorRT-LLM differs from the build's."""
-    what = "engine was built" if target == "tensorrt" else "LLM-API options were written"
+    what = "engine was built" if targets.get(target).engine_per_rank else "LLM-API options were written"
     if section.base_repository is None:
         tags = triton_tags_for(recorded_trtllm)
         raise ConfigError(
@@ -333,10 +328,9 @@ def image_repository(section: ImageSection) -> str:
 
 
 def docker_target(cfg: PipelineConfig, build_target: str) -> str:
-    """The Dockerfile target that serves a build of ``build_target``; for vllm, by device and the first frontend."""
-    if build_target != "vllm":
-        return DOCKER_TARGET[build_target]
-    return VLLM_DOCKER_TARGET[(cfg.vllm.device, cfg.vllm.frontends[0])]
+    """The Dockerfile target that serves a build of ``build_target`` (``Target.docker_stage``; for vllm, by device
+    and the first frontend)."""
+    return targets.get(build_target).docker_stage(cfg)
 
 
 def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *, push: bool = False,
@@ -361,7 +355,7 @@ def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *,
     if report_dir is not None:
         report_sha = report_digest(report_dir)
     args = {
-        "IMAGE_TITLE": f"{pub.model_name} on {'vLLM' if pub.target == 'vllm' else 'Triton'} ({pub.target})",
+        "IMAGE_TITLE": f"{pub.model_name} on {targets.get(pub.target).engine_label} ({pub.target})",
         "IMAGE_VERSION": tag,
         "SOURCE_REVISION": revision or source_revision(repo_root),
         "PIPELINE_VERSION": str(pub.provenance.get("pipeline_version", "unknown")),

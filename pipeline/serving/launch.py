@@ -68,18 +68,14 @@ def server_argv(tritonserver: str, server_args: Sequence[str], world_size: int, 
     return argv
 
 
-def server_ranks(target: str, world_size: int) -> int:
-    """tritonserver processes to start: one per GPU rank for a TensorRT engine (leader mode); one for the
-    pytorch target, whose LLM API starts its own worker per rank (an MPI pool session) from the one model."""
-    return world_size if target == "tensorrt" else 1
-
-
 def read_serving_needs(repository: Path) -> tuple[int, str]:
     """(tritonserver ranks, engine model name) from the repository's provenance.json (publish writes both)."""
     path = repository / PROVENANCE_FILE
     try:
         build = json.loads(path.read_text())["build"]
-        return (server_ranks(str(build["target"]), int(build.get("world_size", 1))),
+        # publish writes server_ranks: one per GPU rank for a TensorRT engine (leader mode); one for the pytorch
+        # target, whose LLM API starts its own worker per rank (an MPI pool session) from the one model
+        return (int(build.get("server_ranks", 1)),
                 str(build.get("tensorrt_llm_model", "")))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"launch: {path} is missing or unreadable ({e}); it is written by `invoke publish`. "

@@ -48,7 +48,7 @@ from typing import Optional
 
 import yaml
 
-from pipeline import __version__, artifacts, constants
+from pipeline import __version__, artifacts, constants, targets
 from pipeline.engines.trtllm.targets import serving_llm_api_options
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed, UserError
 from pipeline.fsutil import (
@@ -181,19 +181,6 @@ def _priority_input(triton, **kwargs) -> list:
     return [_inp("priority", "INT32", [1], optional=True, **kwargs)] if triton.priority_levels else []
 
 
-def _priority_params(triton) -> dict:
-    """The request classes as the Python tensorrt_llm models read them (llm_serving.py); 0: one class."""
-    return {"priority_levels": triton.priority_levels or 0,
-            "default_priority_level": triton.default_priority_level or triton.priority_levels or 0}
-
-
-def _watchdog_params(triton) -> dict:
-    """The serving model's watchdog limits (triton_repo/common/llm_watchdog.py; 0: that signal off)."""
-    w = triton.watchdog
-    return {"watchdog_errors_per_minute": w.errors_per_minute, "watchdog_memory_mb_per_s": w.memory_mb_per_s,
-            "watchdog_memory_window_s": w.memory_window_s}
-
-
 def _llm_io(msg, triton, reshape: bool = True, streaming: bool = True) -> None:
     """The tensorrtllm backend's inputs/outputs; the Python variants take exactly these too."""
     scalar = dict(reshape=[]) if reshape else {}
@@ -241,49 +228,16 @@ def build_model_configs(triton, settings: dict, names: ModelNames, version: int,
     _batching(pre, triton)
     out[pre.name] = pre
 
-    llm = _base(names.tensorrt_llm, bs, backend="tensorrtllm" if target == "tensorrt" else "python")
+    engine = targets.get(target)
+    llm = _base(names.tensorrt_llm, bs, backend=engine.triton_backend)
     llm.model_transaction_policy.decoupled = triton.decoupled
     _llm_io(llm, triton)
     _batching(llm, triton)
-    if target == "tensorrt":
-        kv, graphs = settings["kv_cache"], settings["cuda_graphs"]
-        # Every key the backend reads is one of tests/data/upstream/tensorrtllm_backend_parameters.json. Three
-        # are read without a guard, so a missing one fails the model's load: tokenizer_dir (its value only
-        # matters to guided decoding), guided_decoding_backend and xgrammar_tokenizer_info_path (empty: no
-        # guided decoding). Triton hands an empty string_value to the backend as "" (checked on Triton 2.51).
-        # Multi-GPU runs in leader mode (one tritonserver per rank under mpirun: serving/launch.py), so no
-        # orchestrator keys (executor_worker_path, participant_ids) are written.
-        _params(llm, {
-            "gpt_model_type": "inflight_fused_batching",
-            "gpt_model_path": f"{serving_root}/{names.tensorrt_llm}/{version}/{artifacts.ARTIFACT_DIRS['tensorrt']}",
-            "tokenizer_dir": f"{serving_root}/{names.preprocessing}/{version}/{artifacts.TOKENIZER_DIR}",
-            "guided_decoding_backend": "",
-            "xgrammar_tokenizer_info_path": "",
-            "batch_scheduler_policy": triton.scheduler_policy or "guaranteed_no_evict",
-            "max_beam_width": 1,
-            "kv_cache_free_gpu_mem_fraction": (triton.kv_cache_free_gpu_memory_fraction
-                                               or kv["free_gpu_memory_fraction"]),
-            "enable_kv_cache_reuse": kv["enable_block_reuse"],
-            "enable_chunked_context": settings["enable_chunked_context"],
-            "cuda_graph_mode": graphs["cuda_graph_mode"],
-            "cuda_graph_cache_size": graphs["cuda_graph_cache_size"],
-            "exclude_input_in_output": True,
-            "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
-        })
-        _instances(llm, 1)  # the backend drives the GPUs itself; one instance batches every request
-    elif target == "pytorch":
-        _params(llm, {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE,
-                      **_watchdog_params(triton)})
-        _instances(llm, 1, "KIND_MODEL")  # the LLM API places itself on the GPUs
-    elif target == "vllm":
-        _params(llm, {"model_dir": artifacts.VLLM_MODEL_DIR, **_priority_params(triton), **_watchdog_params(triton)})
-        _instances(llm, 1, "KIND_MODEL")  # one engine batches every request and places itself on its devices
-    else:
-        _params(llm, {"bundle_dir": artifacts.ARTIFACT_DIRS["cpu"], "cpu_threads": triton.cpu_threads,
-                      "adaptive_batch_target_ms": adaptive_target_ms or 0, "max_running": triton.max_running or 0,
-                      "prefill_chunk_tokens": triton.prefill_chunk_tokens or 0, **_priority_params(triton),
-                      **_watchdog_params(triton)})
-        _instances(llm, 1)  # one runtime batches every request (continuous batching); copies would not share
+    params, count, kind = engine.llm_model(triton, settings, serving_root=serving_root, llm_model=names.tensorrt_llm,
+                                           preprocessing=names.preprocessing, version=version,
+                                           adaptive_target_ms=adaptive_target_ms)
+    _params(llm, params)
+    _instances(llm, count, kind)
     out[llm.name] = llm
 
     post = _base(names.postprocessing, bs, backend="python")
@@ -384,20 +338,15 @@ def check_build(config, settings: dict, build_dir: Path) -> Path:
             f"{settings['target']!r} build. Run `invoke build --force` for the {target} target."
         )
     artifact = build_dir / settings["artifact_dir"]
-    if settings["artifact_dir"] != artifacts.ARTIFACT_DIRS[target] or not artifact.is_dir():
-        raise InputError(f"target/engine mismatch: a {target} build is {artifacts.ARTIFACT_DIRS[target]}/ in {build_dir}, "
+    engine = targets.get(target)
+    if settings["artifact_dir"] != engine.artifact_dir or not artifact.is_dir():
+        raise InputError(f"target/engine mismatch: a {target} build is {engine.artifact_dir}/ in {build_dir}, "
                          f"found {settings['artifact_dir']!r}{'' if artifact.is_dir() else ' (missing)'}")
-    expect = {"cpu": ["runtime.json", "checkpoint/config.json"], "tensorrt": ["config.json", "rank0.engine"],
-              "pytorch": [artifacts.LLM_API_OPTIONS_FILE, "checkpoint/config.json"],
-              "vllm": [artifacts.VLLM_ENGINE_FILE, "config.json"]}[target]
-    lacking = [f for f in expect if not (artifact / f).is_file()]
-    if target == "vllm" and not any((artifact / f).is_file() for f in ("model.safetensors",
-                                                                        "model.safetensors.index.json")):
-        lacking.append("model.safetensors or its shards' index")
+    lacking = engine.missing_artifacts(artifact)
     if lacking:
         raise InputError(f"target/engine mismatch: {artifact} is not a {target} build (no {', '.join(lacking)}); "
                          f"run `invoke build --force`")
-    if target == "tensorrt":
+    if engine.engine_per_rank:  # an engine loads only under the release that built it
         engine_cfg = json.loads((artifact / "config.json").read_text())
         recorded = settings.get("trtllm_version") or engine_cfg.get("version")
         want, source = runtime_trtllm_version(config)
@@ -527,7 +476,6 @@ def assemble(config, settings: dict, artifact: Path, tokenizer_dir: Path, names:
              serving_root: str, repo: Path) -> dict:
     """Write one version of every model into ``repo`` (files first, each config.pbtxt last). Returns {model
     name: its ModelConfig}."""
-    target = settings["target"]
     adaptive = config.sla.p99_itl_ms if config.triton.adaptive_batch else None
     configs = build_model_configs(config.triton, settings, names, version, serving_root, adaptive)
     texts = {name: config_text(msg) for name, msg in configs.items()}
@@ -536,19 +484,15 @@ def assemble(config, settings: dict, artifact: Path, tokenizer_dir: Path, names:
         _copy_tokenizer(tokenizer_dir, repo / name / str(version) / artifacts.TOKENIZER_DIR)
     llm_dir = repo / names.tensorrt_llm / str(version)
     llm_dir.mkdir(parents=True)
-    if target == "cpu":
-        _copy_sources("tensorrt_llm_cpu", llm_dir)
-        _link_tree(artifact, llm_dir / artifacts.ARTIFACT_DIRS["cpu"])
-    elif target == "vllm":  # the export: Triton's model loads it, and so does vLLM's OpenAI server (launch.py)
-        _copy_sources("tensorrt_llm_vllm", llm_dir)
-        _link_tree(artifact, llm_dir / artifacts.ARTIFACT_DIRS["vllm"])
-    elif target == "pytorch":
-        _copy_sources("tensorrt_llm_pytorch", llm_dir)
+    engine = targets.get(settings["target"])
+    if engine.model_code is not None:  # a Python-backend model runs it (a C++ backend needs no code)
+        _copy_sources(engine.model_code, llm_dir)
+    if engine.serves_hf_checkpoint:  # the LLM API's options (the triton section's settings applied) and checkpoint
         _write_llm_api_options(config.triton, artifact / artifacts.LLM_API_OPTIONS_FILE,
                                llm_dir / artifacts.LLM_API_OPTIONS_FILE)
-        _link_tree(artifact / "checkpoint", llm_dir / "checkpoint")
-    else:
-        _link_tree(artifact, llm_dir / artifacts.ARTIFACT_DIRS["tensorrt"])
+        _link_tree(artifact / artifacts.LLM_API_CHECKPOINT_DIR, llm_dir / artifacts.LLM_API_CHECKPOINT_DIR)
+    else:  # the build's folder whole (the vllm export: Triton's model loads it, and so does vLLM's OpenAI server)
+        _link_tree(artifact, llm_dir / engine.artifact_dir)
     if names.stream in configs:
         _copy_sources("stream", repo / names.stream / str(version))
         _copy_sources("unary", repo / names.unary / str(version))
@@ -578,6 +522,7 @@ def _provenance(config, config_name: str, settings: dict, names: ModelNames, ver
     files = {rel: sha256_file(repo / rel) for rel in list_files(repo) if rel != artifacts.PROVENANCE_FILE}
     model_manifest = _read_json(work_dir / "model" / artifacts.MANIFEST_FILE)
     plan_file = work_dir / "plan" / "plan.yaml"
+    world_size = settings["tensor_parallel_size"] * settings["pipeline_parallel_size"]
     return {
         "pipeline_version": __version__,
         "config_name": config_name,
@@ -590,7 +535,8 @@ def _provenance(config, config_name: str, settings: dict, names: ModelNames, ver
                          "kv_cache": config.quantization.kv_cache},
         "checkpoint_sha256": settings["checkpoint_sha256"],
         "build": {"target": settings["target"], "trtllm_version": settings["trtllm_version"],
-                  "world_size": settings["tensor_parallel_size"] * settings["pipeline_parallel_size"],
+                  "world_size": world_size,
+                  "server_ranks": world_size if targets.get(settings["target"]).engine_per_rank else 1,
                   "tensorrt_llm_model": names.tensorrt_llm,
                   "provenance": settings.get("provenance", {})},
         "repository_digest": digest_of_files(files),
@@ -686,8 +632,9 @@ def _sources(config, build_dir: Path, model_dir: Path) -> tuple[ModelNames, dict
     """(model names, build settings, the checked build artifact, the tokenizer folder) of what is published."""
     settings = read_build_settings(build_dir)
     artifact = check_build(config, settings, build_dir)
+    engine = targets.get(settings["target"])
     return (model_names(config.triton.model_name), settings, artifact,
-            artifact / "model" if settings["target"] == "cpu" else model_dir)
+            artifact / engine.tokenizer_subdir if engine.tokenizer_subdir else model_dir)
 
 
 def write_repository(config, config_name: str, work_dir: Path, build_dir: Path, model_dir: Path, repo: Path) -> None:

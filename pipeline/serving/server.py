@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pipeline import artifacts
+from pipeline import artifacts, targets
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed
 from pipeline.procs import SHM_DIR, stop_process_group
 from pipeline.serving import launch
@@ -456,7 +456,6 @@ class TritonServer(ServerProcess):
             raise StageFailed(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
 
 
-VLLM_FRONTENDS = ("openai", "triton")
 
 
 def gpu_server_binary() -> Optional[str]:
@@ -469,15 +468,14 @@ def server_for_target(target: str, repository: Path, frontend: Optional[str] = N
     vllm target has two: vLLM's OpenAI server (``frontend="openai"``, the default; pipeline.serving.vllm_server)
     and the nvidia-pytriton server with its Python models running in vLLM's serving environment
     (``frontend="triton"``: the vLLM Python-backend model, triton_repo/tensorrt_llm_vllm)."""
-    if target == "cpu":
+    kind = targets.get(target).server(frontend)
+    if kind == targets.SERVER_TRITON:
         return TritonServer(repository, **kwargs)
-    if target == "vllm":
-        if (frontend or "openai") == "openai":
-            from pipeline.serving.vllm_server import VllmServer
+    if kind == targets.SERVER_VLLM_OPENAI:
+        from pipeline.serving.vllm_server import VllmServer
 
-            return VllmServer(repository, **kwargs)
-        if frontend != "triton":
-            raise InputError(f"the vllm target is served by one of {', '.join(VLLM_FRONTENDS)}, not {frontend!r}")
+        return VllmServer(repository, **kwargs)
+    if kind == targets.SERVER_TRITON_VLLM:
         from pipeline.engines.vllm import runtime
 
         python = Path(runtime.serving_python())
@@ -490,7 +488,7 @@ def server_for_target(target: str, repository: Path, frontend: Optional[str] = N
             f"inside that image on a GPU machine (there is no tritonserver on PATH here)"
         )
     build = artifacts.read_provenance(repository).build
-    return TritonServer(repository, binary=Path(binary), world_size=launch.server_ranks(target, build.world_size),
+    return TritonServer(repository, binary=Path(binary), world_size=build.server_ranks,
                         tensorrt_llm_model=build.tensorrt_llm_model, **{"ready_timeout_s": 1800.0, **kwargs})
 
 
@@ -522,7 +520,7 @@ def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001
                          f"first") from None
     names = model_names(prov["model_name"])
     target = prov["build"]["target"]
-    openai = target == "vllm" and (frontend or "openai") == "openai"
+    openai = targets.get(target).server(frontend) == targets.SERVER_VLLM_OPENAI
     log_path = work_dir / "logs" / ("vllm-serve.log" if openai else "tritonserver-serve.log")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     restarts = 0

@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import yaml
 from pydantic import ValidationError
 
-from pipeline import artifacts
+from pipeline import artifacts, targets
 from pipeline.config import PipelineConfig
 from pipeline.errors import InputError, StageFailed
 from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
@@ -126,7 +126,6 @@ def search(measure: Measure, max_batch_size: int, adaptive: bool, min_gain: floa
 
 KV_FRACTION_CEILING = 0.95  # the largest KV-cache share planned: the rest of free memory for what the runtime
 # allocates beside the cache (sampling, CUDA graphs); TensorRT-LLM's own default is 0.9 (KvCacheConfig)
-GPU_TARGETS = ("tensorrt", "pytorch")
 
 
 def gpu_plan(config: PipelineConfig) -> list[dict]:
@@ -140,11 +139,11 @@ def gpu_plan(config: PipelineConfig) -> list[dict]:
         points.append({"scheduler_policy": "max_utilization"})  # more sequences at once; may pause some
     if "kv_cache_free_gpu_memory_fraction" in free and b.kv_cache.free_gpu_memory_fraction < KV_FRACTION_CEILING:
         points.append({"kv_cache_free_gpu_memory_fraction": KV_FRACTION_CEILING})  # more blocks: more admitted
-    if b.target == "pytorch":  # the tensorrt engine's batch limit is a build setting; its backend has no tuning
-        if "max_running" in free:
-            points += [{"max_running": b.max_batch_size // k} for k in (2, 4) if b.max_batch_size // k >= 1]
-        if "adaptive_batch" in free:
-            points.append({"adaptive_batch": True})
+    reads = targets.get(b.target).serving_settings  # the engine's batch limit is a build setting: not tuned
+    if "max_running" in reads and "max_running" in free:
+        points += [{"max_running": b.max_batch_size // k} for k in (2, 4) if b.max_batch_size // k >= 1]
+    if "adaptive_batch" in reads and "adaptive_batch" in free:
+        points.append({"adaptive_batch": True})
     return points
 
 
@@ -282,10 +281,11 @@ def _ab(servers: _Servers, chosen: dict, warm: list[Prompt], measured: list[Prom
 
 def check_tunable(config: PipelineConfig) -> None:
     """What `invoke tune` needs, refused before any work."""
-    if config.build.target not in ("cpu", *GPU_TARGETS):
-        raise InputError(f"invoke tune measures the cpu, tensorrt and pytorch targets' serving settings; the "
-                         f"{config.build.target} target's (vLLM's own scheduler: vllm.max_num_seqs and its engine "
-                         f"arguments) are not tuned by it")
+    target = targets.get(config.build.target)
+    if not target.tunable:
+        tunable = [t.name for t in targets.REGISTRY.values() if t.tunable]
+        raise InputError(f"invoke tune measures the {', '.join(tunable[:-1])} and {tunable[-1]} targets' serving "
+                         f"settings; the {target.name} target's ({target.untuned_why}) are not tuned by it")
     if not config.sla.bounds():
         raise InputError("invoke tune chooses settings against the SLA: set at least one of sla.p99_e2e_ms, "
                          "sla.p99_ttft_ms, sla.p99_itl_ms (e.g. --set sla.p99_itl_ms=250)")
@@ -304,7 +304,7 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
     staging.mkdir(parents=True)
     try:
         measure = _measure_fn(servers, warm, measured, concurrency, sla)
-        if config.build.target == "cpu":
+        if not targets.get(config.build.target).gpu_only:  # a server starts in seconds: search step by step
             points = search(measure, servers.settings["max_batch_size"], config.sla.p99_itl_ms is not None,
                             cfg.min_gain, cfg.prefill_chunk_tokens)
         else:  # the plan's points, each measured: a GPU server's start is minutes, so no step-by-step search

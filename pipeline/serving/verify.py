@@ -1,7 +1,7 @@
 """verify stage: a real Triton server loads the published repository and gives the reference's tokens.
 
 The server is the nvidia-pytriton Triton 2.51 binary on a CPU machine, the image's ``tritonserver`` on a GPU
-machine (pipeline.triton_server), on 127.0.0.1 with free ports, stopped whatever happens. Through
+machine (pipeline.serving.server), on 127.0.0.1 with free ports, stopped whatever happens. Through
 tritonclient and plain HTTP it checks:
 
 - HTTP infer and gRPC infer on the ensemble, the HTTP ``generate`` endpoint, ``generate_stream`` and a gRPC
@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from pipeline import artifacts, constants
+from pipeline import artifacts, constants, targets
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving.publish import model_names
 from pipeline.serving.server import TritonServer, server_for_target
@@ -60,7 +60,7 @@ PIPELINE_SERIES = (("trtllm_pipeline_model_metrics", "metric_type", "latency_p99
 
 def metric_series(target: str) -> tuple[tuple[str, Optional[str], Optional[str]], ...]:
     """What the metrics check requires of a server of a ``target`` build."""
-    return TRITON_SERIES + ENGINE_SERIES + (PIPELINE_SERIES if target != "tensorrt" else ())
+    return TRITON_SERIES + ENGINE_SERIES + (PIPELINE_SERIES if targets.get(target).pipeline_metrics else ())
 
 
 def series_found(metrics_url: str, series) -> dict[str, bool]:
@@ -395,18 +395,18 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         prov = json.loads((repo / artifacts.PROVENANCE_FILE).read_text())
     except (OSError, ValueError):
         raise InputError(f"{repo} has no readable {artifacts.PROVENANCE_FILE}; run `invoke publish` first") from None
-    if prov["build"]["target"] == "vllm":  # vLLM's OpenAI server and Triton's vLLM model: pipeline.serving.verify_vllm
-        from pipeline.serving.verify_vllm import verify_vllm
-
-        return verify_vllm(repo, prov, out_dir, prompts, max_tokens, concurrent, vllm_frontends)
+    own = targets.get(prov["build"]["target"]).verify_entry
+    if own is not None:  # a target with servers of its own (vLLM's OpenAI server and Triton's vLLM model)
+        return targets.resolve_entry(own)(repo, prov, out_dir, prompts, max_tokens, concurrent, vllm_frontends)
     names = model_names(prov["model_name"])
     version, target = int(prov["version"]), prov["build"]["target"]
+    engine = targets.get(target)
     tokenizer = AutoTokenizer.from_pretrained(str(repo / names.preprocessing / str(version) / artifacts.TOKENIZER_DIR))
     prompt_ids = [tokenizer(p).input_ids for p in prompts]
 
     t0 = time.perf_counter()
     expected = Expected(_bundle_in(repo, names, version), prompt_ids, max_tokens)
-    if target == "cpu":
+    if engine.verify_against_reference:
         expected.compute()
     reference_s = time.perf_counter() - t0
 
@@ -418,10 +418,11 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
     results = {
         "ok": not failed,
         "model_name": names.ensemble, "version": version, "target": target,
-        "server": {"startup_s": startup_s, "binary": "nvidia-pytriton tritonserver" if target == "cpu"
-                   else "image tritonserver", "log": artifacts.SERVER_LOG_FILE},
+        "server": {"startup_s": startup_s, "binary": "image tritonserver" if engine.gpu_only
+                   else "nvidia-pytriton tritonserver", "log": artifacts.SERVER_LOG_FILE},
         "reference": ("the CPU runtime on the repository's own bundle, each prompt alone"
-                      if target == "cpu" else "none (GPU target: answers are checked for agreement only)"),
+                      if engine.verify_against_reference
+                      else "none (GPU target: answers are checked for agreement only)"),
         "reference_s": round(reference_s, 1),
         "prompts": list(prompts), "max_tokens": max_tokens,
         "latency": latency,

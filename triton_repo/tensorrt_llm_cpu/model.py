@@ -1,4 +1,4 @@
-"""tensorrt_llm for the ``cpu`` target: the CPU reference runtime (pipeline.cpu_runtime) in the Python backend.
+"""tensorrt_llm for the ``cpu`` target: the CPU reference runtime (pipeline.engines.cpu_runtime) in the Python backend.
 
 A reference for correctness and wiring, not TensorRT: it runs the exported quantized checkpoint with its
 paged INT8/FP8 KV cache and continuous batching. Same inputs and outputs as the ``tensorrtllm`` backend's

@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
+from pipeline import targets
 from pipeline.engines.trtllm.options import SUPPORTED_RELEASE, TRTLLM_BUILD
 from pipeline.engines.trtllm.rules import RULES, QuantFacts, enforce_rules, facts_from_config
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError
@@ -32,7 +33,6 @@ log = logging.getLogger(__package__)  # "pipeline.engines.trtllm": log lines nam
 
 NVIDIA_SMI = "nvidia-smi"
 
-TRTLLM_TARGETS = ("tensorrt", "pytorch")  # the build targets TensorRT-LLM serves
 
 
 # ====================================================================================== this machine
@@ -181,7 +181,7 @@ def check_target_requirements(cfg, before_work: bool = False) -> Optional[Enviro
     Order: the config against the rules for the GPU it names (ConfigError: fixable anywhere), then what the
     machine lacks (EnvironmentProblem, with exactly what is needed), then the rules against the GPU found."""
     b = cfg.build
-    if b.target not in TRTLLM_TARGETS:  # cpu and vllm need nothing of TensorRT-LLM
+    if not targets.get(b.target).gpu_only:  # the others need nothing of TensorRT-LLM
         return None
     enforce_rules(cfg, b.target_sm, gpu_label=f"{b.target_gpu or 'the target GPU'} (SM {b.target_sm})"
                   if b.target_sm else "")
@@ -226,11 +226,12 @@ def _missing_requirements(b, env: Environment) -> list[str]:
             "nvidia-smi reports no GPU"
         target = f" ({b.target_gpu + ', ' if b.target_gpu else ''}SM {b.target_sm})" if b.target_sm else ""
         missing.append(f"an NVIDIA GPU{target}: {why}")
-    what = "TensorRT-LLM " + b.trtllm_version + (" with its trtllm-build command" if b.target == "tensorrt" else
+    engine = targets.get(b.target).engine_per_rank
+    what = "TensorRT-LLM " + b.trtllm_version + (" with its trtllm-build command" if engine else
                                                  " (its LLM API serves this target)")
     if env.trtllm_version is None:
         missing.append(f"{what}: the Python package tensorrt_llm is not installed")
-    elif b.target == "tensorrt" and env.trtllm_build is None:
+    elif engine and env.trtllm_build is None:
         missing.append(f"{what}: tensorrt_llm {env.trtllm_version} is installed but trtllm-build is not on PATH")
     return missing
 
@@ -238,5 +239,4 @@ def _missing_requirements(b, env: Environment) -> list[str]:
 def preflight(loaded) -> None:
     """The build stage's preflight: for a GPU target, stop before any stage runs if this machine cannot
     build it (or the config breaks the rules for its GPU)."""
-    if loaded.config.build.target in TRTLLM_TARGETS:
-        check_target_requirements(loaded.config, before_work=True)
+    check_target_requirements(loaded.config, before_work=True)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from pipeline import targets
 from pipeline.engines.trtllm.options import (
     SRC_BUILD_CMD,
     SRC_BUILDER,
@@ -245,10 +246,11 @@ def validity_problems(cfg, sm: Optional[int], facts: Optional[QuantFacts] = None
     tpb = b.kv_cache.tokens_per_block
     if tpb < 1 or tpb & (tpb - 1):
         out.append(("tokens_per_block_pow2", f"build.kv_cache.tokens_per_block = {tpb} is not a power of two"))
-    if b.target == "tensorrt":
+    target = targets.get(b.target)
+    if target.engine_per_rank:  # trtllm-build's own rules
         out += _paged_context_fmha_problems(b, facts, sm)
         out += _tensorrt_build_problems(b, facts, sm)
-    if b.target == "pytorch" and facts.kv_cache_quant_algo == "INT8":
+    if facts.kv_cache_quant_algo == "INT8" and "int8" not in target.kv_formats:
         out.append(("pytorch_int8_kv", "build.target: pytorch with an INT8 KV cache: TensorRT-LLM's LLM API supports "
                                        "kv_cache_config.dtype fp8 only. Use quantization.kv_cache: fp8 or none, or "
                                        "build.target: tensorrt"))
@@ -331,7 +333,7 @@ def _gpu_problems(b, facts: QuantFacts, sm: int) -> Iterator[tuple[str, str]]:
             yield ("blackwell_int8", f"SM {sm} (Blackwell) rejects {', '.join(bad)} (INT8/INT4 weight-only, "
                                      f"W4A8 AWQ included, SmoothQuant and INT8 KV are not supported on SM >= 100). "
                                      f"Use fp8 weights and an fp8 KV cache")
-    if b.target == "tensorrt" and b.fp8_swiglu_fusion and sm != SWIGLU_FUSION_SM:
+    if targets.get(b.target).engine_per_rank and b.fp8_swiglu_fusion and sm != SWIGLU_FUSION_SM:
         yield ("fp8_swiglu_fusion", f"build.fp8_swiglu_fusion: true needs Hopper (SM 90); this GPU is SM {sm}")
     if sm < 89:
         bad = sorted(a for a in algos if a in NEEDS_SM89_ALGOS)

@@ -325,3 +325,13 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
             "kv_cache_quant_algo": facts.kv_cache_quant_algo, "gpu": gpu.name, "gpu_sm": gpu.sm,
             "trtllm_version": env.trtllm_version, "llm_api_options": opts,
             "timing_s": round(time.perf_counter() - t0, 1)}
+
+
+def build_tensorrt_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
+    """The tensorrt target's build (pipeline.targets.tensorrt): trtllm-build on the TensorRT-LLM checkpoint."""
+    return build_tensorrt(ckpt_dir, ctx.config, ctx.out_dir)
+
+
+def build_pytorch_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
+    """The pytorch target's build (pipeline.targets.pytorch): LLM-API options beside the HF unified checkpoint."""
+    return build_pytorch(ckpt_dir, ctx.config, ctx.out_dir)

@@ -217,3 +217,9 @@ def run_worker(python: str, request: dict, env: dict[str, str], log_path: Path, 
             raise StageFailed(f"vLLM ({python}) failed on {request['model']} (exit {code}, after "
                               f"{time.perf_counter() - t0:.0f} s). Last lines of {log_path}:\n{log_tail(log_path)}")
         return json.loads(res.read_text())
+
+
+def preflight(loaded) -> None:
+    """The vllm target's build preflight (pipeline.targets.vllm): vLLM's environment, and a CPU it runs on."""
+    serving_python()
+    check_cpu(loaded.config)

@@ -175,3 +175,12 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
             "kv_cache_dtype": args["kv_cache_dtype"], "check": {k: v for k, v in check.items() if k != "greedy_tokens"},
             "greedy_tokens": {k: v for k, v in check["greedy_tokens"].items() if k != "prompts"},
             "timing_s": round(time.perf_counter() - t0, 1)}
+
+
+def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
+    """The vllm target's build (pipeline.targets.vllm): export ``ckpt_dir`` and check it in vLLM against the
+    quantize stage's accuracy figures."""
+    return build_vllm(ckpt_dir, ctx.upstream("model") / artifacts.MODEL_DIR,
+                      ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
+                      ctx.upstream("quantize") / artifacts.ACCURACY_FILE, ctx.config, ctx.out_dir,
+                      hf_checkpoint=hf_checkpoint)

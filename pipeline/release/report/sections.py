@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from pipeline import artifacts
+from pipeline import artifacts, targets
 from pipeline.config import AlertsSection
 from pipeline.release.deploy import ALERTS_RULE_FILE, DASHBOARD_FILE, RENDERED_DIR
 from pipeline.release.report.document import NOT_RUN, Doc, fmt, mark, mib, short_hash
@@ -227,7 +227,7 @@ def _section_sizes(doc: Doc, summary: dict, build: Optional[dict]) -> None:
     ])
     if build:
         b = build["summary"]
-        if b.get("target") == "vllm":
+        if b.get("kv_cache_dtype"):  # an engine that chose its own KV cache (vLLM)
             doc.p(f"KV cache: vLLM's `kv_cache_dtype` {b.get('kv_cache_dtype')} (paged, blocks sized by vLLM).")
         else:
             doc.p(f"KV cache: {b.get('kv_cache_quant_algo') or 'unquantized'}, {b.get('kv_blocks')} blocks of "
@@ -239,11 +239,10 @@ def _section_build(doc: Doc, work_dir: Path, m: Optional[dict]) -> None:
     if m is None:
         return doc.not_run("build")
     settings = maybe_build_settings(work_dir) or {}
-    if settings.get("target") == "cpu":
-        doc.p("Target `cpu`: the CPU reference runtime (pipeline.cpu_runtime) serving the exported quantized "
-              "checkpoint. A reference for correctness and wiring, **not a TensorRT engine**; its speed says "
-              "nothing about a GPU's.")
-    if settings.get("target") == "vllm":
+    target = targets.get(settings["target"]) if settings.get("target") in targets.REGISTRY else None
+    if target is not None and target.report_note:
+        doc.p(target.report_note)
+    if "check" in m["summary"]:  # the build checked the export in its own engine (vLLM)
         _vllm_check(doc, m["summary"])
     doc.kv([(k, v) for k, v in settings.items() if k != "provenance"])
     doc.h(3, "Provenance")
@@ -418,12 +417,13 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
     if comp:
         doc.h(3, f"Comparison ({comp['ratio']})")
         _ratio_table(doc, comp["levels"])
-        engines = [t.get("target") for t in r.get("targets", [])]
-        if "vllm" in engines and "cpu" in engines:
+        reference = [targets.get(t["target"]).reference_runtime for t in r.get("targets", [])
+                     if t.get("target") in targets.REGISTRY]
+        if reference and any(reference) and not all(reference):
             doc.p("vLLM (its CPU build: bfloat16 compute, oneDNN INT8 GEMMs, its own continuous batching and paged "
                   "attention) against the CPU reference runtime (fp32 matmuls around simulated quantization): two "
                   "engines on the same machine and prompts, alternating level by level.")
-        if all(t.get("target") == "cpu" for t in r.get("targets", [])):
+        if reference and all(reference):
             doc.p("Both builds run on the CPU reference runtime, which turns quantized weights back into FP32 and "
                   "simulates activation and KV-cache quantization around the same FP32 matmuls: a quantized build "
                   "does more work per token there. These ratios measure that simulation, not what INT8 or FP8 buys "
@@ -493,10 +493,12 @@ def _section_serving_settings(doc: Doc, work_dir: Path, out_dir: Path, publish: 
     doc.h(2, "Serving settings")
     r = _read_json(work_dir / TUNE_DIR / RESULTS_FILE)
     if r is None:
-        target = dig(publish or {}, "summary", "target")
+        name = dig(publish or {}, "summary", "target")
+        target = targets.get(name) if name in targets.REGISTRY else None
         how = ("`invoke tune`, with an SLA set, measures the serving settings on real servers and republishes with "
-               "the best one" if target != "vllm" else "`invoke tune` does not tune the vllm target's settings")
-        if target in ("tensorrt", "pytorch"):
+               "the best one" if target is None or target.tunable
+               else f"`invoke tune` does not tune the {name} target's settings")
+        if target is not None and target.gpu_only:
             how += (f"; where no tritonserver runs it writes the plan of points to measure ({PLAN_FILE}) and "
                     f"`invoke tune --results FILE` chooses from figures measured on the GPU")
         doc.p(f"Not tuned ({how}): the published repository uses the config's settings.")

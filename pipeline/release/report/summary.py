@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from pipeline import targets
 from pipeline.release.report.document import NOT_RUN, mib
 from pipeline.release.report.workdir import dig, maybe_build_settings, maybe_provenance, maybe_verify_results
 
@@ -29,7 +30,7 @@ def build_summary(work_dir: Path, manifests: dict[str, Optional[dict]]) -> dict:
                                        # another config's run with the same inputs)
         "stages": {k: ("ok" if m else NOT_RUN) for k, m in manifests.items()},
         "target": dig(settings, "target"),
-        "reference_runtime": dig(settings, "target") == "cpu",
+        "reference_runtime": bool(dig(settings, "target")) and targets.get(dig(settings, "target")).reference_runtime,
         "model": dig(s["model"], "model"),
         "quantization": None if manifests["quantize"] is None else {
             "weight_format": quant_cfg.get("weight_format"),
@@ -43,8 +44,8 @@ def build_summary(work_dir: Path, manifests: dict[str, Optional[dict]]) -> dict:
         "accuracy": acc,
         "accuracy_gate": quant_cfg.get("accuracy"),
         # the vllm target: the same figures measured in vLLM on its export at build time, and its KV-cache dtype
-        "served_accuracy": dig(s["build"], "check") if dig(settings, "target") == "vllm" else None,
-        "served_kv_cache_dtype": dig(s["build"], "kv_cache_dtype") if dig(settings, "target") == "vllm" else None,
+        "served_accuracy": dig(s["build"], "check"),
+        "served_kv_cache_dtype": dig(s["build"], "kv_cache_dtype"),
         "sizes": {
             "model_weight_bytes": dig(s["model"], "model", "weight_bytes"),
             "weight_bytes_fp16": dig(s["plan"], "weight_bytes_fp16"),
@@ -99,7 +100,7 @@ def five_lines(summary: dict) -> list[str]:
                     else f"{kv:,.0f} bytes/token" if kv else NOT_RUN))
     r, v = summary.get("repository"), summary.get("verify")
     lines.append(
-        (f"serving: {'vLLM' if summary.get('target') == 'vllm' else 'Triton'} model {r['model_name']} "
+        (f"serving: {_engine_label(summary.get('target'))} model {r['model_name']} "
          f"v{r['version']} (repository {r['repository_digest'][:12]})"
          if r else f"serving: publish {NOT_RUN}")
         + (f"; verify {v['passed']}/{v['checks']} checks passed" if v else f"; verify {NOT_RUN}"))
@@ -147,3 +148,8 @@ def hash_chain(work_dir: Path, manifests: dict[str, Optional[dict]]) -> list[dic
         links.append({"stage": "bench", "upstream": "publish (repository_digest)", "recorded": bench,
                       "actual": prov.get("repository_digest"), "ok": bench == prov.get("repository_digest")})
     return links
+
+
+def _engine_label(name: Optional[str]) -> str:
+    """What serves a build of target ``name`` ("vLLM", "Triton"), as the target says (Target.engine_label)."""
+    return targets.get(name).engine_label if name in targets.REGISTRY else "Triton"

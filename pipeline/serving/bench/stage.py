@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from pipeline import artifacts
+from pipeline import targets as registry
 from pipeline.config import BenchSection, PipelineConfig
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving.bench.load import Prompt, make_prompts
@@ -122,7 +123,7 @@ def _resolve_targets(config: PipelineConfig, publish_dir: Path, build_dir: Optio
     cfg = config.bench
     repo, prov = read_repository(publish_dir / artifacts.MODEL_REPOSITORY_DIR)
     settings = build_settings(build_dir)
-    frontends = list(config.vllm.frontends) if prov.build.target == "vllm" else ["triton"]
+    frontends = list(registry.get(prov.build.target).frontends(config))
     targets = [Target(THIS if len(frontends) == 1 else f"{THIS} ({f})", repo, prov, settings, frontend=f)
                for f in frontends]
     if cfg.compare_repository is not None:
@@ -141,7 +142,7 @@ def _baseline(path: Path, this: artifacts.Provenance) -> Target:
         raise InputError(f"bench.compare_repository {repo} is this very build (same repository digest); "
                          f"point it at another build's published repository")
     return Target(BASELINE, repo, prov, build_settings(build_dir_of(repo)),
-                  frontend="openai" if prov.build.target == "vllm" else "triton")
+                  frontend=registry.get(prov.build.target).default_frontends[0])
 
 
 def _prompts(cfg: BenchSection, target: Target, samples_file: Path) -> tuple[list[Prompt], list[Prompt]]:
@@ -271,9 +272,9 @@ def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], kn
     """bench_results.json: the settings, what each figure means, and every target's levels and knee."""
     results = {
         "format_version": 1,
-        "tool": "pipeline.bench: closed loop; tritonclient asyncio gRPC streams (Triton), openai's AsyncOpenAI "
+        "tool": "pipeline.serving.bench: closed loop; tritonclient asyncio gRPC streams (Triton), openai's AsyncOpenAI "
                 "streamed completions (vLLM)" if any(t.openai for t in targets)
-                else "pipeline.bench: tritonclient asyncio gRPC streams, closed loop",
+                else "pipeline.serving.bench: tritonclient asyncio gRPC streams, closed loop",
         **({"open_loop_tool": "aiperf (NVIDIA), Poisson arrivals, streamed"} if cfg.request_rates else {}),
         "settings": {**cfg.model_dump(mode="json"), "model": targets[0].names.stream,
                      "end_id": -1 if cfg.ignore_eos else "the model's EOS"},

@@ -14,6 +14,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from pipeline import targets
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -211,7 +213,7 @@ def padding_factor(settings: Optional[dict], concurrency: int) -> dict:
     if not settings:
         return {"value": None, "basis": "unknown: no build settings for this repository"}
     live = min(concurrency, int(settings["max_batch_size"]))
-    if settings["target"] == "cpu":
+    if targets.get(settings["target"]).reference_runtime:
         return {"value": 1.0, "basis": "cpu runtime: prompts are prefilled one at a time, unpadded, and each decode "
                                        "step runs exactly the live sequences (attention's K/V padding to the "
                                        "longest sequence is inside the runtime and not counted)"}
