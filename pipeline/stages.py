@@ -66,7 +66,8 @@ def _run_plan(ctx: StageContext) -> dict:
 
 def _run_quantize(ctx: StageContext) -> dict:
     from pipeline import artifacts, compute
-    from pipeline.quant.quantize import quantize_streams, run_stage
+    from pipeline.quant.memory import quantize_streams
+    from pipeline.quant.quantize import run_stage
 
     cfg = ctx.config
     model_dir = ctx.upstream("model") / artifacts.MODEL_DIR

@@ -49,8 +49,8 @@ def main() -> int:
     from pipeline import artifacts
     from pipeline.config import load_config
     from pipeline.constants import DEFAULT_CONFIG
+    from pipeline.quant.gate import EVAL_BATCH, accuracy_figures
     from pipeline.quant.quant_math import FP8_MAX
-    from pipeline.quant.quantize import EVAL_BATCH, _accuracy
 
     loaded = load_config(Path(a.config) if a.config else DEFAULT_CONFIG)
     work = Path(a.work_root) / loaded.name
@@ -74,10 +74,10 @@ def main() -> int:
         print("ModelOpt inserted no K/V quantizers in this model's attention")
         return 1
     amax = {n: float(q.amax) for n, q in quantizers.items()}
-    calibrated = _accuracy(original, model, evals)
+    calibrated = accuracy_figures(original, model, evals)
     for q in quantizers.values():
         q.amax = torch.tensor(FP8_MAX)  # scale = amax / 448 = 1.0
-    unit = _accuracy(original, model, evals)
+    unit = accuracy_figures(original, model, evals)
 
     print(f"{loaded.name}: {len(quantizers)} K/V quantizers, {int(calib.numel())} calibration and "
           f"{int(evals.numel())} evaluation tokens; weights unquantized\n")

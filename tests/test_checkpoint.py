@@ -21,12 +21,8 @@ from pipeline.config import QuantizationSection  # noqa: E402
 from pipeline.errors import IntegrityError  # noqa: E402
 from pipeline.formats import HIGH_PRECISION  # noqa: E402
 from pipeline.quant.checkpoint import rebuild, unpack_int4  # noqa: E402
-from pipeline.quant.quantize import (  # noqa: E402
-    _calibrate_phase,
-    _check_export,
-    calibration_phases,
-    modelopt_config,
-)
+from pipeline.quant.export_checks import check_export  # noqa: E402
+from pipeline.quant.recipe import calibrate_phase, calibration_phases, modelopt_config  # noqa: E402
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -75,7 +71,7 @@ def quantize_and_export(original, case: str, calib, evals, out_of_tp) -> dict:
     with torch.no_grad():
         mtq.quantize(model, modelopt_config(plan, quant), loop)
         for algorithm, layers in calibration_phases(plan, quant):
-            _calibrate_phase(model, algorithm, layers, loop)
+            calibrate_phase(model, algorithm, layers, loop)
     entry = {"plan": plan, "quant": quant, "ckpt": {}}
     model_config = json.loads((Path(original.name_or_path) / "config.json").read_text())
     decoder = families.FAMILIES[model_config["model_type"]].decoder_type
@@ -88,7 +84,7 @@ def quantize_and_export(original, case: str, calib, evals, out_of_tp) -> dict:
                 # the export fuses q/k/v (one pre-quant scale, one FP8 scale) in the model it is given:
                 # this is the fake-quant model the checkpoint encodes
                 entry["fake_quant_logits"] = exported_model(evals).logits
-        _check_export(out, plan, quant, model_config, tp)
+        check_export(out, plan, quant, model_config, tp)
         entry["ckpt"][tp] = out
     return entry
 
@@ -293,7 +289,7 @@ def test_the_stage_refuses_a_quant_cfg_that_differs_from_the_plan(exported, tiny
 
     e = exported("int4_awq+int8_sq")
     model_config = json.loads((tiny_model_dir / "config.json").read_text())
-    facts = _check_export(e["ckpt"][1], e["plan"], e["quant"], model_config)
+    facts = check_export(e["ckpt"][1], e["plan"], e["quant"], model_config)
     # 5 GEMMs per decoder layer (q/k/v fused), layer 0's down_proj kept
     assert facts["quant_algo"] == "MIXED_PRECISION" and facts["quant_cfg_layers"] == 9
     edits = {
@@ -311,4 +307,4 @@ def test_the_stage_refuses_a_quant_cfg_that_differs_from_the_plan(exported, tiny
             shutil.rmtree(tmp_path / "tampered")
         bad = _tampered(e["ckpt"][1], tmp_path, lambda t: None, quant_cfg_edit=edit)
         with pytest.raises(StageFailed, match=message):
-            _check_export(bad, e["plan"], e["quant"], model_config)
+            check_export(bad, e["plan"], e["quant"], model_config)

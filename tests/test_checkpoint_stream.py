@@ -18,7 +18,7 @@ from pipeline.config import QuantizationSection  # noqa: E402
 from pipeline.errors import IntegrityError  # noqa: E402
 from pipeline.formats import HIGH_PRECISION  # noqa: E402
 from pipeline.quant.checkpoint import CheckpointReader, rebuild  # noqa: E402
-from pipeline.quant.quantize import _calibrate_phase, calibration_phases, modelopt_config  # noqa: E402
+from pipeline.quant.recipe import calibrate_phase, calibration_phases, modelopt_config  # noqa: E402
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -71,7 +71,7 @@ def checkpoint(tiny_model_dir, ids, tmp_path_factory):
         with torch.no_grad():
             mtq.quantize(model, modelopt_config(plan, quant), loop)
             for algorithm, names in calibration_phases(plan, quant):
-                _calibrate_phase(model, algorithm, names, loop)
+                calibrate_phase(model, algorithm, names, loop)
             export_tensorrt_llm_checkpoint(model, "llama", torch.float16, export_dir=out, inference_tensor_parallel=tp)
         if tied:  # ModelOpt writes lm_head all the same; a checkpoint that shares the embedding table does not
             for rank in out.glob("rank*.safetensors"):

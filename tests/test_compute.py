@@ -68,7 +68,8 @@ def test_a_bound_below_one_decoder_layer_is_refused_naming_both(tiny_model_dir):
 
 def test_quantize_refuses_a_model_that_cannot_fit_in_memory_before_starting(tiny_model_dir):
     from pipeline.config import QuantizationSection
-    from pipeline.quant.quantize import EVAL_BATCH, IN_MEMORY_COPIES, LIBRARIES_BYTES, LOGIT_COPIES, check_host_memory
+    from pipeline.quant.gate import EVAL_BATCH
+    from pipeline.quant.memory import IN_MEMORY_COPIES, LIBRARIES_BYTES, LOGIT_COPIES, check_host_memory
 
     fp32 = compute.model_bytes(tiny_model_dir, "float32")
     logits = EVAL_BATCH * 64 * 512 * 4 * LOGIT_COPIES  # 64 evaluation tokens per sequence, a 512-token vocabulary
@@ -84,7 +85,7 @@ def test_quantize_on_gpus_refuses_bounds_under_its_copies_of_the_model_and_warns
     """Two bf16 copies on GPUs (the gate's original and the quantized one), three with the HF export's own; the
     GPUs' bounds are summed (accelerate spreads each copy over them)."""
     from pipeline.config import QuantizationSection
-    from pipeline.quant.quantize import GPU_MEASURED_PEAK, check_gpu_memory
+    from pipeline.quant.memory import GPU_MEASURED_PEAK, check_gpu_memory
 
     bf16 = compute.model_bytes(tiny_model_dir, "bfloat16")
     assert bf16 == compute.model_bytes(tiny_model_dir, "float32") // 2
@@ -108,7 +109,7 @@ def test_quantize_on_gpus_streams_under_the_measured_peak_unless_told_not_to_or_
     """layer_streaming auto streams where the GPUs' bounds are under the measured peak; never (and an HF export,
     which is not streamed) keeps the model whole: refused under its copies, allowed (with a warning) above."""
     from pipeline.config import QuantizationSection
-    from pipeline.quant.quantize import GPU_MEASURED_PEAK, gpu_streams
+    from pipeline.quant.memory import GPU_MEASURED_PEAK, gpu_streams
 
     bf16 = compute.model_bytes(tiny_model_dir, "bfloat16")
     plain, hf = QuantizationSection(), QuantizationSection(export_hf_checkpoint=True, kv_cache="fp8")

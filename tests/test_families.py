@@ -384,7 +384,7 @@ def test_gemma2_runs_with_eager_attention_so_its_soft_capping_holds(tmp_path, ti
     from transformers import AutoModelForCausalLM
 
     from pipeline.config import ComputeSection, load_config
-    from pipeline.quant.quantize import _load_model
+    from pipeline.quant.quantize import load_model
     from pipeline.runner import Runner
     from pipeline.stages import STAGES
 
@@ -396,7 +396,7 @@ def test_gemma2_runs_with_eager_attention_so_its_soft_capping_holds(tmp_path, ti
     with torch.no_grad():
         want = eager(ids).logits
         assert float((sdpa(ids).logits - want).abs().max()) > 0.1  # the cap binds: SDPA is another model here
-        assert torch.allclose(_load_model(model_dir, "cpu", "float32", ComputeSection())(ids).logits, want, atol=1e-5)
+        assert torch.allclose(load_model(model_dir, "cpu", "float32", ComputeSection())(ids).logits, want, atol=1e-5)
 
     cfg = tiny_config(tmp_path, model_dir, HF_ONLY_QUANTIZATION)
     Runner(load_config(cfg, ["build.target=cpu"]), STAGES, tmp_path / "work").run(["sensitivity"], echo=lambda l: None)
@@ -674,7 +674,7 @@ def test_tensor_parallelism_that_cannot_split_the_experts_is_refused_before_any_
     """Each rank holds a slice of every expert's intermediate dim: a size that does not divide it is refused
     with the figures, as is an INT4 group size that does not divide an expert's per-rank down input."""
     from pipeline.config import BuildSection, QuantizationSection
-    from pipeline.quant.quantize import check_rules
+    from pipeline.quant.export_checks import check_rules
 
     model_config = {"model_type": "mixtral", "num_attention_heads": 4, "num_key_value_heads": 4,
                     "intermediate_size": 96}

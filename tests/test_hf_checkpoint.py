@@ -37,13 +37,13 @@ def _tiny(tie: bool):
 
 def _quantized(preset: str, tie: bool = False):
     """(original, ModelOpt-quantized model, calibration ids); AWQ in groups of 64 (two per row of 128)."""
-    from pipeline.quant.quantize import _set_block_size
+    from pipeline.quant.recipe import set_block_size
 
     original = _tiny(tie)
     ids = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(1))
     cfg = copy.deepcopy(getattr(mtq, preset))
     for item in cfg["quant_cfg"]:
-        _set_block_size(item.get("cfg"), 64)
+        set_block_size(item.get("cfg"), 64)
     model = copy.deepcopy(original)
     with torch.no_grad():
         mtq.quantize(model, cfg, lambda m: m(ids))
@@ -114,14 +114,14 @@ def test_what_the_reader_reads_is_checked(tmp_path):
 
 
 def test_the_read_back_is_held_to_the_accuracy_gate(tmp_path):
-    from pipeline.quant.quantize import _read_back_hf
+    from pipeline.quant.quantize import read_back_hf
 
     original, model, ids = _quantized("INT4_AWQ_CFG")
     hf = _export(model, tmp_path / "hf")
     loose = QuantizationSection(accuracy=AccuracyTolerance(max_perplexity_increase_pct=1000, min_top1_agreement=0,
                                                            max_kl_divergence=100))
-    facts, acc = _read_back_hf(hf, original, ids, set(), loose)
+    facts, acc = read_back_hf(hf, original, ids, set(), loose)
     assert facts["formats"] == {"W4A16_AWQ": LINEARS} and acc["top1_agreement"] < 1 and acc["kl_divergence"] > 0
     strict = QuantizationSection(accuracy=AccuracyTolerance(max_kl_divergence=acc["kl_divergence"] / 2))
     with pytest.raises(StageFailed, match="HF unified checkpoint .* read back, fails the accuracy gate: KL"):
-        _read_back_hf(hf, original, ids, set(), strict)
+        read_back_hf(hf, original, ids, set(), strict)

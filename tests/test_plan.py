@@ -13,7 +13,7 @@ from pipeline.config import (
 )
 from pipeline.errors import InputError
 from pipeline.formats import HIGH_PRECISION
-from pipeline.quant.plan import _bytes, make_plan
+from pipeline.quant.plan import layer_bytes, make_plan
 
 Q = QuantizationSection(weight_format="int8_sq")
 S = SensitivitySection(formats=("int8_sq",), threshold=0.1)
@@ -59,11 +59,11 @@ REST = [layer(f"r{i}", 0.01, 1024, 1024) for i in range(4)]
 
 
 def extra(l):
-    return _bytes(HIGH_PRECISION, l, 64) - _bytes("int8_sq", l, 64)
+    return layer_bytes(HIGH_PRECISION, l, 64) - layer_bytes("int8_sq", l, 64)
 
 
 def floor_bytes(layers):
-    return sum(_bytes("int8_sq", l, 64) for l in layers)
+    return sum(layer_bytes("int8_sq", l, 64) for l in layers)
 
 
 def naive_keep_worst(layers, budget):
@@ -99,7 +99,7 @@ def test_budget_beats_keeping_the_n_worst_and_respects_the_budget():
 
 def test_budget_exactly_at_a_plan_size_is_used_and_never_exceeded():
     layers = [BIG, *SMALL, *REST]
-    all_fp16 = sum(_bytes(HIGH_PRECISION, l, 64) for l in layers)
+    all_fp16 = sum(layer_bytes(HIGH_PRECISION, l, 64) for l in layers)
     doc = make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(weight_bytes=all_fp16)), S, Q)
     assert kept(doc) == {l["name"] for l in layers}  # everything fits: keep every layer with error > 0
     assert doc["summary"]["weight_bytes_planned"] == all_fp16
@@ -133,8 +133,8 @@ def test_budget_can_move_layers_to_a_wider_format_instead_of_high_precision():
                            "int8_wo": {"error": e8, "mean": e8, "max": e8}}}
 
     layers = [l4(f"l{i}", 0.2, 0.01) for i in range(4)]
-    base = sum(_bytes("int4_awq", l, 64) for l in layers)
-    to_int8 = _bytes("int8_wo", layers[0], 64) - _bytes("int4_awq", layers[0], 64)
+    base = sum(layer_bytes("int4_awq", l, 64) for l in layers)
+    to_int8 = layer_bytes("int8_wo", layers[0], 64) - layer_bytes("int4_awq", layers[0], 64)
     budget = base + 4 * to_int8 + 8192  # room for all four in int8, not for one in FP16 on top
     hp_only = make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(weight_bytes=budget)), s4, q4)
     wider = make_plan(table(*layers), PlanSection(mode="budget", budget=PlanBudget(

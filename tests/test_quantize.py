@@ -45,7 +45,7 @@ def test_int8_sq_with_kept_layers_and_int8_kv(tmp_path, outlier_model_dir):
     config = json.loads((ckpt / "config.json").read_text())
     q = config["quantization"]
     assert q["quant_algo"] == "W8A8_SQ_PER_CHANNEL" and q["kv_cache_quant_algo"] == "INT8"
-    from pipeline.quant.quantize import trtllm_name
+    from pipeline.quant.recipe import trtllm_name
 
     assert set(q["exclude_modules"]) == {trtllm_name(n) for n in kept}
     assert config["rotary_base"] == json.loads((outlier_model_dir / "config.json").read_text())["rope_theta"]
@@ -108,7 +108,7 @@ def test_a_mixed_plan_exports_mixed_precision_listing_exactly_the_plans_layers(t
          "{pattern: 'model.layers.1.self_attn.[qkv]_proj', format: int8_sq}, "
          "{pattern: 'model.layers.1.mlp.down_proj', format: int8_sq}, "
          "{pattern: 'model.layers.0.mlp.up_proj', keep_high_precision: true}]", *LOOSE)
-    from pipeline.quant.quantize import trtllm_name
+    from pipeline.quant.recipe import trtllm_name
 
     plan = yaml.safe_load((work / "tiny" / "plan" / "plan.yaml").read_text())
     assert plan["summary"]["mixed_precision"]
@@ -191,8 +191,8 @@ def test_the_pytorch_target_refuses_keys_its_unit_scale_fp8_kv_cache_cannot_hold
     import torch
     from transformers import AutoModelForCausalLM
 
+    from pipeline.quant.export_checks import PYTORCH_FP8_KV_SCALE
     from pipeline.quant.quant_math import FP8_MAX
-    from pipeline.quant.quantize import PYTORCH_FP8_KV_SCALE
 
     upstream = json.loads((Path(__file__).parent / "data" / "upstream" / "pytorch_kv_cache_scales.json").read_text())
     assert (PYTORCH_FP8_KV_SCALE, FP8_MAX) == (upstream["fp8_kv_scale_served"], upstream["fp8_e4m3_max"])
@@ -242,7 +242,7 @@ def test_tensor_parallel_2_writes_two_ranks_that_read_back_to_the_tp1_logits(tmp
 
 def _rules(plan_layers: dict, table: dict, model_config=None, **quant):
     from pipeline.config import BuildSection, QuantizationSection
-    from pipeline.quant.quantize import check_rules
+    from pipeline.quant.export_checks import check_rules
 
     tp = quant.pop("tp", 1)
     check_rules({"layers": plan_layers}, QuantizationSection(**quant),
@@ -302,7 +302,7 @@ def test_int8_kv_with_an_hf_unified_checkpoint_and_gpu_only_formats_are_refused_
 
 def test_modelopt_config_for_a_mixed_plan_gives_each_layer_its_format_and_each_algorithm_its_layers():
     from pipeline.config import QuantizationSection
-    from pipeline.quant.quantize import calibration_phases, modelopt_config
+    from pipeline.quant.recipe import calibration_phases, modelopt_config
 
     plan = {"layers": {"model.layers.0.mlp.down_proj": {"format": "int8_sq"},
                        "model.layers.0.mlp.up_proj": {"format": "int4_awq"},
@@ -329,7 +329,7 @@ def test_modelopt_config_for_a_mixed_plan_gives_each_layer_its_format_and_each_a
 
 def test_modelopt_config_disables_kept_layers_and_adds_kv_quantizers():
     from pipeline.config import QuantizationSection
-    from pipeline.quant.quantize import modelopt_config
+    from pipeline.quant.recipe import modelopt_config
 
     plan = {"layers": {"model.layers.0.mlp.down_proj": {"format": "high_precision"},
                        "model.layers.0.mlp.up_proj": {"format": "int8_sq"},
@@ -413,7 +413,7 @@ def test_mixed_int4_int8_config_on_smollm2_exports_mixed_precision(default_work_
     budget allows, behind the accuracy gate; quant_cfg.json lists exactly the plan's quantized GEMMs."""
     from conftest import REPO, run_invoke
 
-    from pipeline.quant.quantize import trtllm_name
+    from pipeline.quant.recipe import trtllm_name
 
     proc = run_invoke("quantize", "--config", str(REPO / "engine_configs" / "smollm2-135m-cpu-int4-mixed.yaml"),
                       "--work-root", str(default_work_root), timeout=3600)

@@ -23,7 +23,7 @@ def quantized(default_work_root):
 
 
 def test_checkpoint_says_what_the_plan_says(quantized):
-    from pipeline.quant.quantize import trtllm_name
+    from pipeline.quant.recipe import trtllm_name
 
     ckpt = quantized / "quantize" / "trtllm_checkpoint"
     config = json.loads((ckpt / "config.json").read_text())

@@ -251,7 +251,7 @@ def test_report_and_clean_as_a_user_types_them(tiny_run):
 
 def test_the_accuracy_table_shows_each_checkpoint_read_back(tmp_path):
     """With the HF unified checkpoint exported (pytorch target), its gated read-back is a column of its own."""
-    from pipeline.release.report.sections import _section_quantize
+    from pipeline.release.report.sections import section_quantize
 
     def figures(ppl, kl):
         return {"perplexity_quantized": ppl, "perplexity_increase_pct": ppl - 20, "top1_agreement": 0.9,
@@ -261,13 +261,13 @@ def test_the_accuracy_table_shows_each_checkpoint_read_back(tmp_path):
                 "from_checkpoint": figures(20.4, 0.04), "from_hf_checkpoint": figures(20.9, 0.07)}
     m = _manifest("quantize", {"accuracy": accuracy, "checkpoint": {"exclude_modules": ["lm_head"]}})
     doc = Doc()
-    _section_quantize(doc, tmp_path, m)
+    section_quantize(doc, tmp_path, m)
     [(header, rows)] = [body for kind, body in doc.blocks if kind == "table" and body[0][0] == "figure"]
     assert header[2:4] == ["exported checkpoint (read back)", "HF unified checkpoint (read back, gated)"]
     assert {r[0]: r[1:4] for r in rows}["KL divergence"] == [0.05, 0.04, 0.07]
     assert all(len(r) == len(header) for r in rows)
     m["summary"]["accuracy"].pop("from_hf_checkpoint")
     doc = Doc()
-    _section_quantize(doc, tmp_path, m)
+    section_quantize(doc, tmp_path, m)
     [(header, _)] = [body for kind, body in doc.blocks if kind == "table" and body[0][0] == "figure"]
     assert len(header) == 4

@@ -104,7 +104,7 @@ def test_a_bound_too_small_for_the_whole_model_streams_and_one_too_small_for_a_l
     """A bound below the in-memory estimate streams (auto), or is refused (never); one below a decoder layer
     (the tiny model's is 0.1 MB) is refused before any work, naming the layer's size."""
     from pipeline import compute
-    from pipeline.quant.quantize import check_host_memory, quantize_streams
+    from pipeline.quant.memory import check_host_memory, quantize_streams
 
     cfg = load_config(_tiny_config(tmp_path, tiny_model_dir)).config
     need = check_host_memory(tiny_model_dir, cfg.quantization, compute.Bound(2**40, "x"),
@@ -132,7 +132,7 @@ def test_the_read_back_takes_the_reference_in_a_gpus_bfloat16(tmp_path, tiny_mod
     from pipeline import artifacts
     from pipeline.quant import streaming
     from pipeline.quant.plan import read_plan
-    from pipeline.quant.quantize import kept_layers
+    from pipeline.quant.recipe import kept_layers
 
     out = _quantize(_tiny_config(tmp_path, tiny_model_dir), tmp_path / "w", "never", *LOOSE)
     work = out.parent

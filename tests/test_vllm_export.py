@@ -635,14 +635,14 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
 
     from pipeline.engines.vllm.export_hf import export_hf_for_vllm
     from pipeline.quant.hf_checkpoint import rebuild_hf
-    from pipeline.quant.quantize import _set_block_size
+    from pipeline.quant.recipe import set_block_size
 
     torch.manual_seed(0)
     original = MAKERS[family]().eval()
     model_dir = _saved(original, tmp_path / "model", tiny_tokenizer_dir)
     preset = copy.deepcopy(getattr(mtq, HF_PRESETS[fmt]))
     for item in preset["quant_cfg"]:
-        _set_block_size(item.get("cfg"), 16 if family == "deepseek_v2" else 32)  # experts 32 wide, kv_b_proj 32
+        set_block_size(item.get("cfg"), 16 if family == "deepseek_v2" else 32)  # experts 32 wide, kv_b_proj 32
     ids = torch.randint(3, 500, (4, 48), generator=torch.Generator().manual_seed(1))
     model = copy.deepcopy(original)
     with torch.no_grad():

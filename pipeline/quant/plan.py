@@ -56,7 +56,7 @@ def decision_format(quant: QuantizationSection) -> str | None:
     return DECISION_COLUMN.get(quant.weight_format)
 
 
-def _bytes(fmt: str, layer: dict, group_size: int) -> int:
+def layer_bytes(fmt: str, layer: dict, group_size: int) -> int:
     return weight_bytes(fmt, layer["out_features"], layer["in_features"], group_size)
 
 
@@ -96,7 +96,7 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
             free.append(layer)
             continue
         choices[layer["name"]] = LayerChoice(layer["name"], fmt, why, err(layer, fmt if fmt != HIGH_PRECISION else base),
-                                             layer["in_features"] * layer["out_features"], _bytes(fmt, layer, g))
+                                             layer["in_features"] * layer["out_features"], layer_bytes(fmt, layer, g))
 
     binding = None
     if plan.mode == "threshold":
@@ -183,7 +183,7 @@ def _align_experts(choices: dict, table: dict, moe, base: str, g: int, widen: bo
 
 def _choice(layer: dict, fmt: str, reason: str, error: float | None, g: int) -> LayerChoice:
     return LayerChoice(layer["name"], fmt, reason, error, layer["in_features"] * layer["out_features"],
-                       _bytes(fmt, layer, g))
+                       layer_bytes(fmt, layer, g))
 
 
 def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, g: int) -> dict:
@@ -200,7 +200,7 @@ def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, 
         budget = int(plan.budget.avg_bits_per_weight * all_params // 8)
         what = f"avg_bits_per_weight {plan.budget.avg_bits_per_weight} = {budget} bytes over {all_params} weights"
     fixed = sum(c.bytes for c in choices.values())
-    base_bytes = [_bytes(base, l, g) for l in free]
+    base_bytes = [layer_bytes(base, l, g) for l in free]
     floor = fixed + sum(base_bytes)
     if floor > budget:
         raise InputError(
@@ -214,7 +214,7 @@ def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, 
     for layer, b, e in zip(free, base_bytes, base_err):
         opts = []
         for fmt in (*plan.budget.wider_formats, HIGH_PRECISION):
-            extra = _bytes(fmt, layer, g) - b
+            extra = layer_bytes(fmt, layer, g) - b
             fmt_err = 0.0 if fmt == HIGH_PRECISION else err(layer, fmt)
             if extra > 0 and fmt_err is not None and e - fmt_err > 0:
                 opts.append((fmt, -(-extra // BUDGET_GRID_BYTES), e - fmt_err))
@@ -264,7 +264,7 @@ def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, 
 
 def _summarise(ordered: list[LayerChoice], table: dict, plan: PlanSection, sens: SensitivitySection,
                quant: QuantizationSection, col: str | None, binding: dict | None) -> dict:
-    fp16 = sum(_bytes(HIGH_PRECISION, l, quant.awq_group_size) for l in table["layers"])
+    fp16 = sum(layer_bytes(HIGH_PRECISION, l, quant.awq_group_size) for l in table["layers"])
     planned = sum(c.bytes for c in ordered)
     params = sum(c.params for c in ordered)
     kept = [c.name for c in ordered if c.format == HIGH_PRECISION]

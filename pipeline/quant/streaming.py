@@ -13,7 +13,7 @@ weights in memory:
      calibration sees full-precision activations, as in ModelOpt's whole-model calibration, where the
      quantizers only collect statistics);
    - ModelOpt quantizes it (``mtq.quantize`` with the plan's config, then the calibration phases of a plan
-     that mixes formats) on its calibration inputs, in batches of quantize.EVAL_BATCH as the whole-model
+     that mixes formats) on its calibration inputs, in batches of gate.EVAL_BATCH as the whole-model
      loop runs them. The layer sits in a holder whose module names are the model's
      (``model.layers.<i>....``), so the plan's per-layer entries match unchanged. Each phase has its own
      calibration stream: in the whole-model calibration, phase k sees the model as the phases before it
@@ -59,6 +59,7 @@ from pipeline import families
 from pipeline.compute import return_freed_memory_to_the_os, trim_heap
 from pipeline.errors import InputError, StageFailed
 from pipeline.formats import AWQ_FORMATS
+from pipeline.quant import gate, recipe
 
 log = logging.getLogger(__name__)
 
@@ -366,8 +367,6 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
     import torch
     from transformers import AutoConfig
 
-    from pipeline.quant import quantize as q
-
     dtype = getattr(torch, dtype_name)
     export_dtype = torch.bfloat16 if build.dtype == "bfloat16" else torch.float16
     config = AutoConfig.from_pretrained(model_dir)
@@ -383,9 +382,9 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
     from modelopt.torch.quantization.plugins.custom import register_custom_model_plugins_on_the_fly
 
     register_custom_model_plugins_on_the_fly(model)
-    cfg = None if baseline else q.modelopt_config(plan_doc, quant)
-    quantized = set(plan_doc["layers"]) - q.kept_layers(plan_doc)
-    phases = [] if baseline else q.calibration_phases(plan_doc, quant)
+    cfg = None if baseline else recipe.modelopt_config(plan_doc, quant)
+    quantized = set(plan_doc["layers"]) - recipe.kept_layers(plan_doc)
+    phases = [] if baseline else recipe.calibration_phases(plan_doc, quant)
     decoder = families.FAMILIES[model_config["model_type"]].decoder_type
     tp = build.tensor_parallel_size
     t0 = time.perf_counter()
@@ -397,8 +396,8 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
         # one calibration stream per phase: phase k of the whole-model calibration sees the model as phases
         # before it left it (an AWQ phase rescales weights: the same function, other roundings), quantizers
         # paused; a phase's stream is the layer's output in that state, taken before the phase changes it
-        cal = [Streams(rotary, embed[calib.to(device)], q.EVAL_BATCH) for _ in range(1 + len(phases))]
-        ev = Streams(rotary, embed[evals.to(device)], q.EVAL_BATCH)
+        cal = [Streams(rotary, embed[calib.to(device)], gate.EVAL_BATCH) for _ in range(1 + len(phases))]
+        ev = Streams(rotary, embed[evals.to(device)], gate.EVAL_BATCH)
         del embed  # read again for the last export: the vocabulary is the largest tensor of a small model
         quantized_hidden = ev.hidden
         exports: list[Path] = []
@@ -413,11 +412,11 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
                 with _weights_may_all_stay(not any(n.startswith(prefix) for n in quantized)):
                     mtq.quantize(holder, cfg, lambda m, _i=i: cal[0].through(m.model.layers[str(_i)]))
                 for k, (algorithm, names) in enumerate(phases, start=1):
-                    with q.paused_quantizers(holder):
+                    with recipe.paused_quantizers(holder):
                         nxt.append(cal[k].through(holder.model.layers[str(i)]))
                     mine = [n for n in names if n.startswith(prefix)]
                     if mine:
-                        q._calibrate_phase(holder, algorithm, mine,
+                        recipe.calibrate_phase(holder, algorithm, mine,
                                            lambda m, _i=i, _k=k: cal[_k].through(m.model.layers[str(_i)]))
             layer = holder.model.layers[str(i)]
             quantized_hidden = ev.through(layer, quantized_hidden)
@@ -446,28 +445,28 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
         head_holder = _holder(lm_head=lm_head)
 
         def head_loop(m, k=0):
-            for a in range(0, final_cal[k].shape[0], q.EVAL_BATCH):
-                m.lm_head(final_cal[k][a:a + q.EVAL_BATCH])
+            for a in range(0, final_cal[k].shape[0], gate.EVAL_BATCH):
+                m.lm_head(final_cal[k][a:a + gate.EVAL_BATCH])
 
         if cfg is not None and "lm_head" in quantized:
             mtq.quantize(head_holder, cfg, head_loop)
             for k, (algorithm, names) in enumerate(phases, start=1):
                 if "lm_head" in names:
-                    q._calibrate_phase(head_holder, algorithm, ["lm_head"], lambda m, _k=k: head_loop(m, _k))
+                    recipe.calibrate_phase(head_holder, algorithm, ["lm_head"], lambda m, _k=k: head_loop(m, _k))
         final_cal.clear()  # the streams are done with
         cal.clear()
         quantized_head = head_holder.lm_head
         calibrate_s = time.perf_counter() - t0
 
-        score = q.Score()
+        score = gate.Score()
         final_q = norm(quantized_hidden)
-        for a in range(0, evals.shape[0], q.EVAL_BATCH):
-            lo = final_ev[a:a + q.EVAL_BATCH] @ original_head.T
-            score.add(evals[a:a + q.EVAL_BATCH], lo, quantized_head(final_q[a:a + q.EVAL_BATCH]))
+        for a in range(0, evals.shape[0], gate.EVAL_BATCH):
+            lo = final_ev[a:a + gate.EVAL_BATCH] @ original_head.T
+            score.add(evals[a:a + gate.EVAL_BATCH], lo, quantized_head(final_q[a:a + gate.EVAL_BATCH]))
         accuracy = score.result()
         log.info("accuracy (peak RSS %s): %s", _peak(), accuracy)
         if not baseline:
-            q._gate(accuracy, quant, plan_doc, table_layers)
+            gate.check_gate(accuracy, quant, plan_doc, table_layers)
 
         tied = store.head_name() == "model.embed_tokens.weight"
         del final_q, quantized_hidden
@@ -529,7 +528,6 @@ def read_back_streamed(ckpt: Path, model_dir: Path, kept: set[str], evals, refer
     (figures, facts)."""
     import torch
 
-    from pipeline.quant import quantize as q
     from pipeline.quant.checkpoint import CheckpointReader
 
     reader = CheckpointReader(ckpt, model_dir, kept)
@@ -539,7 +537,7 @@ def read_back_streamed(ckpt: Path, model_dir: Path, kept: set[str], evals, refer
     with torch.no_grad():
         embed = reader.embedding().to(device)
         rotary = type(model.model.rotary_emb)(config=config).to(device)
-        ev = Streams(rotary, embed[evals.to(device)], q.EVAL_BATCH)
+        ev = Streams(rotary, embed[evals.to(device)], gate.EVAL_BATCH)
         del embed  # a tied lm_head reads it again at the end
         for i in range(config.num_hidden_layers):
             layer = reader.load_layer(i, model.model.layers[i]).to(device)
@@ -553,12 +551,12 @@ def read_back_streamed(ckpt: Path, model_dir: Path, kept: set[str], evals, refer
         facts = reader.finish()
         store = WeightStore(model_dir)
         original_head = store.get(store.head_name(), torch.float32, device)
-        score = q.Score()
-        for a in range(0, evals.shape[0], q.EVAL_BATCH):
-            x = final[a:a + q.EVAL_BATCH]
+        score = gate.Score()
+        for a in range(0, evals.shape[0], gate.EVAL_BATCH):
+            x = final[a:a + gate.EVAL_BATCH]
             lq = (transform(x) if transform is not None else x) @ head_w.T
             # the reference comes in the streamed pass's dtype (bfloat16 on a GPU), the head in float32
-            ref = reference_final_hidden[a:a + q.EVAL_BATCH].to(original_head.dtype)
-            score.add(evals[a:a + q.EVAL_BATCH], ref @ original_head.T, lq)
+            ref = reference_final_hidden[a:a + gate.EVAL_BATCH].to(original_head.dtype)
+            score.add(evals[a:a + gate.EVAL_BATCH], ref @ original_head.T, lq)
     log.info("read back layer by layer (peak RSS %s)", _peak())
     return score.result(), facts

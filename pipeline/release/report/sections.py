@@ -47,7 +47,7 @@ def add_sections(doc: Doc, work_dir: Path, out_dir: Path, manifests: dict[str, O
     _section_text(doc, manifests["text"])
     _section_sensitivity(doc, work_dir, out_dir, manifests["sensitivity"])
     _section_plan(doc, work_dir, out_dir, manifests["plan"])
-    _section_quantize(doc, work_dir, manifests["quantize"])
+    section_quantize(doc, work_dir, manifests["quantize"])
     _section_sizes(doc, summary, manifests["build"])
     _section_build(doc, work_dir, manifests["build"])
     _section_repository(doc, work_dir, manifests["publish"])
@@ -178,7 +178,7 @@ def _section_plan(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) ->
         doc.image(img, "Per-layer error on the decision column; red: kept in high precision")
 
 
-def _section_quantize(doc: Doc, work_dir: Path, m: Optional[dict]) -> None:
+def section_quantize(doc: Doc, work_dir: Path, m: Optional[dict]) -> None:
     doc.h(2, "Quantization and accuracy")
     if m is None:
         return doc.not_run("quantize")
