@@ -19,7 +19,7 @@
 
 # The Triton TensorRT-LLM image. Its repository (your registry, or your mirror of the vendor's) has no real
 # default here: `invoke image` passes image.base_repository, and without it the pull of this placeholder name
-# fails. The tag's default carries TensorRT-LLM 1.2.1, build.trtllm_version's default; pipeline.image
+# fails. The tag's default carries TensorRT-LLM 1.2.1, build.trtllm_version's default; pipeline.release.image
 # .TRITON_TRTLLM_TAGS maps tags to versions and `invoke image` refuses a base that differs from the engine's.
 ARG TRITON_REPOSITORY=set-the-triton-repository-build-arg
 ARG TRITON_TAG=26.07-trtllm-python-py3

@@ -72,6 +72,10 @@ def _resolved_runner(runner: Runner, config: Optional[str], overrides: Sequence[
     res = runner.loaded.resolution
     if res is None or res.model_type is not None or list(stages) == ["model"]:
         return runner
+    for name in runner.closure(list(stages)):  # what this machine lacks stops the task before the download too
+        preflight = runner.stages[name].preflight
+        if preflight is not None:
+            preflight(runner.loaded)
     runner.run(["model"], force=["model"] if force else False)
     return open_runner(config, overrides, work_root)
 

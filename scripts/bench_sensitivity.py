@@ -5,7 +5,7 @@ Measured side by side in one run, each in a fresh process (so peak RSS is that w
 model and calibration tokens an earlier `invoke download` prepared:
 
   1. a plain fp32 forward over the calibration set with transformers (batches of 4, logits included);
-  2. the sensitivity analysis (pipeline.sensitivity.analyse) with the config's formats;
+  2. the sensitivity analysis (pipeline.quant.sensitivity.analyse) with the config's formats;
   3. ModelOpt's mtq.auto_quantize (gradient scores) on the same tokens, INT8 SmoothQuant vs high precision.
 
 Prints time and peak RSS for each, and the ratios the sensitivity issue sets targets for: analysis time /

@@ -1,4 +1,4 @@
-"""The TensorRT-LLM checkpoint reader (pipeline.checkpoint) on real ModelOpt exports of a tiny Llama: every
+"""The TensorRT-LLM checkpoint reader (pipeline.quant.checkpoint) on real ModelOpt exports of a tiny Llama: every
 format it reads (INT8 SmoothQuant, INT8 weight-only, FP8, INT4 AWQ, W4A8 AWQ, mixed), tensor parallelism,
 and the integrity checks. Calibration and export run in this process (ModelOpt on the CPU, a second each)."""
 

@@ -1,7 +1,7 @@
 """The model stage against a Hub: the real huggingface_hub client talking to FakeHub (tests/fake_hub.py),
 which serves the real tiny Llama folder (safetensors + tokenizer) from the `tiny_model_dir` fixture.
 
-Nothing of pipeline.hub / pipeline.download is mocked: revisions are resolved over HTTP, files are
+Nothing of pipeline.source.hub / pipeline.source.download is mocked: revisions are resolved over HTTP, files are
 downloaded into a per-test cache_dir, checked against the sha256 / git blob ids the fake Hub lists, and
 linked into the model stage's output. The user's real HF cache and token are never used: the token env
 vars are removed, the token file is redirected to a missing tmp file, and every config sets cache_dir.

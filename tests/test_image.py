@@ -243,7 +243,7 @@ def copy_sources_checked() -> set[str]:
             frm = next((f.split("=", 1)[1] for f in flags if f.startswith("--from=")), None)
             if frm is not None:
                 assert frm in seen_stages or frm in img.NAMED_CONTEXTS, \
-                    f"line {no}: --from={frm} is neither an earlier stage nor a named context in pipeline.image"
+                    f"line {no}: --from={frm} is neither an earlier stage nor a named context in pipeline.release.image"
                 continue
             for src in sources:
                 assert (REPO / src).exists(), f"line {no}: COPY source {src} does not exist"
@@ -289,7 +289,7 @@ def test_serving_stages_run_tritonserver_non_root_with_health_metrics_and_proven
         assert kinds.index("USER") > max(i for i, k in enumerate(kinds) if k == "RUN" or k == "COPY")
         label_text = " ".join(a for _, k, a in body if k == "LABEL")
         labels = dict(re.findall(r'(\S+)="\$\{(\w+)\}"', label_text))
-        assert labels == img.LABEL_ARGS, "the Dockerfile's labels and pipeline.image.LABEL_ARGS must agree"
+        assert labels == img.LABEL_ARGS, "the Dockerfile's labels and pipeline.release.image.LABEL_ARGS must agree"
         declared = {a.split("=")[0] for _, k, a in body if k == "ARG"}
         assert set(img.LABEL_ARGS.values()) <= declared
         copies = [a for _, k, a in body if k == "COPY"]

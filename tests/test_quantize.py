@@ -434,8 +434,10 @@ def test_weight_format_none_exports_the_unquantized_baseline(tmp_path, tiny_mode
     """The baseline bench compares against: same config, nothing quantized, nothing gated, every layer F16."""
     cfg = _tiny_config(tmp_path, tiny_model_dir)
     work = tmp_path / "work"
+    # the KV cache follows the weights when the config leaves it unset (pipeline/autoconfig.py); set otherwise, refused
+    assert load_config(cfg, ["quantization.weight_format=none"]).config.quantization.kv_cache == "none"
     with pytest.raises(Exception, match="set kv_cache: none"):
-        load_config(cfg, ["quantization.weight_format=none"])
+        load_config(cfg, ["quantization.weight_format=none", "quantization.kv_cache=int8"])
     _run(cfg, work, "quantization.weight_format=none", "quantization.kv_cache=none")
     ckpt = work / "tiny" / "quantize" / "trtllm_checkpoint"
     q = json.loads((ckpt / "config.json").read_text())["quantization"]

@@ -5,7 +5,7 @@
   model's config and tokenizer files (no weights: those come from the checkpoint), and ``runtime.json``
   (limits and the KV block pool). The bundle is loaded once in a child process and asked for a few greedy
   tokens, so a bundle that cannot serve never reaches publish.
-- ``tensorrt`` / ``pytorch``: pipeline.trtllm (``trtllm-build`` engines / LLM-API options; GPU only).
+- ``tensorrt`` / ``pytorch``: pipeline.engines.trtllm (``trtllm-build`` engines / LLM-API options; GPU only).
 
 Every target writes ``build_settings.json``: the decisions publish turns into Triton parameters (limits,
 KV-cache settings, CUDA-graph batch sizes) plus provenance and the checkpoint's content hash.

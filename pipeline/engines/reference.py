@@ -1,6 +1,6 @@
 """The plain reference a served model's greedy tokens are checked against, and the tie check.
 
-The reference is the checkpoint rebuilt by pipeline.checkpoint and decoded one sequence at a time with
+The reference is the checkpoint rebuilt by pipeline.quant.checkpoint and decoded one sequence at a time with
 transformers' own contiguous cache; with ``kv_cache_quant_algo`` set, the cache fake-quantizes what it stores
 (same per-layer scales, same rule as the runtime: a prompt attends to its own unquantized K/V, later steps
 to the quantized cache). It shares no code with the runtime's paged pool, batching or scheduling, which is

@@ -22,7 +22,7 @@ Runs in a child process (pipeline.child) with its log beside the checkpoint. In 
    rope fields, weight dtypes;
 7. the HF unified checkpoint (``hf_checkpoint/``) from the copy, checked: hf_quant_config.json names the
    format, the KV-cache format and the plan's kept layers, and its config.json parses under transformers;
-8. the checkpoint read back by pipeline.checkpoint, and the same accuracy figures for that rebuilt model
+8. the checkpoint read back by pipeline.quant.checkpoint, and the same accuracy figures for that rebuilt model
    (without KV-cache quantization, which the CPU runtime adds);
 9. the HF unified checkpoint read back too (pipeline.quant.hf_checkpoint) and held to the gate itself: its
    fused groups are resmoothed and requantized by the export, so it is not the model step 4 measured.

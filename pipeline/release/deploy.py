@@ -107,7 +107,7 @@ def _containers(doc: dict) -> list[dict]:
 
 
 def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
-    """{file name: resource} for serving the published build ``pub`` (a pipeline.image.PublishedBuild)."""
+    """{file name: resource} for serving the published build ``pub`` (a pipeline.release.image.PublishedBuild)."""
     name = dns_name(f"triton-{pub.config_name}")
     gpus = cfg.build.tensor_parallel_size * cfg.build.pipeline_parallel_size
     from pipeline.release.image import model_identity, quant_label
