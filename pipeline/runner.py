@@ -108,6 +108,12 @@ class StageStatus:
     output_problems: list[str] = field(default_factory=list)
     edited: list[str] = field(default_factory=list)  # editable outputs changed by hand
 
+    def recorded_manifest(self) -> dict:
+        """The manifest this status was judged from (there is one whenever it is up to date or edited)."""
+        if self.manifest is None:
+            raise PipelineError(f"internal: stage {self.name} has no manifest to reuse")
+        return self.manifest
+
 
 def tool_versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "pipeline": __version__}
@@ -273,8 +279,9 @@ class Runner:
             echo: Callable[[str], None] = print) -> list[dict]:
         names = self.closure(targets)
         for name in names:
-            if self.stages[name].preflight is not None:
-                self.stages[name].preflight(self.loaded)
+            preflight = self.stages[name].preflight
+            if preflight is not None:
+                preflight(self.loaded)
         forced = set(names) if force is True else set(force or [])
         results = []
         with WorkDirLock(self.work_dir):
@@ -300,7 +307,7 @@ class Runner:
         st = self.status(stage.name, inputs)
         if st.up_to_date and not force:
             echo(f"{stage.name}: up to date (inputs unchanged, outputs intact) [{time.monotonic() - t0:.1f} s]")
-            return st.manifest
+            return st.recorded_manifest()
         if st.edited and not force:
             return self._accept_edit(stage, st, echo)
         why = "forced (--force)" if force else "; ".join(st.reasons)
@@ -357,7 +364,7 @@ class Runner:
         _close_log(handler)
         log.setLevel(saved_level)
 
-        files = {}
+        files: dict[str, dict[str, Any]] = {}  # rel -> sha256, size_bytes, mtime_ns
         # the log is kept beside the artifacts but is not one: its timestamps differ on every run
         for rel in list_files(staging, exclude=[artifacts.MANIFEST_FILE, artifacts.STAGE_LOG_FILE]):
             p = staging / rel
@@ -408,7 +415,7 @@ class Runner:
             )
         root = self.stage_dir(stage.name)
         figures = stage.accept_edit(root) if stage.accept_edit else {}
-        manifest = dict(st.manifest)
+        manifest = dict(st.recorded_manifest())
         files_rec = dict(manifest["outputs"]["files"])
         for rel in st.edited:
             p = root / rel

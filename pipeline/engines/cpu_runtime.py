@@ -100,7 +100,8 @@ class KVBlockPool:
         rows = num_blocks * tokens_per_block
         self.k = [torch.zeros((rows, kv_heads, head_dim), dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros((rows, kv_heads, v_head_dim or head_dim), dtype=dtype) for _ in range(num_layers)]
-        self.scales = [torch.tensor(float(s), dtype=torch.float32) for s in scales] if scales else None
+        # one per layer for a quantized cache (checked above), empty for a float32 one
+        self.scales = [torch.tensor(float(s), dtype=torch.float32) for s in scales or ()]
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @property

@@ -57,6 +57,7 @@ import fnmatch
 import json
 import weakref
 from pathlib import Path
+from typing import Any, Callable
 
 from pipeline import artifacts, families
 from pipeline.errors import IntegrityError
@@ -377,7 +378,8 @@ class CheckpointReader:
             raise IntegrityError(f"{name}: the experts' intermediate size does not split over {tp} ranks")
         rank_rows = [n // tp for n in rows] if kind == "column" else rows
         rank_in = shape_in if kind == "column" else shape_in // tp
-        weights, transforms = {}, {}
+        weights: dict[str, Any] = {}  # name -> fp32 weight (torch is imported lazily: untyped here)
+        transforms: dict[str, Callable] = {}  # name -> its input transform
         for e, expert_names in enumerate(names):
             pieces, owns = [], []
             for r in range(tp):
@@ -433,7 +435,7 @@ class CheckpointReader:
         state.update({f"{hf}.weight": self._read_replicated(f"{p}.{trt}.weight").float()
                       for trt, hf in HEAD_NORMS.items()
                       if f"{p}.{trt}.weight" in self._keys[0]})
-        transforms = {}
+        transforms: dict[str, Callable] = {}  # HF name -> its input transform
         linears = [("attention.qkv", [f"self_attn.{m}_proj" for m in "qkv"], "qkv")]
         moe = families.FAMILIES[self.hf_config.model_type].moe
         if moe is not None and _has(layer, moe.experts):  # a family may keep some layers dense (mlp_only_layers)

@@ -91,6 +91,8 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
         elif rule is not None and rule.keep_high_precision:
             fmt, why = HIGH_PRECISION, f"rule '{rule.pattern}': keep high precision"
         elif rule is not None:
+            if rule.format is None:  # PlanRule's validator: a rule sets keep_high_precision or a format
+                raise InputError(f"plan rule '{rule.pattern}' sets neither keep_high_precision: true nor a format")
             fmt, why = rule.format if rule.format != "none" else HIGH_PRECISION, f"rule '{rule.pattern}': format {rule.format}"
         else:
             free.append(layer)
@@ -193,12 +195,15 @@ def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, 
     import numpy as np
 
     all_params = sum(c.params for c in choices.values()) + sum(l["in_features"] * l["out_features"] for l in free)
-    if plan.budget.weight_bytes is not None:
-        budget = plan.budget.weight_bytes
+    spec = plan.budget
+    if spec is not None and spec.weight_bytes is not None:
+        budget = spec.weight_bytes
         what = f"weight_bytes {budget}"
-    else:
-        budget = int(plan.budget.avg_bits_per_weight * all_params // 8)
-        what = f"avg_bits_per_weight {plan.budget.avg_bits_per_weight} = {budget} bytes over {all_params} weights"
+    elif spec is not None and spec.avg_bits_per_weight is not None:
+        budget = int(spec.avg_bits_per_weight * all_params // 8)
+        what = f"avg_bits_per_weight {spec.avg_bits_per_weight} = {budget} bytes over {all_params} weights"
+    else:  # PlanSection's and PlanBudget's validators give mode: budget exactly one of the two
+        raise InputError("plan.mode: budget needs plan.budget: {weight_bytes: N} or {avg_bits_per_weight: X}")
     fixed = sum(c.bytes for c in choices.values())
     base_bytes = [layer_bytes(base, l, g) for l in free]
     floor = fixed + sum(base_bytes)
@@ -213,7 +218,7 @@ def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, 
     options: list[list[tuple[str, int, float]]] = []
     for layer, b, e in zip(free, base_bytes, base_err):
         opts = []
-        for fmt in (*plan.budget.wider_formats, HIGH_PRECISION):
+        for fmt in (*spec.wider_formats, HIGH_PRECISION):
             extra = layer_bytes(fmt, layer, g) - b
             fmt_err = 0.0 if fmt == HIGH_PRECISION else err(layer, fmt)
             if extra > 0 and fmt_err is not None and e - fmt_err > 0:

@@ -119,11 +119,11 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         log.info("layer streaming: one decoder layer at a time")
         res = streaming.quantize_streamed(model_dir, calib, evals, plan_doc, quant, build, model_config, ckpt,
                                           out_dir / "layer_exports", device, ref_dtype, table_layers, baseline)
-        exported = check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size)
+        streamed_export = check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size)
         from safetensors.torch import save_file
 
         save_file({"hidden": res["reference_final_hidden"].cpu().contiguous()}, str(out_dir / READ_BACK_REFERENCE))
-        return {"read_back_pending": True, "accuracy": res["accuracy"], "exported": exported,
+        return {"read_back_pending": True, "accuracy": res["accuracy"], "exported": streamed_export,
                 "calibrate_s": res["calibrate_s"], "elapsed_s": time.perf_counter() - t0, "device": device,
                 "calibration_tokens": int(calib.numel()), "greedy_generations": quant.greedy_generations,
                 "compute": comp.compute_record(device, ref_dtype, bound)}
@@ -169,7 +169,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     if quant.export_hf_checkpoint:
         hf_source = copy.deepcopy(model) if fam.trtllm_checkpoint else model
     dtype = torch.bfloat16 if build.dtype == "bfloat16" else torch.float16
-    exported = None
+    exported: Optional[dict] = None
     if fam.trtllm_checkpoint:
         with torch.no_grad():
             export_tensorrt_llm_checkpoint(model, fam.decoder_type, dtype, export_dir=ckpt,
@@ -204,6 +204,8 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         assert hf_exported is not None  # check_rules refuses such a family without export_hf_checkpoint
         exported, read_facts, from_ckpt = hf_exported, hf_exported.pop("read_back"), hf_exported.pop("accuracy")
         hf_exported = None
+    # whichever checkpoint was exported was read back just above
+    assert from_ckpt is not None and read_facts is not None
     return _finish(out_dir, accuracy, from_ckpt, read_facts, exported, hf_exported, generations, plan_doc,
                    int(calib.numel()), int(evals.numel()), comp.compute_record(device, ref_dtype, bound), t_quant, t0)
 

@@ -38,7 +38,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from pipeline import families, targets
 from pipeline.config import ComputeSection, QuantizationSection, SensitivitySection
@@ -120,7 +120,7 @@ class Analyser:
         self.group_size = group_size
         self.n = n_samples
         self.records: list[_LayerRecord] = []
-        self.siblings: dict[str, object] = {}  # short name -> nn.Linear of the current decoder layer
+        self.siblings: dict[str, Any] = {}  # short name -> nn.Linear of the current decoder layer (torch: lazy)
         self._cache: dict = {}  # per decoder layer: smoothing, quantized inputs of fused groups
 
     def start_layer(self, siblings: dict) -> None:
@@ -238,7 +238,7 @@ class Analyser:
                         s = qm.awq_lite_scale(act_scale, wscale, alpha)
                         out = F.linear(sample * (1 / s), qm.group_fake_quant(w * s, self.group_size))
                         losses[alpha] = float((out - ref).pow(2).mean())
-                    best[m] = qm.awq_lite_scale(act_scale, wscale, min(losses, key=losses.get))
+                    best[m] = qm.awq_lite_scale(act_scale, wscale, min(losses, key=losses.__getitem__))
                 self._cache[key] = torch.stack(list(best.values())).mean(dim=0) if len(group) > 1 else best[short]
             s_group = self._cache[key]
             w_hat = qm.group_fake_quant(weight * s_group, self.group_size)
@@ -360,7 +360,7 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
                 y = layer(hidden[a:a + SAMPLES_PER_FORWARD], attention_mask=masks[families.layer_window(config, i)],
                           position_ids=positions, **rotary)
                 out[a:a + SAMPLES_PER_FORWARD] = y[0] if isinstance(y, tuple) else y
-            if any(short.startswith("experts.") for short in linears):  # an MoE layer (some may be dense)
+            if moe is not None and any(short.startswith("experts.") for short in linears):  # some MoE layers are dense
                 stash.run_unrouted_experts(layer.get_submodule(moe.experts))
             stash.stop_recording()
             hidden = out
@@ -448,7 +448,7 @@ class _Stash:
         self.unrouted: set[str] = set()  # experts measured on all rows: the router sent them none
         self.route = None  # the current forward's routing: each expert's rows, in the order it takes them
         self.rows = (0, 0)
-        self.buffers: dict[str, object] = {}
+        self.buffers: dict[str, Any] = {}  # torch tensors (torch is imported lazily)
         self.input_of: dict[str, str] = {}  # linear -> input buffer key
         self.path: dict[str, str] = {}  # linear short name -> path inside the decoder layer
         self.handles: list = []

@@ -346,7 +346,13 @@ def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *,
         )
     check_repository(pub.repository_dir)
     target = docker_target(cfg, pub.target)
-    base = choose_base(section, pub.target, pub.trtllm_version) if target == "gpu" else None
+    base = None
+    if target == "gpu":
+        if pub.trtllm_version is None:  # read_published requires it of every target that records one
+            raise InputError(f"{pub.repository_dir / artifacts.PROVENANCE_FILE}: a {pub.target} build served from a "
+                             f"GPU image must record the TensorRT-LLM version it was built for. Build and publish "
+                             f"again.")
+        base = choose_base(section, pub.target, pub.trtllm_version)
     tag = section.tag or content_tag(pub)
     repo = image_repository(section)
     refs = [f"{repo}:{tag}"]
@@ -562,9 +568,10 @@ def release_image(runner: Runner, *, dry_run: bool = False, echo: Callable[[str]
     cfg = runner.loaded.config
     with WorkDirLock(runner.work_dir):
         pub = _published(runner, echo)
-        report_dir: Optional[Path] = runner.work_dir / REPORT_STAGE_DIR
-        if not (report_dir / artifacts.MANIFEST_FILE).is_file():
-            msg = (f"No report at {report_dir}: a release carries the build report (`invoke report`), "
+        report_stage = runner.work_dir / REPORT_STAGE_DIR
+        report_dir: Optional[Path] = report_stage
+        if not (report_stage / artifacts.MANIFEST_FILE).is_file():
+            msg = (f"No report at {report_stage}: a release carries the build report (`invoke report`), "
                    f"and it has not been produced for this config.")
             if not dry_run:
                 raise InputError(msg)

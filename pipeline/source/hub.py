@@ -108,9 +108,13 @@ def resolve_revision(src: HubSource) -> str:
     from huggingface_hub import HfApi
 
     try:
-        return HfApi(endpoint=_endpoint()).model_info(src.repo_id, revision=src.revision).sha
+        sha = HfApi(endpoint=_endpoint()).model_info(src.repo_id, revision=src.revision).sha
     except Exception as e:  # noqa: BLE001 - every client error is mapped to an actionable message
         raise _hub_error(e, src, src.revision) from None
+    if sha is None:  # huggingface_hub's ModelInfo.sha is None when the Hub's answer carries none
+        raise EnvironmentProblem(f"the Hugging Face Hub answered for {src.repo_id} revision '{src.revision}' without a "
+                                 f"commit sha. Check HF_ENDPOINT, or pin model.source.revision to a commit sha.")
+    return sha
 
 
 def _selected(names: list[str], src: HubSource) -> list[str]:
@@ -135,19 +139,23 @@ def fetch_snapshot(src: HubSource, sha: str, dest: Path) -> dict:
 
     is_offline = offline()
     expected: dict[str, dict] = {}
+    siblings = None
     try:
         if is_offline:
             snapshot = Path(snapshot_download(src.repo_id, revision=sha, cache_dir=src.cache_dir,
                                               local_files_only=True))
             names = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
         else:
-            info = HfApi(endpoint=_endpoint()).model_info(src.repo_id, revision=sha, files_metadata=True)
-            names = [s.rfilename for s in info.siblings]
-            for s in info.siblings:
-                expected[s.rfilename] = {"sha256": s.lfs.sha256 if s.lfs else None, "blob_id": s.blob_id,
-                                         "size": s.size}
+            siblings = HfApi(endpoint=_endpoint()).model_info(src.repo_id, revision=sha, files_metadata=True).siblings
     except Exception as e:  # noqa: BLE001
         raise _hub_error(e, src, sha) from None
+    if not is_offline:
+        if siblings is None:  # huggingface_hub's ModelInfo.siblings is None when the Hub's answer has no file list
+            raise EnvironmentProblem(f"the Hugging Face Hub answered for {src.repo_id}@{sha[:12]} without its file "
+                                     f"list. Check HF_ENDPOINT, or retry.")
+        names = [s.rfilename for s in siblings]
+        for s in siblings:
+            expected[s.rfilename] = {"sha256": s.lfs.sha256 if s.lfs else None, "blob_id": s.blob_id, "size": s.size}
 
     wanted = _selected(names, src)
     pickles = [n for n in wanted if n.endswith(constants.PICKLE_SUFFIXES)]

@@ -196,6 +196,9 @@ def check_target_requirements(cfg, before_work: bool = False) -> Optional[Enviro
               f"on a GPU machine with the GPUs passed in (docker run --gpus all ...). Without a GPU, build the "
               f"CPU reference bundle instead: --set build.target=cpu."
             + (" Nothing has been downloaded or quantized." if before_work else ""))
+    gpu = env.gpu
+    # _missing_requirements named a missing GPU or TensorRT-LLM, and the raise above stopped there
+    assert gpu is not None and env.trtllm_version is not None
     if env.trtllm_version != b.trtllm_version:
         raise EnvironmentProblem(
             f"this machine has TensorRT-LLM {env.trtllm_version}, but build.trtllm_version is {b.trtllm_version}: "
@@ -203,7 +206,6 @@ def check_target_requirements(cfg, before_work: bool = False) -> Optional[Enviro
             f"mismatch'). Use the image with TensorRT-LLM {b.trtllm_version}, or set build.trtllm_version to "
             f"{env.trtllm_version} if that is what will serve it"
             + (" (it must be a 1.2.x release)." if not env.trtllm_version.startswith(SUPPORTED_RELEASE) else "."))
-    gpu = env.gpu
     if b.target_sm is not None and gpu.sm != b.target_sm:
         raise ConfigError(
             f"[target_gpu] this machine's GPU is {gpu.name} (SM {gpu.sm}), but the profile targets "

@@ -174,30 +174,33 @@ def _run_logged(argv: list[str], log_path: Path, cwd: Path) -> int:
             raise
 
 
-def _provenance(env: Environment, ckpt_hash: str, extra: dict) -> dict:
-    gpu = env.gpu
+def _provenance(env: Environment, gpu: GPU, ckpt_hash: str, extra: dict) -> dict:
     return {"tensorrt_llm": env.trtllm_version, "tensorrt": env.tensorrt_version, "cuda": env.cuda_version,
             "driver": gpu.driver, "gpu": gpu.name, "gpu_sm": gpu.sm, "gpu_count": len(env.gpus),
             "gpu_memory_mib": gpu.memory_mib, "checkpoint_sha256": ckpt_hash, **extra}
 
 
-def _check_inputs(cfg, ckpt_dir: Path, read_facts: Callable[[Path], QuantFacts]) -> tuple[Environment, QuantFacts]:
+def _check_inputs(cfg, ckpt_dir: Path,
+                  read_facts: Callable[[Path], QuantFacts]) -> tuple[Environment, GPU, QuantFacts]:
     """Before either GPU target does any work: this machine (check_target_requirements), the checkpoint
-    against the config, and the rules against the GPU found with the checkpoint's own facts."""
+    against the config, and the rules against the GPU found with the checkpoint's own facts; returns the
+    machine, its first GPU and the checkpoint's facts."""
     env = check_target_requirements(cfg)
-    gpu = env.gpu
+    gpu = env.gpu if env is not None else None
+    if env is None or gpu is None:  # check_target_requirements returns one with a GPU for every GPU target
+        raise StageFailed(f"internal: a TensorRT-LLM build ran for build.target {cfg.build.target} without a GPU "
+                          f"found by check_target_requirements")
     facts = read_facts(ckpt_dir)
     check_checkpoint_matches(cfg, facts)
     enforce_rules(cfg, gpu.sm, facts, gpu_label=f"{gpu.name} (SM {gpu.sm})")
-    return env, facts
+    return env, gpu, facts
 
 
 def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     """trtllm-build the TensorRT-LLM checkpoint into out_dir/engine (a child process, log beside it), check
     the engine directory, record provenance, write out_dir/build_settings.json; returns the stage summary."""
     t0 = time.perf_counter()
-    env, facts = _check_inputs(cfg, ckpt_dir, facts_from_checkpoint)
-    gpu = env.gpu
+    env, gpu, facts = _check_inputs(cfg, ckpt_dir, facts_from_checkpoint)
     ckpt_hash = checkpoint_sha256(ckpt_dir)
 
     engine_dir = out_dir / artifacts.ENGINE_DIR
@@ -212,8 +215,9 @@ def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     engine = _run_trtllm_build(env, args, facts, out_dir, engine_dir, cache, cache_out)
     build_s = round(time.perf_counter() - t0, 1)
     shown = [{str(ckpt_dir): "{checkpoint_dir}", str(engine_dir): "{output_dir}"}.get(a, a) for a in args]
-    provenance = _provenance(env, ckpt_hash, {"engine_version": engine["engine_version"], "trtllm_build_argv": shown,
-                                             "timing_cache": {"file": cache.name, "reused": reused}})
+    provenance = _provenance(env, gpu, ckpt_hash, {"engine_version": engine["engine_version"],
+                                                  "trtllm_build_argv": shown,
+                                                  "timing_cache": {"file": cache.name, "reused": reused}})
     atomic_write_json(engine_dir / artifacts.BUILD_PROVENANCE_FILE, provenance)
     settings = build_settings(cfg, "tensorrt", artifacts.ENGINE_DIR, facts.kv_cache_quant_algo,
                               cuda_graph_settings(cfg.build), env.trtllm_version, provenance, ckpt_hash,
@@ -230,6 +234,8 @@ def _run_trtllm_build(env: Environment, args: list[str], facts: QuantFacts, out_
                       cache: Path, cache_out: Path) -> dict:
     """trtllm-build with its log in out_dir, the engine directory checked, and the timing cache it wrote
     (cache_out) moved into place only after a good build; returns check_engine_dir's summary."""
+    if env.trtllm_build is None or env.trtllm_version is None:  # check_target_requirements named them missing
+        raise StageFailed("internal: trtllm-build reached without TensorRT-LLM and its trtllm-build command found")
     log_path = out_dir / BUILD_LOG_FILE
     try:
         rc = _run_logged([env.trtllm_build, *args], log_path, cwd=out_dir)
@@ -307,8 +313,7 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     """out_dir/llm_api: the HF unified checkpoint and llm_api_options.yaml for TensorRT-LLM's LLM API;
     plus out_dir/build_settings.json. Nothing is compiled: the server loads the checkpoint with these options."""
     t0 = time.perf_counter()
-    env, facts = _check_inputs(cfg, hf_ckpt_dir, facts_from_hf_checkpoint)
-    gpu = env.gpu
+    env, gpu, facts = _check_inputs(cfg, hf_ckpt_dir, facts_from_hf_checkpoint)
     opts = llm_api_options(cfg)
     ckpt_hash = checkpoint_sha256(hf_ckpt_dir)
     dest = out_dir / artifacts.LLM_API_DIR
@@ -317,7 +322,7 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
               f"build stage for {cfg.name}.\n# Serve {artifacts.LLM_API_CHECKPOINT_DIR}/ with them, e.g. trtllm-serve "
               f"{artifacts.LLM_API_CHECKPOINT_DIR} --extra_llm_api_options {artifacts.LLM_API_OPTIONS_FILE}\n")
     atomic_write_text(dest / artifacts.LLM_API_OPTIONS_FILE, header + yaml.safe_dump(opts, sort_keys=False))
-    provenance = _provenance(env, ckpt_hash, {"llm_api_options": opts})
+    provenance = _provenance(env, gpu, ckpt_hash, {"llm_api_options": opts})
     settings = build_settings(cfg, "pytorch", artifacts.LLM_API_DIR, facts.kv_cache_quant_algo,
                               cuda_graph_settings(cfg.build), env.trtllm_version, provenance, ckpt_hash)
     atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
