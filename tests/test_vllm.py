@@ -507,7 +507,7 @@ def _serve_and_stop(work_root, light) -> None:
     import urllib.request
 
     from pipeline.procs import group_members
-    from pipeline.serving.server import free_port
+    from pipeline.serving.ports import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "invoke", "serve", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),
