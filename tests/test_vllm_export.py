@@ -480,9 +480,15 @@ def _group_of(quantization_config: dict, name: str) -> dict:
                                                                             if g["targets"] == ["Linear"])
 
 
-@pytest.mark.parametrize("family, fmt, tp", [("mixtral", "int4_awq", 2), ("mixtral", "fp8", 1),
-                                             ("qwen3_moe", "int4_awq", 1)])
-def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_path, family, fmt, tp):
+_AMX = bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.parametrize("family, fmt, tp, group_size", [
+    ("mixtral", "int4_awq", 2, 32), ("mixtral", "fp8", 1, 32), ("qwen3_moe", "int4_awq", 1, 32),
+    # the one case vLLM 0.32 runs INT4 experts on a CPU (tests/data/upstream/vllm_cpu_branches.json)
+    pytest.param("mixtral", "int4_awq", 1, 64, marks=pytest.mark.skipif(
+        not _AMX, reason="needs AMX (amx_tile), this CPU lacks it: vLLM's CPU kernel for INT4 experts runs only there"))])
+def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_path, family, fmt, tp, group_size):
     """A tiny Mixtral or Qwen3-MoE quantized through `invoke quantize` for the vllm target (attention INT8
     SmoothQuant, experts INT4 AWQ or FP8, the router in high precision): the export writes every expert under
     its HF name, the router unquantized and in the ignore list, the experts in one config group (FP8 experts
@@ -500,7 +506,7 @@ def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_pat
     model = _mixtral(intermediate=128) if family == "mixtral" else _qwen3_moe()
     model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
     cfg = _with_rules(tiny_config(tmp_path, model_dir), f"{{pattern: '*.experts.*', format: {fmt}}}")
-    sets = ("build.target=vllm", f"build.tensor_parallel_size={tp}", "quantization.awq_group_size=32",
+    sets = ("build.target=vllm", f"build.tensor_parallel_size={tp}", f"quantization.awq_group_size={group_size}",
             *(("vllm.device=cuda",) if fmt == "fp8" else ("vllm.device=cpu", "build.cuda_graphs.enabled=false")))
     work = tmp_path / "work"
     proc = run_invoke("quantize", "--config", str(cfg), "--work-root", str(work),
@@ -525,7 +531,7 @@ def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_pat
         assert tuple(state[f"{experts[0]}.weight_scale"].shape) == (1,)
         assert state[f"{experts[0]}.weight"].dtype == torch.float8_e4m3fn
     else:
-        assert group["weights"]["strategy"] == "group" and group["weights"]["group_size"] == 32
+        assert group["weights"]["strategy"] == "group" and group["weights"]["group_size"] == group_size
         assert state[f"{experts[0]}.weight_packed"].dtype == torch.int32
     dense = 2 - len(moe_layers)  # a dense layer's gate/up/down: INT8 SmoothQuant
     assert ("model.layers.1.mlp.down_proj.weight" if dense else f"model.layers.1.{block}.gate.weight") in state
