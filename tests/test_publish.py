@@ -436,7 +436,7 @@ def test_refuses_a_destination_the_runner_would_replace(setup):
 
 def test_reload_asks_the_configured_server_and_says_when_it_cannot(setup):
     load, work, run = setup
-    from pipeline.serving.server import free_port
+    from pipeline.serving.ports import free_port
 
     config = load("cpu", f"triton.server_url=http://127.0.0.1:{free_port()}")
     with pytest.raises(EnvironmentProblem, match="published, but the server .* could not be reached"):

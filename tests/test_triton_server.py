@@ -209,3 +209,44 @@ def test_log_tail_puts_errors_first_and_drops_tables(tmp_path):
     tail = log_tail(log)
     assert tail.splitlines()[0].endswith('"real problem"')
     assert "|" not in tail and "CudaDriverHelper" not in tail
+
+
+@pytest.mark.parametrize("lost", ["http taken", "grpc taken", "grpc and metrics on one port"])
+def test_a_server_whose_chosen_port_was_lost_starts_again_on_new_ports(tmp_path, no_leftovers, monkeypatch, lost):
+    """The real tritonserver, started on ports of which one was taken between choosing and binding it (or, as
+    once happened when ports were chosen one at a time, two that came out equal): it fails, the launcher sees why
+    in its log and starts it again on new ports, and it becomes ready there."""
+    import socket
+
+    from pipeline.serving import server as server_module
+    from pipeline.serving.ports import fill_ports, free_ports
+
+    repo = tmp_path / "repo"
+    _model(repo, "echo")
+    http, grpc, metrics = free_ports(3)
+    first = {"http taken": [http, grpc, metrics], "grpc taken": [http, grpc, metrics],
+             "grpc and metrics on one port": [http, grpc, grpc]}[lost]
+    chosen: list[list[int]] = []
+
+    # stand-in for the race: another process taking a chosen port before the server binds it cannot be timed
+    # from here, so the launcher's first choice is the lost one (below, a port this test holds); later choices are
+    # the real ones
+    def first_choice_lost(want, host):
+        chosen.append(first if not chosen else fill_ports(want, host))
+        return chosen[-1]
+
+    monkeypatch.setattr(server_module, "fill_ports", first_choice_lost)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        if lost != "grpc and metrics on one port":
+            holder.bind(("127.0.0.1", http if lost == "http taken" else grpc))
+            holder.listen()
+        server = TritonServer(repo, log_path=tmp_path / "server.log")
+        no_leftovers.append(server)
+        with server:
+            assert len(chosen) == 2 and [server.http_port, server.grpc_port, server.metrics_port] == chosen[1]
+            assert len(set(chosen[1])) == 3 and server.model_ready("echo")
+    said = (tmp_path / "server.log").read_text()
+    assert {"http taken": "failed to start HTTP service: Unavailable - Socket '127.0.0.1:%d' already in use" % http,
+            "grpc taken": "failed to start GRPC service: Unavailable - Socket '127.0.0.1:%d' already in use" % grpc,
+            "grpc and metrics on one port": "The server cannot listen to GRPC requests and metrics requests at the "
+                                            "same address and port 127.0.0.1:%d" % grpc}[lost] in said

@@ -31,7 +31,8 @@ from pipeline.config import load_config
 from pipeline.engines import reference
 from pipeline.runner import Runner
 from pipeline.serving import publish as pub
-from pipeline.serving.server import SHM_DIR, TritonServer, free_port
+from pipeline.serving.ports import free_port, free_ports
+from pipeline.serving.server import SHM_DIR, TritonServer
 from pipeline.serving.verify import Expected, metric_series
 from pipeline.stages import STAGES
 
@@ -326,7 +327,7 @@ def test_the_tasks_that_read_a_published_build_run_on_one(tiny):
 
 def test_invoke_serve_prints_endpoints_answers_and_stops_on_ctrl_c(tiny):
     cfg, work_root, _, _ = tiny
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     cmd = [sys.executable, "-m", "invoke", "serve", "--config", str(cfg), "--work-root", str(work_root),
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
     for s in TINY_SETS:
@@ -559,7 +560,7 @@ def test_the_watchdog_stops_a_failing_and_a_leaking_server_and_the_supervisor_re
             "triton.watchdog.memory_window_s=5"]
     _run(cfg, work_root, "publish", *sets)
     fault = tmp_path / "fault"
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     http = f"127.0.0.1:{ports[0]}"
     cmd = [sys.executable, "-m", "invoke", "serve", "--supervise", "--max-restarts", "2", "--config", str(cfg),
            "--work-root", str(work_root), "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),

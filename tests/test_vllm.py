@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, completion_order_with_classes, metric, read_until, run_invoke, sigint_at_default, tiny_config
+from upstream_facts import upstream
 
 from pipeline import constants
 from pipeline.config import load_config
 from pipeline.engines.vllm import engine_args as ea
 from pipeline.engines.vllm import runtime
 from pipeline.errors import ConfigError, EnvironmentProblem
+from pipeline.formats import VLLM_CPU_MLA_BLOCK
 from pipeline.serving import verify_vllm
 
 VLLM_CONFIG = REPO / "engine_configs" / "smollm2-135m-vllm.yaml"
@@ -216,18 +218,104 @@ def test_a_head_size_vllms_cpu_attention_cannot_take_is_refused_before_the_expor
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [[576], ["auto"], True, False]
     latent = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
               "model_type": "deepseek_v2"}
-    mla_cfg = load_config(VLLM_CONFIG, ["vllm.kv_cache_dtype=auto", "build.kv_cache.tokens_per_block=16"]).config
+    # the block this CPU's MLA backend takes (AMX_MLA with AMX: a multiple of 32; CPU_MLA without: 16 only)
+    amx = runtime.cpu_features().amx
+    mla_block, wrong_block = (32, 16) if amx else (16, 32)
+    mla_cfg = load_config(VLLM_CONFIG, ["vllm.kv_cache_dtype=auto", f"build.kv_cache.tokens_per_block={mla_block}"]).config
     runtime.check_cpu_attention(mla_cfg, model(2048, 16, **latent))  # DeepSeek-V2-Lite
     with pytest.raises(EnvironmentProblem, match="latent KV is 40 wide .* takes 576 only"):
         runtime.check_cpu_attention(mla_cfg, model(2048, 16, **{**latent, "kv_lora_rank": 32, "qk_rope_head_dim": 8}))
     with pytest.raises(EnvironmentProblem, match="keeps its KV cache in the model's dtype only .*is fp8"):
-        runtime.check_cpu_attention(load_config(VLLM_CONFIG, ["build.kv_cache.tokens_per_block=16"]).config,
+        runtime.check_cpu_attention(load_config(VLLM_CONFIG, [f"build.kv_cache.tokens_per_block={mla_block}"]).config,
                                     model(2048, 16, **latent))
-    with pytest.raises(EnvironmentProblem, match="takes blocks of 16 tokens only: set build.kv_cache.tokens_per_block 16"):
-        runtime.check_cpu_attention(load_config(VLLM_CONFIG, ["vllm.kv_cache_dtype=auto"]).config,
+    said = (r"this CPU has AMX \(amx_tile\).*multiple of 32 tokens only: set build.kv_cache.tokens_per_block 32" if amx
+            else r"takes blocks of 16 tokens only on a CPU without AMX \(amx_tile\), such as this one: set "
+                 r"build.kv_cache.tokens_per_block 16")
+    with pytest.raises(EnvironmentProblem, match=said):
+        runtime.check_cpu_attention(load_config(VLLM_CONFIG, ["vllm.kv_cache_dtype=auto",
+                                                              f"build.kv_cache.tokens_per_block={wrong_block}"]).config,
                                     model(2048, 16, **latent))
     with pytest.raises(EnvironmentProblem, match="tokens_per_block 16: .*multiple of 32 tokens for a model without"):
-        runtime.check_cpu_attention(mla_cfg, model(576, 9))
+        runtime.check_cpu_attention(load_config(VLLM_CONFIG, ["build.kv_cache.tokens_per_block=16"]).config,
+                                    model(576, 9))
+
+
+def test_the_vllm_checks_near_tie_is_a_multiple_of_its_dtypes_rounding():
+    """vLLM computes in bfloat16: a greedy token that differs from the float32 reference's where the two logits
+    (about 25 here) are within 4 bf16 eps of their size (0.78) is a rounding tie, whichever CPU's kernels rounded
+    it (an AMX machine's bf16 kernels diverged at a margin the fixed 0.1 refused); a margin of whole logits is
+    not, and a float32 engine keeps the fixed bound."""
+    import torch
+
+    from pipeline.engines import reference
+
+    rel = reference.relative_tie_bound("bfloat16")
+    assert rel == reference.ROUNDING_TIE_EPS * 2 ** -7 and reference.relative_tie_bound("float32") == 0.0
+    assert reference.relative_tie_bound("float16") == reference.ROUNDING_TIE_EPS * 2 ** -10
+
+    def diverging_at(margin: float) -> reference.Greedy:
+        row = torch.zeros(8)
+        row[1], row[2] = 25.0, 25.0 - margin  # the reference's token 1, vLLM's token 2
+        return reference.Greedy([5, 1], [torch.zeros(8), row])
+
+    near = reference.compare([5, 2], diverging_at(0.5), relative=rel)
+    assert near["ok"] and near["tie_bound"] == 0.78125 and near["diverged_at"] == 1
+    assert not reference.compare([5, 2], diverging_at(0.5))["ok"]  # the fixed bound alone: 0.1
+    assert not reference.compare([5, 2], diverging_at(2.0), relative=rel)["ok"]
+
+
+def test_the_branches_vllm_takes_on_a_cpu_with_or_without_amx_are_the_ones_the_build_checks_for(vllm_python):
+    """vLLM 0.32's CPU build goes one way with AMX (amx_tile) and another without, for INT4 experts and for
+    multi-head latent attention (tests/data/upstream/vllm_cpu_branches.json, read from the wheel): the installed
+    vLLM, asked here, says what that file says, picks for this CPU the MLA backend and INT4 expert kernel that
+    ``runtime.cpu_features`` says it picks, and the build's refusals follow each branch."""
+    facts = upstream("vllm_cpu_branches.json")
+    probe = textwrap.dedent("""
+        import inspect, json
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+            compressed_tensors_moe_wna16 as wna16)
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kInt4Static, kInt4Static32
+        from vllm.platforms.cpu import CpuPlatform
+        from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+        import torch
+        method = inspect.getsource(wna16.CompressedTensorsWNA16MoEMethod.__init__)
+        group32 = method.split("if self.group_size == 32:", 1)[1].split("else:", 1)[0]
+        selector = AttentionSelectorConfig(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto",
+                                           block_size=None, use_mla=True)
+        print(json.dumps({
+            "int4_here": CPUExpertsInt4._supports_current_device(),
+            "int4_schemes": [CPUExpertsInt4._supports_quant_scheme(k, None) for k in (kInt4Static, kInt4Static32)],
+            "group32_key": group32.strip(),
+            "mla_here": CpuPlatform.get_attn_backend_cls(None, selector),
+            "mla_paths": {e.name: e.get_path() for e in (AttentionBackendEnum.AMX_MLA, AttentionBackendEnum.CPU_MLA)},
+            "amx_blocks": [AMXMLABackend.supports_block_size(b) for b in (16, 32, 64)],
+            "cpu_blocks": [CPUMLABackend.supports_block_size(b) for b in (16, 32, 64)],
+            "amx_mla": [AMXMLABackend.get_supported_head_sizes(), [str(d) for d in AMXMLABackend.supported_dtypes]]}))
+    """)
+    out = subprocess.run([vllm_python, "-c", probe], capture_output=True, text=True, timeout=300,
+                         env=runtime.child_env({}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    features = runtime.cpu_features()
+    assert got["int4_here"] == features.amx  # CPUExpertsInt4 runs here exactly where AMX is
+    assert got["int4_schemes"] == [True, False]  # kInt4Static taken, kInt4Static32 not, AMX or not
+    assert got["group32_key"] == "scale = kInt4Static32GroupScale" and facts["int4_experts"]["refused_group_size"] == 32
+    assert got["mla_here"] == got["mla_paths"][features.mla_backend]
+    assert got["amx_blocks"] == [False, True, True] and got["cpu_blocks"] == [True, False, False]
+    assert got["amx_mla"] == [[576], ["torch.bfloat16"]]
+    assert facts["mla"]["cpu_mla_block"] == VLLM_CPU_MLA_BLOCK and facts["mla"]["amx_mla_block_multiple"] == 32
+    # the build's refusal of INT4 experts, for both branches (a pure function of the features and the group size)
+    amx, avx512_only = runtime.CpuFeatures(avx512=True, amx=True), runtime.CpuFeatures(avx512=True, amx=False)
+    assert [runtime.cpu_int4_experts_refusal(amx, g) for g in (64, 128)] == [None, None]
+    assert "takes no group size of 32 (quantization.awq_group_size): set it to 64 or 128" in \
+        runtime.cpu_int4_experts_refusal(amx, 32)
+    assert all("needs AMX (amx_tile), which this CPU lacks" in runtime.cpu_int4_experts_refusal(avx512_only, g)
+               for g in (32, 64, 128))
+    assert features.branches()["mla_backend"] == features.mla_backend
 
 
 @pytest.mark.skipif(not runtime.cpu_runs_vllm(), reason="vLLM's CPU build needs AVX-512 or AMX (this CPU has "
@@ -292,8 +380,9 @@ def test_families_with_only_an_hf_unified_checkpoint_are_built_and_checked_by_vl
     cfg = tiny_config(tmp_path, model_dir, HF_ONLY_QUANTIZATION.replace("fp8", "none") if mla else HF_ONLY_QUANTIZATION)
     if mla:
         _with_rules(cfg, "{pattern: '*.experts.*', keep_high_precision: true}")
+    mla_block = 16 if runtime.cpu_features().mla_backend == "CPU_MLA" else 32  # AMX_MLA: a multiple of 32
     sets = ["build.target=vllm", "vllm.device=cpu", "vllm.dtype=bfloat16", "build.cuda_graphs.enabled=false",
-            f"build.kv_cache.tokens_per_block={16 if mla else 32}"]
+            f"build.kv_cache.tokens_per_block={mla_block if mla else 32}"]
     proc = run_invoke("build", "--config", str(cfg), "--work-root", str(tmp_path / "work"),
                       *(a for s in sets for a in ("--set", s)), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -507,7 +596,7 @@ def _serve_and_stop(work_root, light) -> None:
     import urllib.request
 
     from pipeline.procs import group_members
-    from pipeline.serving.server import free_port
+    from pipeline.serving.ports import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "invoke", "serve", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),

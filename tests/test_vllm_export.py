@@ -16,6 +16,7 @@ tests/test_vllm.py."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -479,9 +480,15 @@ def _group_of(quantization_config: dict, name: str) -> dict:
                                                                             if g["targets"] == ["Linear"])
 
 
-@pytest.mark.parametrize("family, fmt, tp", [("mixtral", "int4_awq", 2), ("mixtral", "fp8", 1),
-                                             ("qwen3_moe", "int4_awq", 1)])
-def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_path, family, fmt, tp):
+_AMX = bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.parametrize("family, fmt, tp, group_size", [
+    ("mixtral", "int4_awq", 2, 32), ("mixtral", "fp8", 1, 32), ("qwen3_moe", "int4_awq", 1, 32),
+    # the one case vLLM 0.32 runs INT4 experts on a CPU (tests/data/upstream/vllm_cpu_branches.json)
+    pytest.param("mixtral", "int4_awq", 1, 64, marks=pytest.mark.skipif(
+        not _AMX, reason="needs AMX (amx_tile), this CPU lacks it: vLLM's CPU kernel for INT4 experts runs only there"))])
+def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_path, family, fmt, tp, group_size):
     """A tiny Mixtral or Qwen3-MoE quantized through `invoke quantize` for the vllm target (attention INT8
     SmoothQuant, experts INT4 AWQ or FP8, the router in high precision): the export writes every expert under
     its HF name, the router unquantized and in the ignore list, the experts in one config group (FP8 experts
@@ -499,7 +506,7 @@ def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_pat
     model = _mixtral(intermediate=128) if family == "mixtral" else _qwen3_moe()
     model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
     cfg = _with_rules(tiny_config(tmp_path, model_dir), f"{{pattern: '*.experts.*', format: {fmt}}}")
-    sets = ("build.target=vllm", f"build.tensor_parallel_size={tp}", "quantization.awq_group_size=32",
+    sets = ("build.target=vllm", f"build.tensor_parallel_size={tp}", f"quantization.awq_group_size={group_size}",
             *(("vllm.device=cuda",) if fmt == "fp8" else ("vllm.device=cpu", "build.cuda_graphs.enabled=false")))
     work = tmp_path / "work"
     proc = run_invoke("quantize", "--config", str(cfg), "--work-root", str(work),
@@ -524,7 +531,7 @@ def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_pat
         assert tuple(state[f"{experts[0]}.weight_scale"].shape) == (1,)
         assert state[f"{experts[0]}.weight"].dtype == torch.float8_e4m3fn
     else:
-        assert group["weights"]["strategy"] == "group" and group["weights"]["group_size"] == 32
+        assert group["weights"]["strategy"] == "group" and group["weights"]["group_size"] == group_size
         assert state[f"{experts[0]}.weight_packed"].dtype == torch.int32
     dense = 2 - len(moe_layers)  # a dense layer's gate/up/down: INT8 SmoothQuant
     assert ("model.layers.1.mlp.down_proj.weight" if dense else f"model.layers.1.{block}.gate.weight") in state
@@ -537,8 +544,9 @@ def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_pat
                                                   "expert up rows": n_experts * len(moe_layers),
                                                   **({"up_proj rows": 1} if dense else {})}
         assert facts["int4_requantized_to_share_a_prequant_scale"] == []
-    _assert_vllm_builds_the_experts(tmp_path / "vllm", state, fmt, family)
-    # the build's check before the export: INT4 experts on a CPU without AMX, which vLLM's CPU kernel needs
+    _assert_vllm_builds_the_experts(tmp_path / "vllm", state, fmt, family, group["weights"].get("group_size"))
+    # the build's check before the export: INT4 experts vLLM runs on no CPU kernel here (without AMX; with AMX, a
+    # group of 32, as here: tests/data/upstream/vllm_cpu_branches.json)
     from pipeline.config import load_config
     from pipeline.engines.vllm import runtime
     from pipeline.errors import EnvironmentProblem
@@ -547,10 +555,11 @@ def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_pat
     assert runtime.int4_expert_layers(ckpt) == int4_layers
     if int4_layers:  # (FP8 experts are refused on vllm.device cpu by the config check)
         cpu = load_config(cfg, sets).config
-        if torch.cpu._is_amx_tile_supported():
+        why = runtime.cpu_int4_experts_refusal(runtime.cpu_features(), cpu.quantization.awq_group_size)
+        if why is None:
             runtime.check_cpu_experts(cpu, ckpt)
         else:
-            with pytest.raises(EnvironmentProblem, match=r"INT4 AWQ, and vLLM's CPU kernel for INT4 experts needs AMX"):
+            with pytest.raises(EnvironmentProblem, match=re.escape(f"INT4 AWQ, and {why}")):
                 runtime.check_cpu_experts(cpu, ckpt)
     unfoldable = facts["dequantized_smoothing_not_foldable"]
     assert unfoldable == ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
@@ -566,11 +575,12 @@ def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_pat
     assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 1e-5
 
 
-def _assert_vllm_builds_the_experts(folder, state, fmt, family):
+def _assert_vllm_builds_the_experts(folder, state, fmt, family, group_size):
     """vLLM 0.32 itself, in its own environment: the routers unquantized, and each layer's experts built by its
     fused-MoE factory with the MoE method of the format (FP8: per-tensor weight scales, one per expert and
-    shard, and static input scales; INT4: WNA16 group-wise). Its CPU INT4 MoE kernel needs AMX: without it
-    vLLM refuses the layer, which the probe records."""
+    shard, and static input scales; INT4: WNA16 group-wise). Its CPU INT4 MoE kernel needs AMX and takes no group
+    of 32: where it cannot run (``runtime.cpu_int4_experts_refusal``) vLLM refuses the layer, which the probe
+    records."""
     import subprocess
 
     from pipeline.engines.vllm import runtime
@@ -597,7 +607,8 @@ def _assert_vllm_builds_the_experts(folder, state, fmt, family):
             assert got["params"]["w13_input_scale"][0] == got["params"]["w2_input_scale"][0] == [n]
         else:
             assert got["method"] == "CompressedTensorsWNA16MoEMethod", got
-            if not got["amx"]:
+            assert got["amx"] == runtime.cpu_features().amx  # the serving environment's torch says the same
+            if runtime.cpu_int4_experts_refusal(runtime.cpu_features(), group_size):
                 assert "No WNA16 MoE backend" in got["error"], got
                 continue
             assert got["params"]["w13_weight_packed"] == [[n, 2 * w1.shape[0], w1.shape[1]], "int32"], got

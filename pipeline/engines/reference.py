@@ -25,6 +25,20 @@ from pipeline import artifacts
 # activation that sat on a rounding boundary then moves a whole step, which moves logits by up to ~0.05.
 # A wrong cache block or position moves them by whole units.
 TIE_BOUND = 0.1
+# A model computed in a 16-bit float moves the difference of two logits by a few of that float's eps (bfloat16:
+# 2**-7) times their size, whatever the machine: measured on SmolLM2-135M, bfloat16 against float32 on the
+# float32 model's greedy tokens (8 prompts x 32 tokens, the top logit against each of the next 7: 882 pairs,
+# logits about 26), the difference moved by 0.36 eps x |logit| at the median, 1.86 at the 99th percentile and 3.55
+# at most (0.07, 0.47 in logits: TIE_BOUND alone is below bf16's own rounding). So a check of such an engine
+# takes a near-tie up to ROUNDING_TIE_EPS eps of the larger logit.
+ROUNDING_TIE_EPS = 4.0
+
+
+def relative_tie_bound(dtype: str) -> float:
+    """The near-tie bound, relative to the larger of the two logits, of an engine computing in ``dtype``."""
+    import torch
+
+    return ROUNDING_TIE_EPS * torch.finfo(getattr(torch, dtype)).eps if dtype in ("bfloat16", "float16") else 0.0
 
 
 @dataclass
@@ -91,8 +105,9 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, kv_quant_algo: Opt
     return Greedy(tokens, rows)
 
 
-def compare(got: list[int], ref: Greedy, tie_bound: float = TIE_BOUND) -> dict:
-    """Equal, or diverging first at a near-tie of the reference's logits (then nothing after is compared)."""
+def compare(got: list[int], ref: Greedy, tie_bound: float = TIE_BOUND, relative: float = 0.0) -> dict:
+    """Equal, or diverging first at a near-tie of the reference's logits (then nothing after is compared): a
+    margin up to ``tie_bound``, or up to ``relative`` times the larger of the two logits (``relative_tie_bound``)."""
     n = min(len(got), len(ref.tokens))
     first = next((i for i in range(n) if got[i] != ref.tokens[i]), None)
     if first is None:
@@ -101,5 +116,6 @@ def compare(got: list[int], ref: Greedy, tie_bound: float = TIE_BOUND) -> dict:
                 "margin": None}
     row = ref.logits[first]
     margin = float(row[ref.tokens[first]] - row[got[first]])
-    return {"equal": False, "ok": margin <= tie_bound, "diverged_at": first, "margin": round(margin, 6),
-            "reference_token": ref.tokens[first], "got_token": got[first]}
+    bound = max(tie_bound, relative * max(abs(float(row[ref.tokens[first]])), abs(float(row[got[first]]))))
+    return {"equal": False, "ok": margin <= bound, "diverged_at": first, "margin": round(margin, 6),
+            "tie_bound": round(bound, 6), "reference_token": ref.tokens[first], "got_token": got[first]}

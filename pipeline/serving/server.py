@@ -32,7 +32,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,10 +47,10 @@ from pipeline import artifacts, targets
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed
 from pipeline.procs import SHM_DIR, stop_process_group
 from pipeline.serving import launch
+from pipeline.serving.ports import LOOPBACK, START_TRIES, fill_ports, lost_port_race
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 STUB_NAME = "triton_python_backend_stub"
 READY_TIMEOUT_S = 120.0
 VLLM_READY_TIMEOUT_S = 600.0  # vLLM's import and engine start: 40-90 s on 2 busy cores
@@ -151,12 +150,6 @@ def prepare_backends_dir(dest: Path, dist: PytritonDist, env: PythonEnv) -> Path
     shutil.copy2(stub, py / STUB_NAME)
     os.chmod(py / STUB_NAME, 0o755)
     return dest
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 try:  # resolved here, not between fork and exec, where loading a library could deadlock
@@ -367,15 +360,15 @@ class TritonServer(ServerProcess):
         if self.log_path is None:
             self.log_path = self._tmp / "tritonserver.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        want = (self.http_port, self.grpc_port, self.metrics_port)
+        want = {"http_port": self.http_port, "grpc_port": self.grpc_port, "metrics_port": self.metrics_port}
         t0 = time.monotonic()
         try:
-            for attempt in range(3):  # a free port can be taken between choosing it and binding it
-                self.http_port, self.grpc_port, self.metrics_port = (p or free_port(self.host) for p in want)
+            for attempt in range(START_TRIES):  # a free port can be taken between choosing it and binding it
+                self.http_port, self.grpc_port, self.metrics_port = fill_ports(want, self.host)
                 self._spawn(env)
                 if self._wait_ready():
                     break
-                if attempt < 2 and not all(want) and "ddress already in use" in log_tail(self.log_path):
+                if attempt < START_TRIES - 1 and not all(want.values()) and lost_port_race(log_tail(self.log_path)):
                     log.info("a chosen port was taken meanwhile; retrying with new ports")
                     self._terminate()
                     continue

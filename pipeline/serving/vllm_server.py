@@ -23,7 +23,8 @@ from pipeline import artifacts
 from pipeline.errors import InputError, StageFailed
 from pipeline.procs import stop_process_group
 from pipeline.serving import launch
-from pipeline.serving.server import LOOPBACK, ServerProcess, _set_pdeathsig, free_port, log_tail
+from pipeline.serving.ports import LOOPBACK, START_TRIES, free_port, lost_port_race
+from pipeline.serving.server import ServerProcess, _set_pdeathsig, log_tail
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +94,13 @@ class VllmServer(ServerProcess):
         want = self.http_port
         t0 = time.monotonic()
         try:
-            for attempt in range(3):  # a free port can be taken between choosing it and binding it
+            for attempt in range(START_TRIES):  # a free port can be taken between choosing it and binding it
                 self.http_port = want or free_port(self.host)
                 self._spawn(python, runtime.child_env(self.engine.get("env", {})))
                 if self._wait_ready():
                     break
-                if attempt < 2 and not want and "ddress already in use" in log_tail(self.log_path):
+                if attempt < START_TRIES - 1 and not want and lost_port_race(log_tail(self.log_path)):
+                    log.info("the chosen port was taken meanwhile; retrying with a new one")
                     stop_process_group(self.process, "vLLM server")
                     continue
                 raise StageFailed(self._failure_message())

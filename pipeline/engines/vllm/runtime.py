@@ -14,6 +14,7 @@ import os
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -29,15 +30,41 @@ WITHOUT_VLLM = ("Without vLLM, the same model and plan serve on the cpu target: 
                 "--config engine_configs/smollm2-135m-cpu.yaml")
 
 
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What vLLM 0.32's CPU build asks of this CPU, through torch as vLLM asks it, and the branch each answer
+    takes (source lines: tests/data/upstream/vllm_cpu_branches.json)."""
+
+    avx512: bool  # torch.cpu._is_avx512_supported()
+    amx: bool  # torch.cpu._is_amx_tile_supported(): the amx_tile flag
+
+    @property
+    def mla_backend(self) -> str:
+        """The multi-head latent attention backend vLLM's CPU platform picks: AMX_MLA wherever AMX is."""
+        return "AMX_MLA" if self.amx else "CPU_MLA"
+
+    def branches(self) -> dict:
+        """Which way vLLM goes on this CPU, for a person to read (what `invoke doctor` would print)."""
+        return {"avx512": self.avx512, "amx_tile": self.amx, "runs_vllm": self.avx512 or self.amx,
+                "mla_backend": self.mla_backend,
+                "int4_experts": "CPUExpertsInt4 (AMX; INT4 groups other than 32)" if self.amx else "none (needs AMX)"}
+
+
+def cpu_features() -> CpuFeatures:
+    """This CPU's features as vLLM's CPU build sees them."""
+    import torch
+
+    return CpuFeatures(avx512=bool(torch.cpu._is_avx512_supported()), amx=bool(torch.cpu._is_amx_tile_supported()))
+
+
 def cpu_runs_vllm() -> bool:
     """Whether this CPU runs vLLM's CPU build at a usable speed: it has AVX-512 or AMX, asked of torch as vLLM's
     CPU attention asks (v1/attention/backends/cpu_attn.py ``_get_attn_isa``). Without them vLLM computes in
     bfloat16 by emulation (measured on a 2-core AVX2 machine: a [4096, 576] x [576, 1536] bf16 matmul at 0.7
     GFLOP/s against 28 in fp32; one engine step of SmolLM2's accuracy check passed vLLM's 300 s RPC timeout)
     and refuses an FP8 KV cache ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX")."""
-    import torch
-
-    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+    features = cpu_features()
+    return features.avx512 or features.amx
 
 
 def check_cpu(cfg) -> None:
@@ -81,10 +108,16 @@ def check_cpu_attention(cfg, model_dir: Path) -> None:
             raise EnvironmentProblem(
                 f"vLLM's CPU multi-head latent attention keeps its KV cache in the model's dtype only (vllm."
                 f"kv_cache_dtype is {kv}): set vllm.kv_cache_dtype auto (or quantization.kv_cache none)")
-        if block != VLLM_CPU_MLA_BLOCK:
+        if cpu_features().amx:  # vLLM picks AMX_MLA here, which takes blocks of a multiple of 32 tokens only
+            if block % VLLM_CPU_BLOCK_MULTIPLE:
+                raise EnvironmentProblem(
+                    f"this CPU has AMX (amx_tile), where vLLM's CPU multi-head latent attention is its AMX backend, "
+                    f"which takes blocks of a multiple of {VLLM_CPU_BLOCK_MULTIPLE} tokens only: set "
+                    f"build.kv_cache.tokens_per_block {VLLM_CPU_BLOCK_MULTIPLE}")
+        elif block != VLLM_CPU_MLA_BLOCK:
             raise EnvironmentProblem(
-                f"vLLM's CPU multi-head latent attention takes blocks of {VLLM_CPU_MLA_BLOCK} tokens only: set "
-                f"build.kv_cache.tokens_per_block {VLLM_CPU_MLA_BLOCK}")
+                f"vLLM's CPU multi-head latent attention takes blocks of {VLLM_CPU_MLA_BLOCK} tokens only on a CPU "
+                f"without AMX (amx_tile), such as this one: set build.kv_cache.tokens_per_block {VLLM_CPU_MLA_BLOCK}")
         return
     if block % VLLM_CPU_BLOCK_MULTIPLE:
         raise EnvironmentProblem(
@@ -103,21 +136,37 @@ def check_cpu_attention(cfg, model_dir: Path) -> None:
 
 
 def check_cpu_experts(cfg, ckpt_dir: Path) -> None:
-    """Stop before the export where the checkpoint has INT4 experts, vLLM runs on this CPU and the CPU has no
-    AMX: vLLM 0.32's only CPU kernel for INT4 experts on x86 (fused_moe/experts/cpu_moe.py ``CPUExpertsInt4``)
-    needs AMX, and without it vLLM refuses the layer ("No WNA16 MoE backend supports the deployment
-    configuration", found on an AVX-512 machine without AMX by tests/bin/vllm-scheme-probe)."""
-    import torch
-
-    if cfg.vllm.device != "cpu" or torch.cpu._is_amx_tile_supported():
+    """Stop before the export where the checkpoint has INT4 experts that vLLM 0.32 runs on no kernel on this CPU
+    (``cpu_int4_experts_refusal``); vLLM itself would refuse the layer when its engine starts ("No WNA16 MoE
+    backend supports the deployment configuration", found on an AVX-512 machine without AMX by
+    tests/bin/vllm-scheme-probe)."""
+    if cfg.vllm.device != "cpu":
+        return
+    why = cpu_int4_experts_refusal(cpu_features(), cfg.quantization.awq_group_size)
+    if why is None:
         return  # nothing to read: the checkpoint is only opened where it could matter
     layers = int4_expert_layers(ckpt_dir)
     if layers:
         raise EnvironmentProblem(
-            f"the experts of {len(layers)} MoE layers (first: {layers[0]}) are INT4 AWQ, and vLLM's CPU kernel for "
-            f"INT4 experts needs AMX, which this CPU lacks. Keep the experts in high precision (plan rule "
-            f"{{pattern: '*.experts.*', keep_high_precision: true}}), serve them on vllm.device cuda, or use "
-            f"build.target cpu")
+            f"the experts of {len(layers)} MoE layers (first: {layers[0]}) are INT4 AWQ, and {why}. Keep the experts "
+            f"in high precision (plan rule {{pattern: '*.experts.*', keep_high_precision: true}}), serve them on "
+            f"vllm.device cuda, or use build.target cpu")
+
+
+# vLLM 0.32 runs INT4 experts on an x86 CPU with one kernel, CPUExpertsInt4 (fused_moe/experts/cpu_moe.py), which
+# needs AMX and takes the scheme kInt4Static only; its WNA16 MoE method names a group of 32 kInt4Static32 instead
+# (tests/data/upstream/vllm_cpu_branches.json)
+VLLM_CPU_INT4_EXPERT_REFUSED_GROUP = 32
+
+
+def cpu_int4_experts_refusal(features: CpuFeatures, group_size: int) -> Optional[str]:
+    """Why vLLM 0.32 runs no kernel for INT4 experts of ``group_size`` on a CPU with ``features``; None: it runs one."""
+    if not features.amx:
+        return "vLLM's CPU kernel for INT4 experts needs AMX (amx_tile), which this CPU lacks"
+    if group_size == VLLM_CPU_INT4_EXPERT_REFUSED_GROUP:
+        return (f"vLLM's CPU kernel for INT4 experts takes no group size of {group_size} (quantization."
+                f"awq_group_size): set it to 64 or 128")
+    return None
 
 
 def int4_expert_layers(ckpt_dir: Path) -> list[str]:
