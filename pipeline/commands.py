@@ -20,7 +20,7 @@ from pipeline import artifacts, constants, targets
 from pipeline.config import LoadedConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.fsutil import remove_tree
-from pipeline.release.deploy import render_manifests
+from pipeline.release.deploy import pod_host_memory, render_manifests
 from pipeline.release.image import ImagePlan, build_image, check_release, release_image
 from pipeline.runner import Runner, WorkDirLock
 from pipeline.serving.server import serve_published
@@ -137,6 +137,7 @@ def explain(config: Optional[str], overrides: Sequence[str], work_root: Path) ->
         print(f"model type: {res.model_type or 'not known until the model is downloaded'}")
         for dotted, (value, why) in res.chosen.items():
             print(f"  chosen: {dotted} = {value!r}: {why}")
+    print(f"serving pod: {serving_pod_line(runner.loaded.config)}")
     all_current = True
     for st in runner.explain([s.name for s in STAGES]):
         if st.up_to_date:
@@ -145,6 +146,20 @@ def explain(config: Optional[str], overrides: Sequence[str], work_root: Path) ->
             all_current = False
             print(f"  {st.name:<12} will run: " + "; ".join(st.reasons))
     return all_current
+
+
+def serving_pod_line(cfg) -> str:
+    """The serving pod's host memory as `invoke deploy-manifests` sizes it, and what it holds."""
+    host = pod_host_memory(cfg)
+    line = f"memory {host['memory']} GiB, /dev/shm {host['shm']} GiB"
+    target = targets.get(cfg.build.target)
+    offload = target.kv_offloading_gib(cfg)
+    if offload:
+        ranks = cfg.build.tensor_parallel_size
+        where = "in process memory" if target.on_cpu(cfg) else "in /dev/shm"
+        line += (f" (vLLM's KV offloading: {offload:g} GiB in all, {offload / ranks:g} GiB per rank of {ranks}, "
+                 f"{where})")
+    return line
 
 
 def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> Path:

@@ -401,10 +401,12 @@ class BuildSection(Strict):
     # tensorrt target: context chunking in the Triton backend (enable_chunked_context). None: on wherever paged
     # context FMHA is on (it needs it); then max_num_tokens must be a multiple of kv_cache.tokens_per_block.
     chunked_context: Optional[bool] = None
-    # tensorrt target: the FP8 GEMM + SwiGLU fusion of the gated MLP (--gemm_swiglu_plugin fp8), Hopper only.
-    # None: on for FP8 weights on SM 90 when the model is large (hidden size >= 4096), as upstream recommends;
-    # false where its accuracy loss is not acceptable (the accuracy gate measures the checkpoint, not this fusion).
-    fp8_swiglu_fusion: Optional[bool] = None
+    # tensorrt target: the FP8 GEMM + SwiGLU fusion of the gated MLP (--gemm_swiglu_plugin fp8 with
+    # --use_fused_mlp), FP8 weights on Hopper only. Off by default: it drops one of gate/up's quantization scales
+    # ("can slightly reduce accuracy", TensorRT-LLM's FP8 guide), and the accuracy gate measures the checkpoint,
+    # not this arithmetic. true: a profile opts in for its speed (upstream advises it for large models), having
+    # checked the served accuracy itself.
+    fp8_swiglu_fusion: bool = False
     # TensorRT's timing cache, kept across builds (absolute, or relative to the current directory);
     # None: <user cache dir>/trtllm-pipeline/timing-cache. One file per GPU model and TensorRT-LLM version.
     timing_cache_dir: Optional[Path] = None
@@ -455,8 +457,10 @@ class VllmSection(Strict):
     kv_cache_dtype: Optional[Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]] = None
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # cuda only
     cpu_kv_cache_gib: int = Field(1, ge=1)  # cpu only: the KV cache's size (VLLM_CPU_KVCACHE_SPACE)
-    # The host-memory KV tier (vLLM 0.32's --kv-offloading-size, GiB). It replaces --swap-space, which the V1
-    # engine dropped: the seeds' "16 GB swap" maps here. None: no offloading.
+    # The host-memory KV tier (vLLM 0.32's --kv-offloading-size, GiB): the TOTAL over the tensor-parallel ranks
+    # (each rank gets its share), unlike the old per-GPU --swap-space it replaces (the V1 engine dropped it). On
+    # CUDA vLLM holds it in one region under /dev/shm: `invoke deploy-manifests` sizes the pod's /dev/shm and
+    # memory limit from it and `invoke explain` prints them. None: no offloading.
     kv_offloading_gib: Optional[float] = Field(None, gt=0)
     # the OpenAI server's model name (its "model" field); None: triton.model_name
     served_model_name: Optional[SafeName] = None

@@ -53,15 +53,15 @@ def tokens():
     return torch.randint(3, 512, (4, 48), generator=g), torch.randint(3, 512, (2, 48), generator=g)
 
 
-def quantize_and_export(original, case: str, calib, evals, out_of_tp) -> dict:
-    """ModelOpt quantizes a copy of ``original`` as ``case`` plans and exports a TensorRT-LLM checkpoint for each
-    tensor-parallel size ``out_of_tp`` names (tp -> a new folder): {"plan", "quant", "ckpt" (tp -> folder),
-    "fake_quant_logits" (the fake-quant model's on ``evals``)}."""
+def quantize_and_export(original, case: str, calib, evals, out_of_tp, kv_cache: str = "none") -> dict:
+    """ModelOpt quantizes a copy of ``original`` as ``case`` plans (its KV cache as ``kv_cache``) and exports a
+    TensorRT-LLM checkpoint for each tensor-parallel size ``out_of_tp`` names (tp -> a new folder): {"plan",
+    "quant", "ckpt" (tp -> folder), "fake_quant_logits" (the fake-quant model's on ``evals``)}."""
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
     base, other = CASES[case]
     plan = _plan(base, other)
-    quant = QuantizationSection(weight_format=base, kv_cache="none", awq_group_size=32)
+    quant = QuantizationSection(weight_format=base, kv_cache=kv_cache, awq_group_size=32)
     model = copy.deepcopy(original)
 
     def loop(m):

@@ -357,3 +357,43 @@ def test_a_vllm_build_served_by_triton_keeps_the_triton_manifests(tmp_path, devi
     names = [r["alert"] for r in yaml.safe_load((out / deploy.ALERTS_RULE_FILE).read_text())["groups"][0]["rules"]]
     assert any(n.startswith("Triton") for n in names) and not any(n.startswith("Vllm") for n in names)
     assert any(n.startswith("Gpu") for n in names) == (device == "cuda")
+
+
+def _gib(quantity: str) -> int:
+    assert quantity.endswith("Gi"), quantity
+    return int(quantity[:-2])
+
+
+def test_the_deepseek_vllm_pod_has_room_for_its_kv_offloading_in_dev_shm_and_memory(tmp_path):
+    """vLLM 0.32 on CUDA holds --kv-offloading-size (the total over the tensor-parallel ranks) in one region under
+    /dev/shm and refuses to start where /dev/shm lacks the room ("Insufficient space in /dev/shm"); /dev/shm is a
+    memory emptyDir, counted against the pod's memory limit (tests/data/upstream/vllm_kv_offload.json). The
+    rendered DeepSeek-V2-Lite pod holds its offload region on top of the base /dev/shm and memory, and `invoke
+    explain` says so."""
+    from upstream_facts import upstream
+
+    facts = {f["path"]: f for f in upstream("vllm_kv_offload.json")["facts"]}
+    assert facts["vllm/config/cache.py"]["total_over_tp_ranks"] is True
+    assert "Insufficient space in /dev/shm" in facts["vllm/distributed/device_communicators/shm_broadcast.py"]["read"]
+    profile = REPO / "engine_configs" / "deepseek-v2-lite-a100x2-vllm-int4awq.yaml"
+    cfg = load_config(profile).config
+    offload = cfg.vllm.kv_offloading_gib
+    assert offload == 32 and cfg.build.tensor_parallel_size == 2  # the seeds' 16 GB per GPU, as vLLM's total
+    pub = read_published(make_published(tmp_path, config_name="deepseek", target="vllm"))
+    dep = deploy.render_serving(cfg, pub, "img:tag")["deployment.yaml"]
+    spec = dep["spec"]["template"]["spec"]
+    (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    (c,) = spec["containers"]
+    base_shm = max(4, 2 * 2)  # the ranks' own shared memory (NCCL), as for any 2-GPU pod
+    assert shm["emptyDir"]["medium"] == "Memory" and _gib(shm["emptyDir"]["sizeLimit"]) >= base_shm + offload
+    limit = _gib(c["resources"]["limits"]["memory"])
+    assert limit >= deploy.GPU_POD_MEMORY_GIB + offload and limit == _gib(c["resources"]["requests"]["memory"])
+    done = run_invoke("explain", "--config", str(profile), "--work-root", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert (f"serving pod: memory {limit} GiB, /dev/shm {_gib(shm['emptyDir']['sizeLimit'])} GiB (vLLM's KV "
+            f"offloading: 32 GiB in all, 16 GiB per rank of 2, in /dev/shm)") in done.stdout
+    # a pod without offloading keeps the base sizes; vLLM's CPU build adds its KV cache to the memory
+    plain = deploy.pod_host_memory(load_config(profile, ["vllm.kv_offloading_gib=null"]).config)
+    assert plain == {"memory": deploy.GPU_POD_MEMORY_GIB, "shm": base_shm}
+    cpu = load_config(REPO / "engine_configs" / "smollm2-135m-vllm.yaml", ["vllm.cpu_kv_cache_gib=3"]).config
+    assert deploy.pod_host_memory(cpu) == {"memory": deploy.CPU_POD_MEMORY_GIB + 3, "shm": 4}

@@ -723,3 +723,62 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
     with torch.no_grad():
         want_logits, got_logits = want(ids).logits, got(ids).logits
     _assert_the_same_model(want_logits, got_logits)
+
+
+def test_the_calibrated_kv_cache_scales_are_the_ones_vllm_serves_with(tiny_tokenizer_dir, tokens, tmp_path):  # noqa: F811
+    """INT8 SmoothQuant with an INT8 KV cache, as the default config calibrates it, exported for vLLM's FP8 KV
+    cache: vLLM 0.32 on this CPU loads the export and each attention layer's kernels get the calibrated scales
+    (the checkpoint's amax / 448, not vLLM's fallback of 1.0), read back from the model inside vLLM's worker."""
+    import shutil
+
+    from test_checkpoint import quantize_and_export
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from pipeline.engines.vllm import runtime
+    from pipeline.engines.vllm.export import export_for_vllm
+    from pipeline.errors import EnvironmentProblem
+
+    try:
+        python = runtime.serving_python()
+    except EnvironmentProblem as e:
+        pytest.skip(f"vLLM's serving environment is not installed here ({e})")
+    if not runtime.cpu_runs_vllm():
+        pytest.skip("vLLM's CPU build keeps no FP8 KV cache without AVX-512 or AMX")
+    torch.manual_seed(0)  # heads 32 wide: vLLM's CPU attention keeps an FP8 KV cache for those
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+    model_dir = tmp_path / "model"
+    LlamaForCausalLM(config).save_pretrained(model_dir, safe_serialization=True)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy2(f, model_dir / f.name)
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    e = quantize_and_export(original, "int8_sq", *tokens, {1: tmp_path / "ckpt"}, kv_cache="int8")
+    ckpt = load_file(str(e["ckpt"][1] / "rank0.safetensors"))
+    # K's and V's own scales (ModelOpt's two quantizers, which the gate measured), as FP8 scales of the same amax
+    calibrated = {i: [float(ckpt[f"transformer.layers.{i}.attention.{kv}_cache_scaling_factor"]) * 127 / 448
+                      for kv in "kv"] for i in range(2)}
+    assert all(abs(s - 1.0) > 1e-3 for kv in calibrated.values() for s in kv), calibrated  # not the fallback
+
+    facts = export_for_vllm(e["ckpt"][1], model_dir, tmp_path / "vllm", dtype="bfloat16", kv_scales=True)
+    qc = json.loads((tmp_path / "vllm" / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                                     "dynamic": False}
+    assert facts["kv_cache_scales"] == {f"model.layers.{i}.self_attn": pytest.approx(calibrated[i])
+                                        for i in range(2)}
+    args = {"dtype": "bfloat16", "max_model_len": 128, "max_num_seqs": 2, "max_num_batched_tokens": 128,
+            "block_size": 32, "kv_cache_dtype": "fp8", "enforce_eager": True}
+    got = runtime.run_worker(python, {"model": str(tmp_path / "vllm"), "engine_args": args, "prompts": [[1, 5, 9]],
+                                      "max_tokens": 2, "evaluation": []},
+                             {"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path / "worker.log", timeout_s=900)
+    assert got["kv_cache"]["dtype"] == "fp8"
+    served = got["kv_cache"]["scales"]
+    assert set(served) == {f"model.layers.{i}.self_attn.attn" for i in range(2)}, served
+    for i in range(2):  # vLLM keeps them in fp32: exact
+        assert served[f"model.layers.{i}.self_attn.attn"] == pytest.approx(calibrated[i], rel=1e-6), served
+    # without the scales (the export before this fix) vLLM runs the same cache at 1.0
+    export_for_vllm(e["ckpt"][1], model_dir, tmp_path / "vllm_without", dtype="bfloat16")
+    got = runtime.run_worker(python, {"model": str(tmp_path / "vllm_without"), "engine_args": args,
+                                      "prompts": [[1, 5, 9]], "max_tokens": 2, "evaluation": []},
+                             {"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path / "worker_without.log", timeout_s=900)
+    assert all(kv == [1.0, 1.0] for kv in got["kv_cache"]["scales"].values()), got["kv_cache"]

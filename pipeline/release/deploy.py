@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from pathlib import Path
 from typing import Callable, Sequence
@@ -102,6 +103,29 @@ def _relabel(node, name: str) -> None:
             _relabel(item, name)
 
 
+GPU_POD_MEMORY_GIB = 32  # a GPU pod's host memory besides its KV tiers: the server, its Python, the tokenizer
+CPU_POD_MEMORY_GIB = 8  # a CPU pod's: the model's weights and the server besides its KV cache
+
+
+def pod_host_memory(cfg: PipelineConfig) -> dict[str, int]:
+    """The serving pod's host memory in GiB: ``memory`` (its limit and request) and ``shm`` (the /dev/shm
+    emptyDir's sizeLimit, which counts against that limit). vLLM 0.32 (tests/data/upstream/vllm_kv_offload.json):
+    ``--kv-offloading-size`` is the total over the tensor-parallel ranks, held on CUDA in one shared region under
+    /dev/shm (it refuses to start, "Insufficient space in /dev/shm", where the room is missing) and on a CPU in
+    each rank's own memory; the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE) is process memory."""
+    gpus = cfg.build.tensor_parallel_size * cfg.build.pipeline_parallel_size
+    target = targets.get(cfg.build.target)
+    on_cpu = target.on_cpu(cfg)
+    offload = math.ceil(target.kv_offloading_gib(cfg) or 0)
+    # one tritonserver per GPU rank (serving/launch.py) has its own Python-backend shared memory region, and
+    # NCCL moves tensors between the ranks through /dev/shm too
+    shm = 4 if on_cpu else max(4, 2 * gpus)
+    if on_cpu:
+        kv = target.host_kv_cache_gib(cfg)
+        return {"memory": CPU_POD_MEMORY_GIB + kv + offload, "shm": shm}
+    return {"memory": GPU_POD_MEMORY_GIB + offload, "shm": shm + offload}
+
+
 def _containers(doc: dict) -> list[dict]:
     return doc["spec"]["template"]["spec"]["containers"]
 
@@ -139,22 +163,23 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
             container = _containers(doc)[0]
             container["image"] = image_ref
             res = container["resources"]
+            host = pod_host_memory(cfg)
             if on_cpu:
                 for part in ("requests", "limits"):
                     res[part].pop(GPU_RESOURCE, None)
-                res["requests"].update({"cpu": "2", "memory": "8Gi"})
-                res["limits"].update({"cpu": "4", "memory": "8Gi"})
+                res["requests"].update({"cpu": "2"})
+                res["limits"].update({"cpu": "4"})
                 pod["spec"].pop("tolerations", None)
                 # the CPU runtime loads in seconds, not minutes
                 container["startupProbe"]["failureThreshold"] = 30
             else:
                 for part in ("requests", "limits"):
                     res[part][GPU_RESOURCE] = str(gpus)
-                # one tritonserver per GPU rank (serving/launch.py): each has its own Python-backend shared
-                # memory region, and NCCL moves tensors between the ranks through /dev/shm too
-                for vol in pod["spec"]["volumes"]:
-                    if vol["name"] == "dshm":
-                        vol["emptyDir"]["sizeLimit"] = f"{max(4, 2 * gpus)}Gi"
+            for part in ("requests", "limits"):
+                res[part]["memory"] = f"{host['memory']}Gi"
+            for vol in pod["spec"]["volumes"]:
+                if vol["name"] == "dshm":
+                    vol["emptyDir"]["sizeLimit"] = f"{host['shm']}Gi"
         elif kind == "HorizontalPodAutoscaler":
             doc["spec"]["scaleTargetRef"]["name"] = name
             metrics = doc["spec"]["metrics"]

@@ -120,6 +120,15 @@ class Target:
         """(whose series the alert rules read: "triton" or "vllm", whether the GPU rules apply)."""
         return "triton", not self.on_cpu(cfg)
 
+    def kv_offloading_gib(self, cfg: "PipelineConfig") -> Optional[float]:
+        """The host-memory KV tier it keeps, in GiB over all ranks (None: none)."""
+        return None
+
+    def host_kv_cache_gib(self, cfg: "PipelineConfig") -> int:
+        """The KV cache it keeps in host memory when it serves on CPUs, in GiB (0: inside its own runtime's
+        sizing)."""
+        return 0
+
     def serves_format(self, weight_format: str, setting: Callable[[str], Any]) -> bool:
         """Whether it serves layers in ``weight_format``; ``setting(dotted)`` reads the config's value of a field
         (the merged YAML before validation, its schema default where unset)."""

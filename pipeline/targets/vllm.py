@@ -71,6 +71,12 @@ class VllmTarget(Target):
         params = {"model_dir": self.artifact_dir, **priority_parameters(triton), **watchdog_parameters(triton)}
         return params, 1, "KIND_MODEL"  # one engine batches every request and places itself on its devices
 
+    def kv_offloading_gib(self, cfg: "PipelineConfig") -> Optional[float]:
+        return cfg.vllm.kv_offloading_gib  # --kv-offloading-size: the total over tensor-parallel ranks
+
+    def host_kv_cache_gib(self, cfg: "PipelineConfig") -> int:
+        return cfg.vllm.cpu_kv_cache_gib  # VLLM_CPU_KVCACHE_SPACE: process memory
+
     def serves_format(self, weight_format: str, setting: Callable[[str], Any]) -> bool:
         return setting("vllm.device") in VLLM_SERVABLE.get(weight_format, ())
 

@@ -55,6 +55,17 @@ fused MoE with one scheme (``compressed_tensors_moe.py`` ``get_moe_method``): IN
 FP8 experts are a group of their own with strategy ``tensor`` and ``weight_scale`` of shape [1] (exact: an
 expert's gate and up share one scale in the checkpoint).
 
+The KV cache (``kv_scales``: vLLM serves an FP8 E4M3 KV cache): each attention layer's calibrated scales as
+``self_attn.k_scale`` / ``self_attn.v_scale`` (F32 [1]) and ``kv_cache_scheme`` (8-bit float, tensor,
+symmetric) in the quantization_config. vLLM 0.32 loads them through every attention layer's
+``CompressedTensorsKVCacheMethod`` (its quant config's ``get_cache_scale_mapper`` renames ``.k_scale`` to
+``.attn.k_scale``); without them it runs the cache at scale 1.0 and only warns. K and V each get their own
+(ModelOpt calibrates one quantizer each, which the gate measured; a checkpoint holding only the joint
+``kv_cache_scaling_factor`` gives both that one). An FP8 scale is written as it is (ModelOpt's TensorRT-LLM
+export: max(amax / 448, 1)); an INT8 one as its amax (scale x 127) over 448, so vLLM's FP8 cache clips where
+the INT8 cache the gate measured clips.
+The build's vLLM check reads back the scales vLLM serves with (tests/data/upstream/vllm_kv_cache_scales.json).
+
 Quantized layers are one config group per format: the format with the most layers targets ``Linear``; the
 others (a mixed plan) name their layers, which vLLM matches before the class. Layers the plan keeps in high
 precision are the config's ``ignore`` list (q/k/v and gate/up decide
@@ -70,6 +81,7 @@ reads), so the export holds one shard and one decoder layer, not the model. It i
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +103,20 @@ WEIGHTS_FILE = "model.safetensors"  # one shard; more: model-00001.safetensors .
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # a shard is written, and its tensors freed, once this much is pending
 QUANT_METHOD = "compressed-tensors"
+# The FP8 KV-cache scheme vLLM 0.32 validates (CompressedTensorsKVCacheMethod.validate_kv_cache_scheme: float,
+# 8 bits, symmetric, strategy tensor or attn_head); with it vLLM serves FP8 where kv_cache_dtype is auto
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+KV_CODE_MAX = {"FP8": 448.0, "INT8": 127.0}  # a checkpoint's KV scale = calibrated amax / this
+KV_SCALE_KEYS = ("kv_cache_scaling_factor", "k_cache_scaling_factor", "v_cache_scaling_factor")
+
+
+def fp8_kv_scale(scale: float, kv_algo: str) -> float:
+    """The FP8 E4M3 KV-cache scale that clips where the checkpoint's calibrated KV cache clips: an FP8 scale as it
+    is, an INT8 one's amax (scale x 127) over 448."""
+    if kv_algo not in KV_CODE_MAX:
+        raise IntegrityError(f"KV-cache scales of kv_cache_quant_algo {kv_algo}: the vLLM export knows "
+                             f"{', '.join(KV_CODE_MAX)}")
+    return float(scale) * KV_CODE_MAX[kv_algo] / KV_CODE_MAX["FP8"]
 
 
 def _args(num_bits: int, kind: str, strategy: str, **extra) -> dict:
@@ -430,10 +456,20 @@ def _attention(ranks: _Ranks, p: str, h: str, layer_format, qkv_split: list[int]
     _fold_into_rows(v, o, f"{h}.self_attn.o_proj", "v_proj rows", facts, heads=heads if heads[0] != heads[1] else None)
     if len({l.algo for l in (q, k, v)}) != 1:
         raise IntegrityError(f"{h}: vLLM fuses q/k/v, which must share one format ({[l.algo for l in (q, k, v)]})")
-    for key in ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor"):
-        if ranks.has(f"{p}.attention.{key}"):
-            ranks.read_keys.add(f"{p}.attention.{key}")  # the KV-cache scales: vLLM's own KV dtype decides
     return ln_in, {**qkv, f"{h}.self_attn.o_proj": o}
+
+
+def _kv_scales(ranks: _Ranks, p: str) -> Optional[tuple[float, float]]:
+    """A layer's KV-cache scales (K, V) in the checkpoint (one joint scale, or one each; the largest over ranks),
+    or None where it has none."""
+    found = {}
+    for key in KV_SCALE_KEYS:
+        if ranks.has(f"{p}.attention.{key}"):
+            found[key] = max(float(t.float().max()) for t in ranks.each(f"{p}.attention.{key}"))
+    if not found:
+        return None
+    joint = found.get("kv_cache_scaling_factor")
+    return found.get("k_cache_scaling_factor", joint), found.get("v_cache_scaling_factor", joint)  # type: ignore[return-value]
 
 
 def _dense_mlp(ranks: _Ranks, p: str, h: str, layer_format, facts: ExportFacts) -> dict[str, Linear]:
@@ -567,8 +603,10 @@ class ShardWriter:
         return [shard for shard, _ in self.shards] + [INDEX_FILE]
 
 
-def quantization_config(by_algo: dict[str, list[str]], group_sizes: set[int], ignore: list[str]) -> dict:
-    """config.json's quantization_config: one config group per format written (see the module's docstring)."""
+def quantization_config(by_algo: dict[str, list[str]], group_sizes: set[int], ignore: list[str],
+                        kv_scales: bool = False) -> dict:
+    """config.json's quantization_config: one config group per format written (see the module's docstring), and
+    the KV cache's scheme where ``kv_scales`` were written."""
     if len(group_sizes) > 1:
         raise IntegrityError(f"INT4 layers with several group sizes {sorted(group_sizes)}: one scheme takes one")
     algos = sorted((a for a in (*EXPORTABLE_ALGOS, FP8_EXPERTS) if by_algo.get(a)), key=lambda a: -len(by_algo[a]))
@@ -577,8 +615,12 @@ def quantization_config(by_algo: dict[str, list[str]], group_sizes: set[int], ig
         targets = ["Linear"] if i == 0 else list(by_algo[algo])
         groups[f"group_{i}"] = {"targets": targets, **scheme(algo, next(iter(group_sizes), 0)),
                                 "format": FORMAT_OF[algo]}
-    return {"quant_method": QUANT_METHOD, "format": FORMAT_OF[algos[0]] if len(algos) == 1 else "mixed-precision",
-            "quantization_status": "compressed", "config_groups": groups, "ignore": ignore}
+    fmt = "dense" if not algos else FORMAT_OF[algos[0]] if len(algos) == 1 else "mixed-precision"
+    out = {"quant_method": QUANT_METHOD, "format": fmt, "quantization_status": "compressed", "config_groups": groups,
+           "ignore": ignore}
+    if kv_scales:
+        out["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+    return out
 
 
 def _write_linear(writer: ShardWriter, hf_name: str, lin: Linear, dtype, per_tensor: bool = False) -> None:
@@ -609,11 +651,13 @@ def _write_linear(writer: ShardWriter, hf_name: str, lin: Linear, dtype, per_ten
 
 
 def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bfloat16",
-                    max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+                    max_shard_bytes: int = MAX_SHARD_BYTES, kv_scales: bool = False) -> dict:
     """Write ``out_dir`` (a new folder): the weights (one file or shards and an index), config.json with the
-    quantization_config, the tokenizer files. Returns the export's facts."""
+    quantization_config, the tokenizer files. ``kv_scales``: vLLM serves an FP8 E4M3 KV cache, so the
+    checkpoint's calibrated KV-cache scales are written for it (see the module's docstring). Returns the
+    export's facts."""
     return into_new_folder(Path(out_dir), lambda folder: _export(Path(ckpt_dir), Path(model_dir), folder, dtype,
-                                                                 max_shard_bytes))
+                                                                 max_shard_bytes, kv_scales))
 
 
 def into_new_folder(out_dir: Path, write) -> dict:
@@ -645,6 +689,18 @@ class Written:
         self.facts = ExportFacts()
         self.by_algo: dict[str, list[str]] = {}  # quant_algo -> the HF linears written in it
         self.group_sizes: set[int] = set()
+        self.kv_scales: dict[str, tuple[float, float]] = {}  # attention module -> FP8 (K, V) scales written
+
+    def put_kv_scales(self, attention: str, k: float, v: float) -> None:
+        """An attention layer's FP8 KV-cache scales, as vLLM loads them (``attention``: e.g.
+        ``model.layers.0.self_attn``)."""
+        import torch
+
+        if not (k > 0 and v > 0 and math.isfinite(k) and math.isfinite(v)):
+            raise IntegrityError(f"{attention}: KV-cache scales must be positive and finite; found K {k}, V {v}")
+        for kind, value in (("k", k), ("v", v)):
+            self.writer.add(f"{attention}.{kind}_scale", torch.tensor([value], dtype=torch.float32))
+        self.kv_scales[attention] = (k, v)
 
     def add(self, name: str, tensor) -> None:
         """A tensor that is not a linear's (embeddings, norms), in the serving dtype."""
@@ -675,19 +731,23 @@ class Written:
         config.update({"torch_dtype": self.dtype, "tie_word_embeddings": tied})
         config.pop("dtype", None)
         config.pop("quantization_config", None)
-        if self.facts.quantized_linears:
-            config["quantization_config"] = quantization_config(self.by_algo, self.group_sizes, self.facts.ignore)
+        if self.facts.quantized_linears or self.kv_scales:
+            config["quantization_config"] = quantization_config(self.by_algo, self.group_sizes, self.facts.ignore,
+                                                                bool(self.kv_scales))
         atomic_write_text(self.out_dir / "config.json", json.dumps(config, indent=2) + "\n")
         return {"dtype": self.dtype, "weights_bytes": sum((self.out_dir / f).stat().st_size for f in files),
-                "weight_files": len(files), **self.facts.as_dict()}
+                "weight_files": len(files), **self.facts.as_dict(),
+                "kv_cache_scales": {a: list(kv) for a, kv in self.kv_scales.items()}}
 
 
-def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
+def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_bytes: int,
+            kv_scales: bool) -> dict:
     from transformers import AutoConfig
 
     from pipeline.quant.checkpoint import HEAD_NORMS, _layer_formats
 
     ckpt_cfg = json.loads((ckpt_dir / "config.json").read_text())
+    kv_algo = (ckpt_cfg.get("quantization") or {}).get("kv_cache_quant_algo")
     layer_format = _layer_formats(ckpt_dir, ckpt_cfg.get("quantization") or {})
     hf = AutoConfig.from_pretrained(model_dir)
     n_heads, n_kv = hf.num_attention_heads, hf.num_key_value_heads
@@ -708,6 +768,11 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     for i in range(hf.num_hidden_layers):
         p, h = f"transformer.layers.{i}", f"model.layers.{i}"
         ln_in, attention = _attention(ranks, p, h, layer_format, qkv_split, (n_heads, n_kv, head_dim), facts)
+        kv = _kv_scales(ranks, p)
+        if kv_scales and kv_algo:
+            if kv is None:
+                raise IntegrityError(f"{ckpt_dir}: kv_cache_quant_algo {kv_algo} but layer {i} has no KV-cache scale")
+            out.put_kv_scales(f"{h}.self_attn", *(fp8_kv_scale(x, kv_algo) for x in kv))
         ln_post = ranks.one(f"{p}.post_layernorm.weight").float()
         if moe is not None and ranks.has(f"{p}.mlp.router.weight"):  # a family may keep some layers dense
             ln_post, mlp, experts = _moe_mlp(ranks, p, f"{h}.{moe.experts.rsplit('.', 1)[0]}", moe,

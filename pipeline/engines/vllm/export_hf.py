@@ -17,8 +17,8 @@ writer). What differs is the reading:
   q/k/v or gate/up are one linear on disk (Phi-3's qkv_proj, gate_up_proj; transformers' Phi3 puts q, k, v rows
   in that order and gate's before up's) those are the last rows: vLLM's Phi3ForCausalLM loads such a linear
   whole, so it stays one linear in one format here;
-- the KV-cache scales (``k_scale`` / ``v_scale``) are left out: vLLM's KV-cache dtype decides, as in the other
-  export.
+- the KV-cache scales (``k_proj.k_scale`` / ``v_proj.v_scale``: calibrated amax / 448, unclamped) are written
+  as the other export writes them where vLLM serves an FP8 KV cache (``kv_scales``), an INT8 one's converted.
 
 DeepSeek-V2 (``_mla_attention``, ``_moe``): multi-head latent attention, whose kv_b_proj is written in high
 precision as vLLM runs it, and an MoE block of a router, routed experts and shared experts, all reading the
@@ -28,6 +28,7 @@ post-attention norm; every expert is written under its own name, as vLLM's Deeps
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from pipeline import artifacts, families
 from pipeline.engines.vllm.export import (
@@ -42,21 +43,24 @@ from pipeline.engines.vllm.export import (
     _fold_into_norm,
     _fold_into_rows,
     fold_head,
+    fp8_kv_scale,
     into_new_folder,
     one_format,
 )
 from pipeline.errors import InputError, IntegrityError
 
 SCALES = ("weight_scale", "input_scale", "pre_quant_scale")  # what the export reads beside a quantized weight
-SKIPPED = ("k_scale", "v_scale", "weight_scale_2")  # KV-cache scales; W4A8's second scale (refused by its algo)
+SKIPPED = ("weight_scale_2",)  # W4A8's second scale (refused by its algo)
+KV_SCALES = ("k_scale", "v_scale")
 
 
 def export_hf_for_vllm(hf_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bfloat16",
-                       max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+                       max_shard_bytes: int = MAX_SHARD_BYTES, kv_scales: bool = False) -> dict:
     """Write ``out_dir`` (a new folder) from the HF unified checkpoint ``hf_dir``: the weights, config.json with
-    the quantization_config, the tokenizer files. Returns the export's facts."""
+    the quantization_config, the tokenizer files; ``kv_scales``: the KV-cache scales for vLLM's FP8 KV cache.
+    Returns the export's facts."""
     return into_new_folder(Path(out_dir), lambda folder: _export(Path(hf_dir), Path(model_dir), folder, dtype,
-                                                                 max_shard_bytes))
+                                                                 max_shard_bytes, kv_scales))
 
 
 class _Checkpoint:
@@ -68,6 +72,7 @@ class _Checkpoint:
 
         qcfg = quant_config(hf_dir)
         self.format = layer_formats(qcfg, qcfg.get("quantized_layers"), str(hf_dir), artifacts.HF_QUANT_CONFIG_FILE)
+        self.kv_algo = qcfg.get("kv_cache_quant_algo")
         self.where = _files(hf_dir)
         self.read: set[str] = {k for k in self.where if k.rsplit(".", 1)[-1] in SKIPPED}
         self.handles: dict[Path, object] = {}
@@ -83,6 +88,16 @@ class _Checkpoint:
             self.handles[path] = safe_open(str(path), framework="pt")
         self.read.add(key)
         return self.handles[path].get_tensor(key)  # type: ignore[attr-defined]
+
+    def kv_scales(self, h: str) -> Optional[tuple[float, float]]:
+        """Layer ``h``'s KV-cache scales (K, V), marked read, or None where it has neither."""
+        found = {k.rsplit(".", 1)[-1]: float(self.get(k).float().max()) for k in self.unread(f"{h}.")
+                 if k.rsplit(".", 1)[-1] in KV_SCALES}
+        if not found:
+            return None
+        if len(found) != 2:
+            raise IntegrityError(f"{h}: a KV-cache scale without its pair: {sorted(found)}")
+        return found["k_scale"], found["v_scale"]
 
     def unread(self, prefix: str = "") -> list[str]:
         return sorted(k for k in self.where if k not in self.read and k.startswith(prefix))
@@ -234,7 +249,7 @@ def _moe(ckpt: _Checkpoint, h: str, hf, moe, facts: ExportFacts) -> tuple[list, 
     return [("post_attention_layernorm", members)], linears
 
 
-def _export(hf_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
+def _export(hf_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_bytes: int, kv_scales: bool) -> dict:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(model_dir)
@@ -252,6 +267,11 @@ def _export(hf_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_
     final_norm = norm("model.norm")  # written last: lm_head's smoothing may fold into it
     for i in range(hf.num_hidden_layers):
         h = f"model.layers.{i}"
+        kv = ckpt.kv_scales(h)
+        if kv_scales and ckpt.kv_algo:
+            if kv is None:
+                raise IntegrityError(f"{hf_dir}: kv_cache_quant_algo {ckpt.kv_algo} but {h} has no KV-cache scales")
+            out.put_kv_scales(f"{h}.self_attn", *(fp8_kv_scale(x, ckpt.kv_algo) for x in kv))
         groups, linears = (_mla_attention(ckpt, h, hf, facts) if getattr(hf, "kv_lora_rank", None)
                            else _attention(ckpt, h, hf, layout, facts))
         if fam.moe is not None and ckpt.has(f"{h}.{fam.moe.router}.weight"):  # a family may keep some layers dense

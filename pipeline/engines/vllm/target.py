@@ -7,6 +7,8 @@ measured) and the original model:
 - the accuracy gate's figures, through vLLM, on the evaluation tokens: perplexity (against the original's)
   and top-1 agreement with the original model, held to the config's accuracy bounds; the top-1 agreement
   with the simulated model beside them;
+- the KV cache vLLM serves: its dtype, and each attention layer's K and V scales as its kernels get them, equal
+  to the calibrated ones the export wrote (a StageFailed otherwise: vLLM would run the cache at 1.0);
 - greedy tokens for verify's prompts against the simulated model's, each equal or diverging first at a
   near-tie of the reference (``reference.compare``). vLLM computes in bfloat16 on a CPU (its INT8 GEMM takes
   no fp32 activations), and bf16 rounding before a static INT8 activation step moves logits by whole units at
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 CHECK_FILE = "vllm_check.json"  # inside the export: publish carries it, verify reads its tokens
 CHECK_TOKENS = 16
+FP8_E4M3_KV = ("fp8", "fp8_e4m3")  # vLLM's KV-cache dtypes the export writes scales for (E4M3: amax / 448)
 REFERENCE_HEADROOM_BYTES = 1 << 30  # activations and logits of a 256-token forward, besides the fp32 weights
 
 
@@ -67,6 +70,21 @@ def reference_figures(ckpt_dir: Path, model_dir: Path, prompt_ids: list[list[int
     return out
 
 
+def served_kv_problem(written: dict[str, list[float]], served: dict, kv_cache_dtype: str) -> str:
+    """What differs between the KV cache asked for and the one vLLM serves (``served``: the worker's
+    ``kv_cache``): its dtype, and each attention layer's K and V scales against the ones the export wrote
+    (``written``: attention module -> [K, V]); "" where they agree. vLLM serves 1.0 for a scale it did not load."""
+    if served["dtype"] != kv_cache_dtype:
+        return f"its KV-cache dtype is {served['dtype']}, not {kv_cache_dtype}"
+    scales = served["scales"]
+    for attention, kv in written.items():
+        got = scales.get(f"{attention}.attn")
+        if got is None or any(not math.isclose(g, w, rel_tol=1e-6) for g, w in zip(got, kv)):
+            return (f"{attention}: the export wrote K and V scales {kv}, and vLLM's attention runs with {got} "
+                    f"(1.0: the scale was not loaded)")
+    return ""
+
+
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
@@ -87,7 +105,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     from pipeline.engines.build import build_settings, checkpoint_sha256
     from pipeline.engines.vllm import engine_args as ea
     from pipeline.engines.vllm import runtime
-    from pipeline.engines.vllm.export import export_for_vllm
+    from pipeline.engines.vllm.export import MAX_SHARD_BYTES, export_for_vllm
     from pipeline.engines.vllm.export_hf import export_hf_for_vllm
     from pipeline.fsutil import atomic_write_json
 
@@ -98,9 +116,10 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     export_dir = out_dir / EXPORT_DIR
     runtime.check_cpu_attention(cfg, model_dir)
     runtime.check_cpu_experts(cfg, ckpt_dir)
-    exported, _ = run_in_child(export_hf_for_vllm if hf_checkpoint else export_for_vllm, ckpt_dir, model_dir,
-                               export_dir, cfg.vllm.dtype, log_path=log_path, what="the vLLM export")
     args, env = ea.engine_args(cfg), ea.engine_env(cfg)
+    exported, _ = run_in_child(export_hf_for_vllm if hf_checkpoint else export_for_vllm, ckpt_dir, model_dir,
+                               export_dir, cfg.vllm.dtype, MAX_SHARD_BYTES, args["kv_cache_dtype"] in FP8_E4M3_KV,
+                               log_path=log_path, what="the vLLM export")
     atomic_write_json(export_dir / artifacts.VLLM_ENGINE_FILE, {
         "vllm_version": version, "server_module": ea.SERVER_MODULE, "server_flags": ea.server_flags(args),
         "engine_args": args, "env": env})
@@ -122,6 +141,9 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     ref, _ = run_in_child(reference_figures, ckpt_dir, model_dir, prompt_ids, evaluation, CHECK_TOKENS,
                           tok.eos_token_id, streamed, hf_checkpoint, log_path=log_path, bound=bound,
                           what="the simulated model's reference figures")
+    kv_problem = served_kv_problem(exported.get("kv_cache_scales") or {}, got["kv_cache"], args["kv_cache_dtype"])
+    if kv_problem:
+        raise StageFailed(f"vLLM does not serve the KV cache the export wrote: {kv_problem}")
     gate = json.loads(accuracy_file.read_text())["accuracy"]
     ppl = math.exp(got["nll_sum"] / max(got["tokens_scored"], 1))
     increase = 100.0 * (ppl / gate["perplexity_original"] - 1.0)
@@ -147,6 +169,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
         "greedy_tokens": {"equal": sum(t["equal"] for t in tokens), "near_tie": sum(t["ok"] and not t["equal"] for t in tokens),
                           "diverged": sum(not t["ok"] for t in tokens), "prompts": tokens,
                           "tie_bound": reference.TIE_BOUND, "tie_bound_relative": relative},
+        "kv_cache": {"dtype": got["kv_cache"]["dtype"], "scales_served": got["kv_cache"]["scales"]},
         "vllm_load_s": got["load_s"], "vllm_score_s": got["score_s"], "reference_streamed": streamed,
     }
     atomic_write_json(export_dir / CHECK_FILE, check)

@@ -7,7 +7,10 @@ REQUEST: {"model": dir, "engine_args": {EngineArgs field: value}, "prompts": [[t
 generates greedy tokens for each prompt (all at once: vLLM batches them) and, for each evaluation sequence,
 the log-probability vLLM gives each of its tokens and its own top-1 token there (``prompt_logprobs=1``: the
 actual token and the most likely one), then writes RESULT: {"tokens": [[ids]], "nll_sum": float,
-"tokens_scored": int, "top1": [[id per scored position]], "load_s", "generate_s", "score_s", "vllm": version}.
+"tokens_scored": int, "top1": [[id per scored position]], "load_s", "generate_s", "score_s", "vllm": version,
+"kv_cache": {"dtype": the KV-cache dtype vLLM serves, "scales": {attention layer: [K scale, V scale]}}}: the
+scales each attention layer's kernels are handed (``_k_scale_float`` / ``_v_scale_float``, what vLLM 0.32's
+CPU and CUDA attention read), asked of the model in its worker (``LLM.apply_model`` with worker_probes.py's function).
 """
 
 import json
@@ -20,9 +23,13 @@ def main(request_path: str, result_path: str) -> int:
     with open(request_path) as f:
         req = json.load(f)
     t0 = time.perf_counter()
+    # LLM.apply_model sends served_kv_scales to the engine's worker process by pickling it, which vLLM allows
+    # only with this set; the engine here is this check's own, on a local model
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from worker_probes import served_kv_scales  # beside this script (see that module)
 
     llm = LLM(model=req["model"], **req["engine_args"])
     t_load = time.perf_counter() - t0
@@ -41,7 +48,11 @@ def main(request_path: str, result_path: str) -> int:
                 best.append(min(lp, key=lambda t: lp[t].rank))
                 scored += 1
             top1.append(best)
-    result = {"tokens": tokens, "nll_sum": nll, "tokens_scored": scored, "top1": top1, "load_s": round(t_load, 1),
+    scales = {}
+    for worker in llm.apply_model(served_kv_scales):  # one per rank: every rank's layers hold the same scales
+        scales.update(worker)
+    kv = {"dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype, "scales": scales}
+    result = {"kv_cache": kv, "tokens": tokens, "nll_sum": nll, "tokens_scored": scored, "top1": top1, "load_s": round(t_load, 1),
               "generate_s": round(t_gen, 1), "score_s": round(time.perf_counter() - t0 - t_load - t_gen, 1),
               "vllm": vllm.__version__}
     with open(result_path, "w") as f:
