@@ -19,10 +19,11 @@ from pipeline import artifacts, constants
 from pipeline.config import LoadedConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.fsutil import remove_tree
+from pipeline.reaper import reap_dead_runs
 from pipeline.release.deploy import render_manifests
 from pipeline.release.image import ImagePlan, build_image, check_release, release_image
 from pipeline.runner import Runner, WorkDirLock
-from pipeline.serving.server import serve_published
+from pipeline.serving.server import remove_stale_leftovers, serve_published
 from pipeline.stages import STAGES, TASK_STAGES
 
 
@@ -70,10 +71,22 @@ def default_config() -> Path:
     return constants.CPU_DEFAULT_CONFIG
 
 
+def sweep_dead_runs() -> list[Path]:
+    """Remove what runs killed before they could stop their servers and workers left (the /dev/shm files and
+    temporary folders a dead run's record lists, pipeline.reaper; Triton's, named after their dead starter),
+    and say so. What is not provably ours is left alone and named in the log."""
+    removed, _ = reap_dead_runs()
+    removed += remove_stale_leftovers()
+    if removed:
+        print(f"note: removed {len(removed)} leftover(s) of dead runs: {', '.join(p.name for p in removed)}")
+    return removed
+
+
 def run_task(task: str, config: Optional[str], overrides: Sequence[str], work_root: Path,
              force: bool = False) -> list[dict]:
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
+    sweep_dead_runs()
     targets = list(TASK_STAGES[task])
     return runner.run(targets, force=targets if force else False)
 
@@ -81,6 +94,7 @@ def run_task(task: str, config: Optional[str], overrides: Sequence[str], work_ro
 def run_all(config: Optional[str], overrides: Sequence[str], work_root: Path, force: bool = False) -> None:
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
+    sweep_dead_runs()
     names = [s.name for s in STAGES]
     runner.run(names, force=force)
     print(f"all: {len(names)} stage(s) ran or were up to date; artifacts in {runner.work_dir}")
@@ -116,6 +130,7 @@ def explain(config: Optional[str], overrides: Sequence[str], work_root: Path) ->
 
 def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> Path:
     runner = open_runner(config, overrides, work_root)
+    sweep_dead_runs()
     with WorkDirLock(runner.work_dir):
         for child in runner.work_dir.iterdir():
             if child.name == artifacts.LOCK_FILE:
