@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from pipeline.reaper import SHM_DIR, STOP_GRACE_S, group_members, mapped_shm, remove_files
+from pipeline.reaper import SHM_DIR, STOP_GRACE_S, STOPPED, group_members, mapped_shm, remove_files
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,11 @@ class _Reaper:
             os.close(read_end)
 
     def release(self) -> None:
-        """Close the pipe: the reaper ends what is left of the group (nothing, after a stop) and exits."""
+        """Tell the reaper the group was stopped and close the pipe: it removes its record and exits."""
+        try:
+            os.write(self.write_end, STOPPED)
+        except OSError:  # the reaper has died: nothing to tell
+            pass
         os.close(self.write_end)
         try:
             self.process.wait(timeout=REAPER_EXIT_S)

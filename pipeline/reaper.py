@@ -17,8 +17,8 @@ records, every SCAN_S, the group's members (with their start times) and the /dev
 mapped, in a record file of the run registry (RUNS_DIR, written atomically). When the pipe closes, which
 the kernel does however the starter ended, it ends the group as a stop does (SIGTERM; the members' time to
 end, during which the tracker unlinks what it tracks; SIGKILL), removes the recorded files and folders that
-are still there, then its record, and exits. A clean stop ends the group first and then closes the pipe:
-the reaper finds nothing left to do.
+are still there, then its record, and exits. A clean stop ends the group first, writes STOPPED to the pipe
+and closes it: the reaper removes its record and nothing else (the starter still uses the temporary folders).
 
 If the reaper dies too (an OOM killer that takes everything, a node drain), its record stays. The next run,
 or ``invoke clean``, removes what a record lists once its starter, its reaper and its group's members are
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 RUNS_DIR = Path(tempfile.gettempdir()) / f"trtllm-pipeline-runs-{os.getuid()}"  # the run registry
 RECORD_FORMAT = 1
+STOPPED = b"stopped"  # what a starter writes to the pipe before closing it after a stop of its own
 LOG_FILE = "reaper.log"  # in RUNS_DIR: what reapers had to end and remove
 SCAN_S = 1.0  # how often a reaper records its group's members and mapped files
 STOP_GRACE_S = 15.0  # after the SIGTERM, how long the members get before SIGKILL
@@ -273,12 +274,19 @@ def reap(pgid: int, fd: int, starter: int, what: str, tmp: list[str]) -> None:
               "reaper": {"pid": me, "started": start_time(me)}, "members": {}, "shm": [], "tmp": tmp}
     _scan(pgid, record)
     write_record(path, record)
+    stopped = False
     while True:
         readable, _, _ = select.select([fd], [], [], SCAN_S)
-        if readable and not os.read(fd, 64):
-            break  # EOF: the starter stopped the group, or died
+        if readable:
+            data = os.read(fd, 64)
+            if not data:
+                break  # EOF: the starter closed the pipe, or died
+            stopped = stopped or STOPPED in data
         if _scan(pgid, record):
             write_record(path, record)
+    if stopped:  # the starter stopped the group itself, and its temporary folders are its own to remove
+        path.unlink(missing_ok=True)
+        return
     _scan(pgid, record)
     members = {int(p): s for p, s in record["members"].items()}
     if any(alive(p, s) for p, s in members.items()):

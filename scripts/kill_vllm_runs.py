@@ -43,10 +43,10 @@ def main() -> int:
             token, before = uuid.uuid4().hex, {p.name for p in procs.SHM_DIR.iterdir()}
             t0 = time.monotonic()
             landed = kill_invoke_at(args.work_root, point, token)
-            left, shm = leftovers(token, [str(args.work_root)], before)
+            left, shm = leftovers(token, before)
             row = {"rep": rep, "point": point, "killed_at_point": landed, "processes_left": len(left),
                    "shm_files_left": len(shm), "shm_bytes_left": sum(shm.values()),
-                   "to_kill_and_clean_s": round(time.monotonic() - t0, 1)}
+                   "to_kill_and_clean_s": round(time.monotonic() - t0, 1), "left": left, "shm_left": shm}
             if not args.no_rerun:
                 t1 = time.monotonic()
                 proc = run_invoke(stage, "--force", "--config", str(VLLM_CONFIG), "--work-root", str(args.work_root),

@@ -236,3 +236,21 @@ def test_the_next_run_removes_only_what_a_dead_runs_record_lists(tmp_path, monke
     finally:
         procs.remove_files([*ours, live_ones, unlisted])
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_clean_stop_leaves_the_starters_temporary_folder_to_the_starter(tmp_path):
+    """A stop by the starter tells the reaper so: it removes its record and not the folder the starter still
+    reads (the build's vLLM check reads its worker's result from there after the stop)."""
+    folder = Path(tempfile.mkdtemp(prefix="vllm-worker-"))
+    try:
+        proc = procs.start_group([sys.executable, "-c", "import time; time.sleep(600)"], "stand-in worker",
+                                 tmp=[folder])
+        record = reaper.record_path(proc.pid)
+        deadline = time.monotonic() + 30
+        while not record.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert record.exists()
+        procs.kill_process_group(proc, "stand-in worker")  # waits for the reaper to exit
+        assert folder.is_dir() and not record.exists()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
