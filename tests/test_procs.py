@@ -254,3 +254,25 @@ def test_a_clean_stop_leaves_the_starters_temporary_folder_to_the_starter(tmp_pa
         assert folder.is_dir() and not record.exists()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_sweep_a_run_starts_with_says_what_it_removed(tmp_path, monkeypatch, capsys):
+    """What `invoke <stage>` and `invoke clean` run first (pipeline.commands.sweep_dead_runs): a dead run's
+    recorded /dev/shm file removed and named on the console."""
+    from pipeline import commands
+
+    monkeypatch.setattr(reaper, "RUNS_DIR", tmp_path / "runs")
+    dead_pid, dead_started = _dead_process()
+    dead = {"pid": dead_pid, "started": dead_started}
+    shm = Path("/dev/shm") / f"psm_{uuid.uuid4().hex[:10]}"
+    shm.write_bytes(b"\0" * 4096)
+    reaper.write_record(reaper.record_path(1), {"format": reaper.RECORD_FORMAT, "what": "vLLM server", "pgid": 1,
+                                                "starter": dead, "reaper": dead, "members": {}, "shm": [shm.name],
+                                                "tmp": []})
+    try:
+        assert shm in commands.sweep_dead_runs()
+        assert not shm.exists()
+        out = capsys.readouterr().out  # (Triton's leftovers of other dead runs may be named beside it)
+        assert "leftover(s) of dead runs: " in out and shm.name in out
+    finally:
+        procs.remove_files([shm])
