@@ -97,7 +97,8 @@ def plan_alias(c, config=None, set=None, work_root=str(WORK_ROOT)):
 
 @task(iterable=["set"], help=CONFIG_HELP)
 def clean(c, config=None, set=None, work_root=str(WORK_ROOT)):
-    """Delete the config's work dir (all its stages' artifacts)."""
+    """Delete the config's work dir (all its stages' artifacts), and what killed runs left in /dev/shm and the
+    temporary directory that is provably theirs."""
     with commands.user_errors():
         print(f"removed {commands.clean(config, set or [], Path(work_root))}")
 

@@ -20,10 +20,11 @@ from pipeline import artifacts, constants, targets
 from pipeline.config import LoadedConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.fsutil import remove_tree
+from pipeline.reaper import reap_dead_runs
 from pipeline.release.deploy import pod_host_memory, render_manifests
 from pipeline.release.image import ImagePlan, build_image, check_release, release_image
 from pipeline.runner import Runner, WorkDirLock
-from pipeline.serving.server import serve_published
+from pipeline.serving.server import remove_stale_leftovers, serve_published
 from pipeline.stages import STAGES, TASK_STAGES
 
 
@@ -94,10 +95,22 @@ def default_config() -> Path:
     return constants.CPU_DEFAULT_CONFIG
 
 
+def sweep_dead_runs() -> list[Path]:
+    """Remove what runs killed before they could stop their servers and workers left (the /dev/shm files and
+    temporary folders a dead run's record lists, pipeline.reaper; Triton's, named after their dead starter),
+    and say so. What is not provably ours is left alone and named in the log."""
+    removed, _ = reap_dead_runs()
+    removed += remove_stale_leftovers()
+    if removed:
+        print(f"note: removed {len(removed)} leftover(s) of dead runs: {', '.join(p.name for p in removed)}")
+    return removed
+
+
 def run_task(task: str, config: Optional[str], overrides: Sequence[str], work_root: Path,
              force: bool = False) -> list[dict]:
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
+    sweep_dead_runs()
     stages = list(TASK_STAGES[task])
     runner = _resolved_runner(runner, config, overrides, work_root, stages, force)
     return runner.run(stages, force=stages if force else False)
@@ -106,6 +119,7 @@ def run_task(task: str, config: Optional[str], overrides: Sequence[str], work_ro
 def run_all(config: Optional[str], overrides: Sequence[str], work_root: Path, force: bool = False) -> None:
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
+    sweep_dead_runs()
     names = [s.name for s in STAGES]
     runner = _resolved_runner(runner, config, overrides, work_root, names, force)
     runner.run(names, force=force)
@@ -164,6 +178,7 @@ def serving_pod_line(cfg) -> str:
 
 def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> Path:
     runner = open_runner(config, overrides, work_root)
+    sweep_dead_runs()
     with WorkDirLock(runner.work_dir):
         for child in runner.work_dir.iterdir():
             if child.name == artifacts.LOCK_FILE:

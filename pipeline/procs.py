@@ -8,75 +8,36 @@ and Triton's Python-backend regions stay behind when a process is killed before 
 memory. Only what the group's own processes mapped is removed. Before any SIGKILL the group's last members get
 LINGER_S to end by themselves: Python's multiprocessing resource tracker (vLLM's processes have one) unlinks the
 semaphores and shared memory they left registered once they have all ended.
+
+A run killed before it can stop what it started (kill -9, an OOM killer) is handled by ``start_group``: the
+group's leader gets SIGKILL when its starter dies (PR_SET_PDEATHSIG), and a reaper (pipeline.reaper) ends
+the rest of the group, vLLM's engine core and resource tracker among them, and removes their shared memory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Optional, Sequence
+
+from pipeline.reaper import SHM_DIR, STOP_GRACE_S, STOPPED, group_members, mapped_shm, remove_files
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
-STOP_GRACE_S = 15.0
+__all__ = ["SHM_DIR", "group_members", "mapped_shm", "remove_files", "start_group", "stop_process_group",
+           "kill_process_group", "foreign_python_env"]
+REAPER_EXIT_S = 10.0  # how long a stop waits for the group's reaper to see its pipe close and exit
 # After the SIGTERM, how long the group's last members get to end by themselves before SIGKILL. Python's
 # multiprocessing resource tracker (vLLM's processes have one) ignores SIGTERM, and once every process using it
 # has ended it unlinks what they left registered, named semaphores (/dev/shm/sem.mp-*) among them; a SIGKILL
 # at once left one behind per vLLM server stop (seen in bench, which stops a loaded server).
 LINGER_S = 5.0
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes in a process group, from /proc."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
-
-
-def mapped_shm(pids: Iterable[int]) -> set[Path]:
-    """The /dev/shm files these processes have mapped (from /proc/<pid>/maps; a process gone meanwhile is
-    skipped)."""
-    found = set()
-    prefix = f"{SHM_DIR}/"
-    for pid in pids:
-        try:
-            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:  # address perms offset device inode [path]
-            parts = line.split(None, 5)
-            path = parts[5].strip() if len(parts) == 6 else ""
-            if path.startswith(prefix) and not path.endswith(" (deleted)"):
-                found.add(Path(path))
-    return found
-
-
-def remove_files(paths: Iterable[Path]) -> list[Path]:
-    """Unlink those that still exist; returns them."""
-    removed = []
-    for p in paths:
-        try:
-            p.unlink()
-            removed.append(p)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("could not remove %s: %s", p, e)
-    return removed
 
 
 def foreign_python_env() -> dict[str, str]:
@@ -85,12 +46,89 @@ def foreign_python_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+_PRCTL: Optional[Callable[..., int]]
+try:  # resolved here, not between fork and exec, where loading a library could deadlock
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def set_pdeathsig() -> None:
+    """SIGKILL to this process when the thread that started it dies (runs in the child between fork and exec)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class _Reaper:
+    """The reaper of one group, seen from its starter: its process and the write end of the pipe it watches."""
+
+    def __init__(self, pgid: int, what: str, tmp: Sequence[Path]) -> None:
+        read_end, self.write_end = os.pipe()  # both not inheritable: only the reaper gets the read end
+        package_root = str(Path(__file__).resolve().parents[1])  # this very package, whatever sys.path says
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
+                                                           if p)}
+        argv = [sys.executable, "-m", "pipeline.reaper", "--pgid", str(pgid), "--fd", str(read_end),
+                "--starter", str(os.getpid()), "--what", what] + [a for t in tmp for a in ("--tmp", str(t))]
+        try:
+            self.process = subprocess.Popen(argv, pass_fds=(read_end,), start_new_session=True, env=env,
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)  # holds no pipe of the starter's open
+        except BaseException:
+            os.close(self.write_end)
+            raise
+        finally:
+            os.close(read_end)
+
+    def release(self) -> None:
+        """Tell the reaper the group was stopped and close the pipe: it removes its record and exits."""
+        try:
+            os.write(self.write_end, STOPPED)
+        except OSError:  # the reaper has died: nothing to tell
+            pass
+        os.close(self.write_end)
+        try:
+            self.process.wait(timeout=REAPER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("the reaper (pid %d) of a stopped group has not exited yet", self.process.pid)
+
+
+_REAPERS: dict[int, _Reaper] = {}  # process group id -> its reaper
+
+
+def start_group(argv: Sequence[str], what: str, tmp: Sequence[Path] = (), **popen) -> subprocess.Popen:
+    """Start ``argv`` in a session of its own (its process group id is its pid), tied to this process's life:
+    its leader gets SIGKILL when this process dies, and a reaper (pipeline.reaper) then ends the rest of the
+    group and removes the shared memory the group mapped and the temporary folders ``tmp``. Stop it with
+    ``stop_process_group`` or ``kill_process_group``."""
+    proc = subprocess.Popen(list(argv), start_new_session=True, preexec_fn=set_pdeathsig, **popen)
+    try:
+        _REAPERS[proc.pid] = _Reaper(proc.pid, what, tmp)
+    except BaseException:
+        kill_process_group(proc, what)
+        raise
+    return proc
+
+
+def _release(pgid: int) -> None:
+    reaper = _REAPERS.pop(pgid, None)
+    if reaper is not None:
+        reaper.release()
+
+
 def stop_process_group(proc: Optional[subprocess.Popen], what: str, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to ``proc`` (started with ``start_new_session``) and its process group, SIGKILL after a grace
     period; then whatever is left in the group (children of a server that died hard); then the shared memory
     the group had mapped and left behind."""
     if proc is None:
         return
+    try:
+        _stop(proc, what, grace_s)
+    finally:
+        _release(proc.pid)
+
+
+def _stop(proc: subprocess.Popen, what: str, grace_s: float) -> None:
     pid = proc.pid  # with start_new_session the process group id is the server's pid
     shm = mapped_shm(group_members(pid))
     if proc.poll() is None:
@@ -114,6 +152,13 @@ def stop_process_group(proc: Optional[subprocess.Popen], what: str, grace_s: flo
 def kill_process_group(proc: subprocess.Popen, what: str) -> None:
     """SIGKILL to ``proc``'s process group at once (a worker whose result is in, or one being abandoned), then
     the shared memory it left behind."""
+    try:
+        _kill(proc, what)
+    finally:
+        _release(proc.pid)
+
+
+def _kill(proc: subprocess.Popen, what: str) -> None:
     shm = mapped_shm(group_members(proc.pid))
     try:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -6,23 +6,29 @@
 - a full file system during a stage's write: a clear error naming the file system, the previous output
   intact, nothing left in staging, and the next run (with space again) succeeds;
 - the Triton server killed under verify's checks and under bench's load: each stage fails saying the server
-  died, with the end of its log, and leaves no process behind.
+  died, with the end of its log, and leaves no process behind;
+- on the vllm target (the project's default, e2e), kill -9 of the `invoke` process alone (as an OOM killer
+  does) with vLLM's OpenAI server up, with Triton over vLLM up, inside bench and inside build's vLLM check:
+  no process of the run left (vLLM's engine core and resource tracker included), no new /dev/shm file, and a
+  rerun that completes (scripts/kill_vllm_runs.py repeats these and reports the figures).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 from conftest import REPO, run_invoke, tiny_config
 
-from pipeline import artifacts
+from pipeline import artifacts, procs
 
 pytestmark = pytest.mark.faults
 
@@ -229,3 +235,149 @@ def test_a_full_disk_during_a_stage_is_a_clear_error_and_keeps_the_previous_outp
     ballast.unlink()
     proc = run_invoke(*args, "--force", timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- the vllm target: kill -9 of the run alone
+
+VLLM_CONFIG = REPO / "engine_configs" / "smollm2-135m-vllm.yaml"
+VLLM_NAME = "smollm2-135m-vllm"
+RUN_TOKEN_ENV = "PIPELINE_FAULT_RUN"  # set in the killed run's environment: every process it starts inherits it
+# bench's sweep, briefly (its wiring is what is under test, not its figures)
+LIGHT_BENCH = ["--set", "bench.concurrency=[2]", "--set", "bench.requests_per_level=4", "--set",
+               "bench.warmup_requests=1"]
+# (stage, the stage log's line at which the run is killed, seconds after it): the kill points
+VLLM_KILL_POINTS = {
+    "verify-openai": ("verify", "vLLM server ready in", 0.0),  # vLLM's OpenAI server up (engine core, tracker)
+    "verify-triton": ("verify", "tritonserver ready in", 0.0),  # Triton up, its vLLM model's stub running vLLM
+    "bench": ("bench", "vLLM server ready in", 2.0),  # the server under bench's load
+    "build-check": ("build", "Loading weights took", 0.0),  # build's vLLM check: its worker's engine loaded
+}
+
+
+def run_processes(token: str) -> list[int]:
+    """Live processes of a run: those whose environment holds ``RUN_TOKEN_ENV=token``, which everything the run
+    starts inherits (vLLM's engine core and resource tracker, Triton's stubs, the reapers), reparented or not.
+    Not "every process whose command line or open files point into the repository, its environments or the
+    work root": on a machine shared with other runs that counted theirs too (a tool another session ran on
+    this test's work root, the script running this check); the token is that check made exact."""
+    mark = f"{RUN_TOKEN_ENV}={token}".encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if mark in env:
+            out.append(int(entry.name))
+    return out
+
+
+def new_shm(before: set[str]) -> dict[str, int]:
+    """/dev/shm files that were not there before, and that no live process maps (another run's live memory on a
+    shared machine): name -> bytes."""
+    live = procs.mapped_shm(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
+    out = {}
+    for p in procs.SHM_DIR.iterdir():
+        if p.name not in before and p not in live:
+            try:
+                out[p.name] = p.stat().st_size
+            except OSError:
+                pass
+    return out
+
+
+def kill_invoke_at(work_root: Path, point: str, token: str, timeout_s: float = 900) -> bool:
+    """`invoke <stage> --force` on the vllm config, SIGKILLed (the invoke process alone, as an OOM killer or a
+    node drain kills it: its children are not signalled) once its stage log says the kill point's line. Whether
+    the kill landed there."""
+    stage, marker, settle_s = VLLM_KILL_POINTS[point]
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", stage, "--force", "--config", str(VLLM_CONFIG),
+                             "--work-root", str(work_root), *LIGHT_BENCH], cwd=REPO,
+                            env={**os.environ, RUN_TOKEN_ENV: token}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    staging = work_root / VLLM_NAME / artifacts.STAGING_DIR
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            logs = list(staging.glob(f"{stage}-*/{artifacts.STAGE_LOG_FILE}"))
+            if logs and marker in logs[0].read_text(errors="replace"):
+                time.sleep(settle_s)
+                proc.kill()
+                proc.wait(timeout=30)
+                return proc.returncode == -signal.SIGKILL
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    return False
+
+
+def leftovers(token: str, shm_before: set[str], wait_s: float = 60) -> tuple[list[str], dict]:
+    """What the killed run left after up to ``wait_s`` (its reapers end its groups within seconds): (processes,
+    as "pid: command line", new /dev/shm files -> bytes). Processes left are then killed (the test started
+    them), by pid."""
+    deadline = time.monotonic() + wait_s
+    while (run_processes(token) or new_shm(shm_before)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    pids, shm = run_processes(token), new_shm(shm_before)
+    left = []
+    for pid in pids:
+        try:
+            left.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200])
+        except OSError:
+            left.append(f"{pid}: (gone)")
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left, shm
+
+
+@pytest.fixture(scope="module")
+def vllm_published(default_work_root):
+    """The embedded default (vllm target) published in the session's default work root (shared with
+    tests/test_vllm.py; the cpu default's model, text and checkpoint are reused where present)."""
+    from pipeline.engines.vllm import runtime
+    from pipeline.errors import EnvironmentProblem
+
+    try:
+        runtime.serving_python()
+    except EnvironmentProblem as e:
+        pytest.skip(f"vLLM's serving environment is not installed here ({e})")
+    if not runtime.cpu_runs_vllm():
+        pytest.skip("vLLM's CPU build needs AVX-512 or AMX (this CPU has neither)")
+    cpu_work, work = default_work_root / "smollm2-135m-cpu", default_work_root / VLLM_NAME
+    if (cpu_work / "quantize" / artifacts.MANIFEST_FILE).is_file() and not work.exists():
+        shutil.copytree(cpu_work, work, symlinks=True, ignore=shutil.ignore_patterns(
+            "build", "publish", "verify", "bench", "report", "model_repository"))
+    proc = run_invoke("publish", "--config", str(VLLM_CONFIG), "--work-root", str(default_work_root), timeout=2400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return default_work_root
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("point", list(VLLM_KILL_POINTS))
+def test_a_killed_vllm_run_leaves_nothing_behind_and_reruns(vllm_published, point):
+    """kill -9 of `invoke` alone at each vllm kill point: within a minute no process of the run is left (vLLM's
+    server, engine core and resource tracker; Triton and its stubs; the build's vLLM worker), no /dev/shm file
+    is new, and the stage then runs again to the end (leaving no /dev/shm file either)."""
+    work_root = vllm_published
+    stage = VLLM_KILL_POINTS[point][0]
+    token = uuid.uuid4().hex
+    shm_before = {p.name for p in procs.SHM_DIR.iterdir()}
+    assert kill_invoke_at(work_root, point, token), f"the run ended before the kill at {point}"
+    left, shm = leftovers(token, shm_before)
+    assert left == [], f"processes of the killed run still alive: {left}"
+    assert shm == {}, f"/dev/shm files the killed run left: {shm}"
+    proc = run_invoke(stage, "--force", "--config", str(VLLM_CONFIG), "--work-root", str(work_root), *LIGHT_BENCH,
+                      timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (work_root / VLLM_NAME / stage / artifacts.MANIFEST_FILE).is_file()
+    assert new_shm(shm_before) == {}

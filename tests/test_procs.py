@@ -1,18 +1,24 @@
 """Process groups (pipeline.procs): stopping one ends every member and removes the shared memory they mapped,
-as vLLM's engine core leaves it behind when killed, and nothing another process owns."""
+as vLLM's engine core leaves it behind when killed, and nothing another process owns; a killed starter's group is
+ended by its reaper, and what a dead run's record lists is removed by the next run (pipeline.reaper)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from multiprocessing import shared_memory
 from pathlib import Path
 
 import pytest
 
-from pipeline import procs
+from pipeline import procs, reaper
 
 # A server stand-in: it maps a new shared-memory segment (Python's multiprocessing.shared_memory, as vLLM's
 # message queues are), starts a child in its group that maps it too, prints the name and both pids, and then
@@ -121,3 +127,152 @@ def test_stopping_a_group_lets_its_resource_tracker_unlink_what_a_member_left(tm
     finally:
         if proc.poll() is None:
             procs.kill_process_group(proc, "stand-in server")
+
+
+# A server stand-in as vLLM 0.32's OpenAI server is on the CPU: an "engine core" started with multiprocessing's
+# spawn context (which starts Python's resource tracker, a child of the server that ignores SIGTERM), mapping a
+# shared-memory segment it made and unregistered from the tracker (only a record of it can remove it after a
+# kill) and holding a named semaphore the tracker knows. It prints the names and the engine core's pid.
+VLLM_LIKE = r"""
+import json, multiprocessing as mp, sys, time
+from multiprocessing import resource_tracker, shared_memory
+
+def core(out):
+    shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+    resource_tracker.unregister(shm._name, "shared_memory")
+    lock = mp.get_context("spawn").Lock()
+    import os
+    out.put({"shm": shm.name, "sem": lock._semlock.name.lstrip("/"), "core": os.getpid()})
+    time.sleep(600)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    ctx.Process(target=core, args=(out,)).start()
+    print(json.dumps(out.get()), flush=True)
+    time.sleep(600)
+"""
+
+# The run that starts it (pipeline.procs.start_group) and is then killed with SIGKILL: no clean-up code runs in it.
+STARTER = r"""
+import json, subprocess, sys, time
+from pipeline import procs, reaper
+proc = procs.start_group([sys.executable, sys.argv[1]], "stand-in vLLM server", stdout=subprocess.PIPE, text=True)
+facts = json.loads(proc.stdout.readline())
+record = reaper.record_path(proc.pid)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline and facts["shm"] not in (json.loads(record.read_text())["shm"]
+                                                         if record.is_file() else []):
+    time.sleep(0.1)  # the reaper has recorded the segment
+print(json.dumps({**facts, "pid": proc.pid, "record": str(record),
+                  "tracker": [p for p in procs.group_members(proc.pid) if p not in (proc.pid, facts["core"])]}),
+      flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_starter_leaves_no_process_and_no_shared_memory(tmp_path):
+    """kill -9 of the process that started a group: the leader dies of PDEATHSIG, and the group's reaper ends the
+    engine core and the resource tracker (PDEATHSIG would not reach them: they are the leader's children) and
+    removes the shared memory the group mapped, then its record."""
+    from conftest import kill_the_starter
+
+    script = tmp_path / "server.py"
+    script.write_text(VLLM_LIKE)
+    code = STARTER.replace("sys.argv[1]", repr(str(script)))
+    facts, left = kill_the_starter(code, wait_s=30)
+    shm, sem = Path("/dev/shm") / facts["shm"], Path("/dev/shm") / ("sem." + facts["sem"])
+    try:
+        assert facts["tracker"], "the stand-in started no resource tracker"
+        assert left == []  # the tracker too
+        deadline = time.monotonic() + 15  # the reaper removes the files after the group has ended
+        while (shm.exists() or sem.exists() or Path(facts["record"]).exists()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not shm.exists() and not sem.exists()
+        assert not Path(facts["record"]).exists()
+    finally:
+        procs.remove_files([shm, sem])
+
+
+def _dead_process() -> tuple[int, int]:
+    """(pid, start time) of a process that has ended."""
+    proc = subprocess.Popen(["sleep", "30"])
+    started = reaper.start_time(proc.pid)
+    proc.kill()
+    proc.wait()
+    assert started is not None
+    return proc.pid, started
+
+
+def test_the_next_run_removes_only_what_a_dead_runs_record_lists(tmp_path, monkeypatch, caplog):
+    """A run whose reaper was killed too leaves its record: the sweep removes the /dev/shm files and temporary
+    folders it lists once its starter, reaper and members are dead, and nothing else; a live run's record and an
+    unlisted psm_ file are left alone, the latter named in the log."""
+    monkeypatch.setattr(reaper, "RUNS_DIR", tmp_path / "runs")
+    uid = uuid.uuid4().hex[:10]
+    dead_pid, dead_started = _dead_process()
+    ours = [Path("/dev/shm") / f"psm_{uid}a", Path("/dev/shm") / f"sem.mp-{uid}"]
+    live_ones, unlisted = Path("/dev/shm") / f"psm_{uid}b", Path("/dev/shm") / f"psm_{uid}c"
+    folder = Path(tempfile.mkdtemp(prefix="vllm-worker-"))
+    for p in (*ours, live_ones, unlisted):
+        p.write_bytes(b"\0" * 4096)
+    dead = {"pid": dead_pid, "started": dead_started}
+    me = {"pid": os.getpid(), "started": reaper.start_time(os.getpid())}
+    base = {"format": reaper.RECORD_FORMAT, "what": "vLLM server", "pgid": dead_pid, "tmp": []}
+    reaper.write_record(reaper.record_path(1), {**base, "starter": dead, "reaper": dead,
+                                                "members": {str(dead_pid): dead_started},
+                                                "shm": [p.name for p in ours], "tmp": [str(folder), "/etc"]})
+    reaper.write_record(reaper.record_path(2), {**base, "starter": me, "reaper": dead, "members": {},
+                                                "shm": [live_ones.name]})
+    try:
+        with caplog.at_level(logging.INFO, logger="pipeline.reaper"):
+            removed, unproven = reaper.reap_dead_runs()
+        assert sorted(removed) == sorted([*ours, folder])
+        assert not any(p.exists() for p in ours) and not folder.exists() and Path("/etc").is_dir()
+        assert not reaper.record_path(1).exists()
+        assert live_ones.exists() and reaper.record_path(2).exists()  # its starter (this process) is alive
+        assert unlisted.exists() and unlisted in unproven and live_ones not in unproven
+        assert unlisted.name in caplog.text and "not provably ours" in caplog.text
+    finally:
+        procs.remove_files([*ours, live_ones, unlisted])
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_clean_stop_leaves_the_starters_temporary_folder_to_the_starter(tmp_path):
+    """A stop by the starter tells the reaper so: it removes its record and not the folder the starter still
+    reads (the build's vLLM check reads its worker's result from there after the stop)."""
+    folder = Path(tempfile.mkdtemp(prefix="vllm-worker-"))
+    try:
+        proc = procs.start_group([sys.executable, "-c", "import time; time.sleep(600)"], "stand-in worker",
+                                 tmp=[folder])
+        record = reaper.record_path(proc.pid)
+        deadline = time.monotonic() + 30
+        while not record.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert record.exists()
+        procs.kill_process_group(proc, "stand-in worker")  # waits for the reaper to exit
+        assert folder.is_dir() and not record.exists()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_sweep_a_run_starts_with_says_what_it_removed(tmp_path, monkeypatch, capsys):
+    """What `invoke <stage>` and `invoke clean` run first (pipeline.commands.sweep_dead_runs): a dead run's
+    recorded /dev/shm file removed and named on the console."""
+    from pipeline import commands
+
+    monkeypatch.setattr(reaper, "RUNS_DIR", tmp_path / "runs")
+    dead_pid, dead_started = _dead_process()
+    dead = {"pid": dead_pid, "started": dead_started}
+    shm = Path("/dev/shm") / f"psm_{uuid.uuid4().hex[:10]}"
+    shm.write_bytes(b"\0" * 4096)
+    reaper.write_record(reaper.record_path(1), {"format": reaper.RECORD_FORMAT, "what": "vLLM server", "pgid": 1,
+                                                "starter": dead, "reaper": dead, "members": {}, "shm": [shm.name],
+                                                "tmp": []})
+    try:
+        assert shm in commands.sweep_dead_runs()
+        assert not shm.exists()
+        out = capsys.readouterr().out  # (Triton's leftovers of other dead runs may be named beside it)
+        assert "leftover(s) of dead runs: " in out and shm.name in out
+    finally:
+        procs.remove_files([shm])

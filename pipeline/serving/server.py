@@ -17,7 +17,8 @@ and ensembles only). Running it by hand has traps, each handled here:
 
 Every server binds 127.0.0.1 only (unless told otherwise), on free ports, runs in its own process group,
 and is stopped by ``stop()`` / leaving the ``with`` block: SIGTERM to the process and its group, SIGKILL
-after a grace period. On Linux the server also gets SIGKILL if the process that started it dies.
+after a grace period. If the process that started it dies first, the server gets SIGKILL (Linux) and its
+group's reaper ends its stubs and removes its shared memory and temporary folder (pipeline.reaper).
 
 On a GPU machine (inside the Triton TensorRT-LLM image) pass ``binary=`` the image's ``tritonserver`` and
 ``backend_dir=None``: it has its own backends, stub and Python.
@@ -25,7 +26,6 @@ On a GPU machine (inside the Triton TensorRT-LLM image) pass ``binary=`` the ima
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import logging
@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 
 from pipeline import artifacts, targets
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed
-from pipeline.procs import SHM_DIR, stop_process_group
+from pipeline.procs import SHM_DIR, start_group, stop_process_group
 from pipeline.serving import launch
 from pipeline.serving.ports import LOOPBACK, START_TRIES, fill_ports, lost_port_race
 
@@ -55,7 +55,6 @@ STUB_NAME = "triton_python_backend_stub"
 READY_TIMEOUT_S = 120.0
 VLLM_READY_TIMEOUT_S = 600.0  # vLLM's import and engine start: 40-90 s on 2 busy cores
 LOG_TAIL_LINES = 40
-_PR_SET_PDEATHSIG = 1
 _NOISE = "CudaDriverHelper has not been initialized"  # logged by every start on a machine without a GPU
 
 
@@ -152,15 +151,6 @@ def prepare_backends_dir(dest: Path, dist: PytritonDist, env: PythonEnv) -> Path
     return dest
 
 
-try:  # resolved here, not between fork and exec, where loading a library could deadlock
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):
-    _PRCTL = None
-
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 TMP_PREFIX = "tritonserver-"  # + the starting process's pid: <tmp>/tritonserver-<pid>-<random>/
@@ -387,9 +377,9 @@ class TritonServer(ServerProcess):
         self._log_file = open(self.log_path, "ab")
         cmd = self.command()
         log.info("starting %s", " ".join(cmd))
-        self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env, cwd=str(self._tmp),
-                                        start_new_session=True, preexec_fn=_set_pdeathsig)
+        self.process = start_group(cmd, "tritonserver", tmp=[self._tmp] if self._tmp else [],
+                                   stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env, cwd=str(self._tmp))
 
     def _wait_ready(self) -> bool:
         return self.wait_ready(f"http://{self.host}:{self.http_port}/v2/health/ready", self.ready_timeout_s)

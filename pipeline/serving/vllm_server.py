@@ -5,8 +5,9 @@ The server is ``python -m vllm.entrypoints.openai.api_server`` of the serving en
 (``vllm_engine.json``), on 127.0.0.1 and a free port unless told otherwise. It answers the OpenAI API under
 ``/v1`` (completions, chat completions, streaming), ``/health`` and Prometheus metrics on ``/metrics``
 (``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ...). It runs in its own session: stopping
-it ends its engine-core and worker processes too (``pipeline.procs.stop_process_group``, which also removes the shared memory they leave), and a parent that dies
-takes it along (PDEATHSIG).
+it ends its engine-core and worker processes too (``pipeline.procs.stop_process_group``, which also removes
+the shared memory they leave), and a parent that dies takes it all along (``pipeline.procs.start_group``:
+PDEATHSIG for the server, a reaper for its engine core and resource tracker and their shared memory).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import IO, Optional
 
 from pipeline import artifacts
 from pipeline.errors import InputError, StageFailed
-from pipeline.procs import stop_process_group
+from pipeline.procs import start_group, stop_process_group
 from pipeline.serving import launch
 from pipeline.serving.ports import LOOPBACK, START_TRIES, free_port, lost_port_race
-from pipeline.serving.server import ServerProcess, _set_pdeathsig, log_tail
+from pipeline.serving.server import ServerProcess, log_tail
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,8 @@ class VllmServer(ServerProcess):
         self._log_file = open(self.log_path, "ab")
         cmd = self.command(python)
         log.info("starting %s", " ".join(cmd))
-        self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                        preexec_fn=_set_pdeathsig)
+        self.process = start_group(cmd, "vLLM server", stdout=self._log_file, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=env)
 
     def _wait_ready(self) -> bool:
         return self.wait_ready(f"http://{self.http_url}/health", self.ready_timeout_s, poll_s=0.25)

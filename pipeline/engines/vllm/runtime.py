@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.errors import EnvironmentProblem, StageFailed
-from pipeline.procs import foreign_python_env, kill_process_group
+from pipeline.procs import foreign_python_env, kill_process_group, start_group
 
 ENV_VAR = "VLLM_PYTHON"
 VENV_DIR = ".venv-vllm"
@@ -251,8 +251,8 @@ def run_worker(python: str, request: dict, env: dict[str, str], log_path: Path, 
         req.write_text(json.dumps(request))
         t0 = time.perf_counter()
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([python, str(WORKER), str(req), str(res)], stdout=log, stderr=subprocess.STDOUT,
-                                    env=child_env(env), start_new_session=True)
+            proc = start_group([python, str(WORKER), str(req), str(res)], "vLLM worker", tmp=[Path(tmp)],
+                               stdout=log, stderr=subprocess.STDOUT, env=child_env(env))
             try:
                 code = proc.wait(timeout=timeout_s)
             except BaseException:

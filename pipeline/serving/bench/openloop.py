@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 
 from pipeline.config import BenchSection
 from pipeline.errors import EnvironmentProblem, StageFailed
-from pipeline.procs import foreign_python_env, stop_process_group
+from pipeline.procs import foreign_python_env, start_group, stop_process_group
 from pipeline.serving.bench.stats import SLA_NAMES
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,7 @@ def _run(argv: list[str], out_dir: Path, timeout_s: float, what: str) -> None:
     when it fails or writes no summary."""
     log_path = out_dir / "aiperf.log"
     with log_path.open("w") as log_file:
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=foreign_python_env(),
-                                start_new_session=True)
+        proc = start_group(argv, "aiperf", stdout=log_file, stderr=subprocess.STDOUT, env=foreign_python_env())
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
