@@ -24,7 +24,8 @@ from pipeline.reaper import reap_dead_runs
 from pipeline.release.deploy import pod_host_memory, render_manifests
 from pipeline.release.image import ImagePlan, build_image, check_release, release_image
 from pipeline.runner import Runner, WorkDirLock
-from pipeline.serving.server import remove_stale_leftovers, serve_published
+from pipeline.serving.serve import serve_published
+from pipeline.serving.server import remove_stale_leftovers
 from pipeline.stages import STAGES, TASK_STAGES
 
 
@@ -204,7 +205,7 @@ def tune(config: Optional[str], overrides: Sequence[str], work_root: Path, resul
     A GPU target where no tritonserver runs: write the plan of points instead. ``results``: choose from points
     measured elsewhere."""
     from pipeline.serving import tune as tuning  # starts servers: imported when asked for
-    from pipeline.serving.server import gpu_server_binary
+    from pipeline.serving.serve import gpu_server_binary
     from pipeline.serving.tuned import build_digest
 
     runner = open_runner(config, overrides, work_root)

@@ -35,7 +35,7 @@ from pipeline import artifacts  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
 from pipeline.serving import publish as pub  # noqa: E402
 from pipeline.serving.bench.load import Prompt, RequestRecord, one_request  # noqa: E402
-from pipeline.serving.server import server_for_target  # noqa: E402
+from pipeline.serving.serve import server_for_target  # noqa: E402
 
 TEXT = ("The history of the city goes back to a small settlement on the river, where traders met to exchange "
         "grain, salt and cloth. Over the centuries the market grew into a town with walls, a cathedral and a "

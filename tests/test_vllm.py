@@ -529,7 +529,7 @@ def _request_classes_through_triton(work_root) -> None:
     import threading
     import time
 
-    from pipeline.serving.server import server_for_target
+    from pipeline.serving.serve import server_for_target
 
     proc = run_invoke("publish", "--config", str(VLLM_CONFIG), "--work-root", str(work_root),
                       "--set", "triton.priority_levels=2", timeout=600)

@@ -8,7 +8,7 @@ import sys
 
 from conftest import REPO
 
-from pipeline.serving import server
+from pipeline.serving import serve as server
 
 sys.path.insert(0, str(REPO / "triton_repo" / "common"))
 import llm_watchdog as watchdog  # noqa: E402  (the serving models' own module: not a package)

@@ -57,7 +57,7 @@ from pipeline.serving.bench.target import (
     warm_up,
 )
 from pipeline.serving.publish import write_repository
-from pipeline.serving.server import server_for_target
+from pipeline.serving.serve import server_for_target
 from pipeline.serving.tuned import (
     FAILED_DIR,
     FORMAT_VERSION,

@@ -36,7 +36,8 @@ import numpy as np
 from pipeline import artifacts, constants, targets
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving.publish import model_names
-from pipeline.serving.server import TritonServer, server_for_target
+from pipeline.serving.serve import server_for_target
+from pipeline.serving.server import TritonServer
 
 log = logging.getLogger(__name__)
 

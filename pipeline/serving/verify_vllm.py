@@ -292,7 +292,7 @@ def _triton_checks(repo: Path, prov: dict, log_path: Path, tokenizer, prompts: l
     """Triton's checks (pipeline.serving.verify) on the vllm repository: (startup s, checks, latencies, the
     server's exit code if it died during them)."""
     from pipeline.serving.publish import model_names
-    from pipeline.serving.server import server_for_target
+    from pipeline.serving.serve import server_for_target
     from pipeline.serving.verify import triton_checks
 
     server = server_for_target("vllm", repo, frontend="triton", log_path=log_path)

@@ -63,7 +63,8 @@ from pipeline.serving.bench.target import (
     run_level,
     warm_up,
 )
-from pipeline.serving.server import log_tail, server_for_target
+from pipeline.serving.serve import server_for_target
+from pipeline.serving.server import log_tail
 
 log = logging.getLogger(__name__)
 
