@@ -57,6 +57,7 @@ WeightFormat = Literal["none", "int8_sq", "int8_wo", "fp8", "int4_awq", "w4a8_aw
 SensitivityFormat = Literal["int8_w8a8", "int8_sq", "int8_wo", "fp8", "int4_awq"]
 KVCacheFormat = Literal["none", "int8", "fp8"]
 Dtype = Literal["float32", "float16", "bfloat16"]
+Frontend = Literal["openai", "triton"]
 # the sensitivity column that predicts each weight format (w4a8_awq: its INT4 weights dominate the error)
 
 
@@ -467,7 +468,7 @@ class VllmSection(Strict):
     # What serves the export in verify and bench (each is checked and swept): vLLM's own OpenAI server, and
     # Triton through the vLLM Python-backend model (the ensemble's inputs, as on every target). The first one
     # is what `invoke serve` starts.
-    frontends: list[Literal["openai", "triton"]] = Field(default_factory=lambda: ["openai", "triton"], min_length=1)
+    frontends: list[Frontend] = Field(default_factory=lambda: list[Frontend](["openai", "triton"]), min_length=1)
 
     @field_validator("frontends")
     @classmethod
@@ -953,7 +954,7 @@ def _load_chain(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str, st
 
 def _resolve_paths(data: dict, base_dir: Path) -> None:
     for keys in _PATH_FIELDS:
-        node = data
+        node: Any = data  # a mapping, a value or None as the walk goes down
         for k in keys[:-1]:
             node = node.get(k) if isinstance(node, dict) else None
         if not isinstance(node, dict) or keys[-1] not in node:
@@ -1059,7 +1060,10 @@ def _model_at(dotted: str, raw: dict) -> type[BaseModel] | None:
     model: Any = PipelineConfig
     node: Any = raw
     for part in [k for k in dotted.split(".") if k]:
-        key, index = re.fullmatch(r"(.*?)(?:\[(\d+)\])?", part).groups()
+        match = re.fullmatch(r"(.*?)(?:\[(\d+)\])?", part)
+        if match is None:  # a key with a line break in it (`.` stops there): no model describes it
+            return None
+        key, index = match.groups()
         if not (isinstance(model, type) and issubclass(model, BaseModel)) or key not in model.model_fields:
             return None
         node = node.get(key) if isinstance(node, dict) else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from pipeline import artifacts
 
@@ -32,6 +32,8 @@ TIE_BOUND = 0.1
 # at most (0.07, 0.47 in logits: TIE_BOUND alone is below bf16's own rounding). So a check of such an engine
 # takes a near-tie up to ROUNDING_TIE_EPS eps of the larger logit.
 ROUNDING_TIE_EPS = 4.0
+
+LoadedReference = tuple[Any, Optional[str], Optional[list[float]]]  # (model, KV-cache quant algo, per-layer KV scales)
 
 
 def relative_tie_bound(dtype: str) -> float:
@@ -68,7 +70,7 @@ def _fake_quant_cache(config, quant_algo: str, scales: list[float]):
     return FakeQuantKVCache(config=config)
 
 
-def load_reference(bundle_dir: Path):
+def load_reference(bundle_dir: Path) -> LoadedReference:
     """The rebuilt model (its layers streamed when the runtime's would be), its KV-cache quant algo and
     per-layer KV scales, from a cpu bundle."""
     from pipeline.engines.cpu_runtime import bundle_model, kv_cache_algo, kv_cache_scales, read_settings
@@ -88,8 +90,12 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, kv_quant_algo: Opt
     import torch
     from transformers import DynamicCache
 
-    cache = (_fake_quant_cache(model.config, kv_quant_algo, kv_scales) if kv_quant_algo
-             else DynamicCache(config=model.config))
+    if not kv_quant_algo:
+        cache = DynamicCache(config=model.config)
+    elif kv_scales is None:
+        raise ValueError(f"kv_quant_algo {kv_quant_algo!r} needs kv_scales, one per layer (load_reference gives both)")
+    else:
+        cache = _fake_quant_cache(model.config, kv_quant_algo, kv_scales)
     tokens, rows = [], []
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():

@@ -183,7 +183,7 @@ def _priority_input(triton, **kwargs) -> list:
 
 def _llm_io(msg, triton, reshape: bool = True, streaming: bool = True) -> None:
     """The tensorrtllm backend's inputs/outputs; the Python variants take exactly these too."""
-    scalar = dict(reshape=[]) if reshape else {}
+    scalar: dict[str, list[int]] = dict(reshape=[]) if reshape else {}
     msg.input.extend([
         _inp("input_ids", "INT32", [-1], ragged=True),
         _inp("input_lengths", "INT32", [1], **scalar),
@@ -324,8 +324,8 @@ def runtime_trtllm_version(config) -> tuple[str, str]:
     image = config.image
     if image.base_trtllm_version:
         return image.base_trtllm_version, "image.base_trtllm_version"
-    if image.base_tag and trtllm_version_of_tag(image.base_tag):
-        return trtllm_version_of_tag(image.base_tag), f"image.base_tag {image.base_tag}"
+    if image.base_tag and (tag_version := trtllm_version_of_tag(image.base_tag)):
+        return tag_version, f"image.base_tag {image.base_tag}"
     return config.build.trtllm_version, "build.trtllm_version"
 
 

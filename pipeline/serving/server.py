@@ -40,7 +40,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import IO, Optional, Sequence
 
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed
 from pipeline.procs import SHM_DIR, start_group, stop_process_group
@@ -280,7 +280,7 @@ class TritonServer(ServerProcess):
     startup_s: Optional[float] = field(default=None, init=False)
     _tmp: Optional[Path] = field(default=None, init=False, repr=False)
     _backends: Optional[Path] = field(default=None, init=False, repr=False)
-    _log_file: object = field(default=None, init=False, repr=False)
+    _log_file: Optional[IO[bytes]] = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------ endpoints
 
@@ -353,14 +353,14 @@ class TritonServer(ServerProcess):
         try:
             for attempt in range(START_TRIES):  # a free port can be taken between choosing it and binding it
                 self.http_port, self.grpc_port, self.metrics_port = fill_ports(want, self.host)
-                self._spawn(env)
+                self._spawn(env, self.log_path)
                 if self._wait_ready():
                     break
                 if attempt < START_TRIES - 1 and not all(want.values()) and lost_port_race(log_tail(self.log_path)):
                     log.info("a chosen port was taken meanwhile; retrying with new ports")
                     self._terminate()
                     continue
-                raise StageFailed(self._failure_message())
+                raise StageFailed(self._failure_message(self.log_path))
         except BaseException:
             self.stop()
             raise
@@ -369,10 +369,10 @@ class TritonServer(ServerProcess):
                  self.http_url, self.grpc_url)
         return self
 
-    def _spawn(self, env: dict) -> None:
+    def _spawn(self, env: dict, log_path: Path) -> None:
         if self._log_file is not None:
             self._log_file.close()
-        self._log_file = open(self.log_path, "ab")
+        self._log_file = open(log_path, "ab")
         cmd = self.command()
         log.info("starting %s", " ".join(cmd))
         self.process = start_group(cmd, "tritonserver", tmp=[self._tmp] if self._tmp else [],
@@ -382,12 +382,12 @@ class TritonServer(ServerProcess):
     def _wait_ready(self) -> bool:
         return self.wait_ready(f"http://{self.host}:{self.http_port}/v2/health/ready", self.ready_timeout_s)
 
-    def _failure_message(self) -> str:
+    def _failure_message(self, log_path: Path) -> str:
         code = self.process.poll() if self.process else None
         state = (f"exited with code {code}" if code is not None
                  else f"was not ready after {self.ready_timeout_s:.0f} s")
-        where = "" if self._tmp is not None and self._tmp in self.log_path.parents else f" {self.log_path}"
-        return f"tritonserver {state}. From its log{where} (errors first):\n{log_tail(self.log_path)}"
+        where = "" if self._tmp is not None and self._tmp in log_path.parents else f" {log_path}"
+        return f"tritonserver {state}. From its log{where} (errors first):\n{log_tail(log_path)}"
 
     def _terminate(self) -> None:
         """SIGTERM to the server and its process group (Python-backend stubs), SIGKILL after a grace period."""

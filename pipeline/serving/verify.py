@@ -29,7 +29,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from pipeline.errors import InputError, StageFailed
 from pipeline.serving.publish import model_names
 from pipeline.serving.serve import server_for_target
 from pipeline.serving.server import TritonServer
+
+if TYPE_CHECKING:
+    from pipeline.engines.reference import Greedy, LoadedReference
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +101,20 @@ class Expected:
     def __init__(self, bundle: Optional[Path], prompt_ids: list[list[int]], max_tokens: int):
         self.bundle, self.prompt_ids, self.max_tokens = bundle, prompt_ids, max_tokens
         self.tokens: Optional[list[list[int]]] = None
-        self._ref = None
-        self._ref_greedy: dict[int, object] = {}
+        self._ref: Optional[LoadedReference] = None
+        self._ref_greedy: dict[int, Greedy] = {}
+
+    def _bundle_dir(self) -> Path:
+        if self.bundle is None:
+            raise InputError("verify: the published repository has no cpu_bundle beside its engine model, and the "
+                             "CPU reference runs it; run `invoke publish` again")
+        return self.bundle
 
     def compute(self) -> None:
         """Run the bundle's runtime on each prompt alone (before the server takes the CPU)."""
         from pipeline.engines.cpu_runtime import CpuRuntime, SamplingParams
 
-        with CpuRuntime.load(self.bundle) as rt:
+        with CpuRuntime.load(self._bundle_dir()) as rt:
             self.tokens = [rt.generate(p, SamplingParams(max_new_tokens=self.max_tokens)) for p in self.prompt_ids]
             self.end_id = rt.eos_token_id
 
@@ -119,7 +128,7 @@ class Expected:
         from pipeline.engines import reference
 
         if self._ref is None:
-            self._ref = reference.load_reference(self.bundle)
+            self._ref = reference.load_reference(self._bundle_dir())  # compute() ran: there is one
         if i not in self._ref_greedy:
             model, algo, scales = self._ref
             self._ref_greedy[i] = reference.greedy(model, self.prompt_ids[i], self.max_tokens, algo, scales,
@@ -336,7 +345,7 @@ class Verifier:
             "max_tokens 0": (f"{base}/generate", {"text_input": "hello", "max_tokens": 0}),
             "empty prompt": (f"{base}/generate", {"text_input": "", "max_tokens": 4}),
         }
-        answers = {}
+        answers: dict[str, dict[str, Any]] = {}
         for label, (url, body) in cases.items():
             status, text = _post_json(url, body)
             answers[label] = {"status": status, "error": text[:200]}
