@@ -196,7 +196,8 @@ def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> P
 def serve(config: Optional[str], overrides: Sequence[str], work_root: Path, supervise: bool = False,
           max_restarts: int = 5, **ports) -> None:
     runner = open_runner(config, overrides, work_root)
-    serve_published(runner.work_dir, frontend=runner.loaded.config.vllm.frontends[0], supervise=supervise,
+    cfg = runner.loaded.config
+    serve_published(runner.work_dir, frontend=targets.get(cfg.build.target).frontends(cfg)[0], supervise=supervise,
                     max_restarts=max_restarts, **ports)
 
 

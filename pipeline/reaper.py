@@ -248,7 +248,7 @@ def reap_dead_runs() -> tuple[list[Path], list[Path]]:
     unproven = sorted(p for p in SHM_DIR.iterdir() if p.name.startswith(UNNAMED_SHM) and p.name not in listed) \
         if SHM_DIR.is_dir() else []
     if unproven:
-        log.info("left alone in %s (not provably ours: no run record lists them): %s", SHM_DIR,
+        log.debug("left alone in %s (not provably ours: no run record lists them): %s", SHM_DIR,
                  ", ".join(p.name for p in unproven))
     return removed, unproven
 

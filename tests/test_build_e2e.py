@@ -111,9 +111,8 @@ def test_a_killed_run_leaves_no_model_process_and_the_next_run_clears_its_leftov
         """, wait_s=20)
     assert left == [], "a model's stub outlived the run that started its server"
     leftovers = list(SHM_DIR.glob(facts["prefix"] + "*")) + [Path(facts["tmp"])]
-    assert all(p.exists() for p in leftovers)  # nobody was left to remove them ...
-    removed = remove_stale_leftovers()  # ... until the next server starts
-    assert set(leftovers) <= set(removed) and not any(p.exists() for p in leftovers)
+    remove_stale_leftovers()  # the next server start removes what is left, if the group's reaper has not already
+    assert not any(p.exists() for p in leftovers)  # (pipeline.reaper removes a killed group's shm and temp folder)
 
 
 def test_streamed_layers_give_the_resident_weights_tokens(built, prompt_ids):

@@ -15,7 +15,7 @@ import yaml
 from conftest import run_invoke, tiny_config
 
 from pipeline import artifacts, families
-from pipeline.errors import InputError
+from pipeline.errors import ConfigError, InputError
 from pipeline.quant.plots import heatmap_grid
 
 pytest.importorskip("modelopt.torch.quantization")
@@ -318,8 +318,8 @@ def test_a_family_with_only_an_hf_unified_export_reaches_a_gated_checkpoint(tmp_
     model = make().eval()
     model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
     cfg = tiny_config(tmp_path, model_dir)
-    with pytest.raises(InputError, match=f"the tensorrt target cannot serve {family} .*without tensorrt_llm "
-                                         "installed.*use build.target pytorch or cpu or vllm"):
+    with pytest.raises(ConfigError, match=f"the tensorrt target cannot serve {family} .*without tensorrt_llm "
+                                          "installed.*use build.target pytorch or cpu or vllm"):
         Runner(load_config(cfg, ["build.target=tensorrt"]), STAGES, tmp_path / "refused").run(
             ["quantize"], echo=lambda line: None)
     assert not (tmp_path / "refused" / "tiny" / "sensitivity").exists()

@@ -286,10 +286,11 @@ def test_the_gpu_image_starts_through_the_launcher_and_reads_provenance(tmp_path
     entry = next(line for line in (REPO_ROOT / "Dockerfile").read_text().split("FROM ")[1].splitlines()
                  if line.startswith("ENTRYPOINT"))
     assert '"python3", "-m", "pipeline.serving.launch", "tritonserver"' in entry
-    build = {"target": "tensorrt", "world_size": 4, "tensorrt_llm_model": "m_x"}
+    # publish writes server_ranks: world_size for the tensorrt target's engine per rank (Target.engine_per_rank)
+    build = {"target": "tensorrt", "world_size": 4, "server_ranks": 4, "tensorrt_llm_model": "m_x"}
     (tmp_path / "provenance.json").write_text(json.dumps({"build": build}))
     assert launch.read_serving_needs(tmp_path) == (4, "m_x")
-    (tmp_path / "provenance.json").write_text(json.dumps({"build": {**build, "target": "pytorch"}}))
+    (tmp_path / "provenance.json").write_text(json.dumps({"build": {**build, "target": "pytorch", "server_ranks": 1}}))
     assert launch.read_serving_needs(tmp_path) == (1, "m_x")  # the LLM API starts its own ranks
 
 
