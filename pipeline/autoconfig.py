@@ -97,7 +97,7 @@ def resolve(raw: dict, model_type: Optional[str], defaults: dict[str, Any]) -> R
     hf_why = None
     if weights != NO_QUANT and target.serves_hf_checkpoint:
         hf_why = f"the {name} target serves the HF unified checkpoint"
-    elif fam is not None and not fam.trtllm_checkpoint:
+    elif fam is not None and not fam.trtllm_checkpoint and weights != NO_QUANT:  # (quantize refuses the baseline)
         because = fam.why_not or "no TensorRT-LLM checkpoint of it can be written here"
         hf_why = f"{model_type} is exported as the HF unified checkpoint only ({because}; family table, {FAMILY_TABLE})"
     export_hf = value("quantization.export_hf_checkpoint")
