@@ -363,7 +363,10 @@ def vllm_published(default_work_root):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(2400)
-@pytest.mark.parametrize("point", list(VLLM_KILL_POINTS))
+# every run kills at vLLM's own server and at the build's check; Triton over vLLM and bench's load (the same
+# reaper, another server) run with `invoke test --heavy`, to keep CI's run well inside its time
+@pytest.mark.parametrize("point", [pytest.param(p, marks=pytest.mark.heavy) if p in ("verify-triton", "bench") else p
+                                   for p in VLLM_KILL_POINTS])
 def test_a_killed_vllm_run_leaves_nothing_behind_and_reruns(vllm_published, point):
     """kill -9 of `invoke` alone at each vllm kill point: within a minute no process of the run is left (vLLM's
     server, engine core and resource tracker; Triton and its stubs; the build's vLLM worker), no /dev/shm file
