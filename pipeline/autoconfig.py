@@ -44,22 +44,26 @@ class Resolution:
     conflicts: list[str] = field(default_factory=list)
 
 
-def _get(raw: dict, dotted: str) -> Any:
+_UNSET = object()
+
+
+def _lookup(raw: dict, dotted: str) -> Any:
+    """The merged YAML's value at ``dotted``; _UNSET where the config does not set it."""
     node: Any = raw
     for key in dotted.split("."):
         if not isinstance(node, dict) or key not in node:
-            return None
+            return _UNSET
         node = node[key]
     return node
 
 
+def _get(raw: dict, dotted: str) -> Any:
+    value = _lookup(raw, dotted)
+    return None if value is _UNSET else value
+
+
 def _is_set(raw: dict, dotted: str) -> bool:
-    node: Any = raw
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return False
-        node = node[key]
-    return True
+    return _lookup(raw, dotted) is not _UNSET
 
 
 def _put(raw: dict, dotted: str, value: Any) -> None:
