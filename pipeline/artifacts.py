@@ -82,8 +82,6 @@ ENGINE_DIR = "engine"
 LLM_API_DIR = "llm_api"
 VLLM_MODEL_DIR = "vllm_model"  # the vllm target: the export (HF folder, compressed-tensors) vLLM loads
 VLLM_ENGINE_FILE = "vllm_engine.json"  # inside it: vLLM's engine arguments and environment, its version
-ARTIFACT_DIRS = {"cpu": CPU_BUNDLE_DIR, "tensorrt": ENGINE_DIR, "pytorch": LLM_API_DIR,
-                 "vllm": VLLM_MODEL_DIR}  # build.target -> folder
 LLM_API_OPTIONS_FILE = "llm_api_options.yaml"
 LLM_API_CHECKPOINT_DIR = "checkpoint"
 BUILD_PROVENANCE_FILE = "build_provenance.json"  # inside the engine / llm_api folder

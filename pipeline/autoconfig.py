@@ -132,11 +132,11 @@ def resolve(raw: dict, model_type: Optional[str], defaults: dict[str, Any]) -> R
 
     # mixture-of-experts: the experts in a format the TensorRT-LLM export writes for stacked experts
     if fam is not None and fam.moe is not None and fam.trtllm_checkpoint and weights != NO_QUANT:
-        res.conflicts += _experts(raw, res, fam, target, name, weights, value)
+        res.conflicts += _experts(raw, res, fam, target, weights, value)
     return res
 
 
-def _experts(raw: dict, res: Resolution, fam: families.Family, target: targets.Target, name: str, weights: str,
+def _experts(raw: dict, res: Resolution, fam: families.Family, target: targets.Target, weights: str,
              setting: Callable[[str], Any]) -> list[str]:
     """The experts' plan rule where the weight format cannot be written for them; the conflicts of rules that set
     them to such a format."""
@@ -159,7 +159,7 @@ def _experts(raw: dict, res: Resolution, fam: families.Family, target: targets.T
         return conflicts
     if not servable:
         return [f"quantization.weight_format {weights}: {fam.model_type}'s experts need one of "
-                f"{', '.join(MOE_EXPORT_FORMATS)} ({source}), and the {name} target serves none of them here"]
+                f"{', '.join(MOE_EXPORT_FORMATS)} ({source}), and the {target.name} target serves none of them here"]
     rule = {"pattern": f"*.{fam.moe.experts}.*", "format": servable[0]}
     # first: the last matching rule wins (pipeline/quant/plan.py), so the config's own rules still decide the
     # experts they name

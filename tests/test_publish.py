@@ -20,7 +20,7 @@ import pytest
 import yaml
 from conftest import tiny_config, tree_snapshot
 
-from pipeline import artifacts
+from pipeline import artifacts, targets
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UserError
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
@@ -38,7 +38,7 @@ WATCHDOG_DEFAULTS = {"watchdog_errors_per_minute": "5", "watchdog_memory_mb_per_
 def make_build(work: Path, target: str, tokenizer_dir: Path, **overrides) -> Path:
     """<work>/build as the build stage leaves it for ``target``, and <work>/model/hf_model's tokenizer."""
     build = work / "build"
-    artifact = build / artifacts.ARTIFACT_DIRS[target]
+    artifact = build / targets.get(target).artifact_dir
     artifact.mkdir(parents=True)
     hf = work / "model" / "hf_model"
     hf.mkdir(parents=True)
@@ -69,7 +69,7 @@ def make_build(work: Path, target: str, tokenizer_dir: Path, **overrides) -> Pat
         (artifact / "checkpoint" / "config.json").write_text("{}")
         (artifact / "checkpoint" / "hf_quant_config.json").write_text("{}")
     settings = {
-        "target": target, "artifact_dir": artifacts.ARTIFACT_DIRS[target],
+        "target": target, "artifact_dir": targets.get(target).artifact_dir,
         "max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 256,
         "kv_cache": {"quant_algo": "FP8" if target == "pytorch" else "INT8", "tokens_per_block": 32,
                      "free_gpu_memory_fraction": 0.85, "enable_block_reuse": False},

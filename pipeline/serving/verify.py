@@ -416,7 +416,7 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
 
     t0 = time.perf_counter()
     expected = Expected(_bundle_in(repo, names, version), prompt_ids, max_tokens)
-    if engine.verify_against_reference:
+    if engine.reference_runtime:
         expected.compute()
     reference_s = time.perf_counter() - t0
 
@@ -431,7 +431,7 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
         "server": {"startup_s": startup_s, "binary": "image tritonserver" if engine.gpu_only
                    else "nvidia-pytriton tritonserver", "log": artifacts.SERVER_LOG_FILE},
         "reference": ("the CPU runtime on the repository's own bundle, each prompt alone"
-                      if engine.verify_against_reference
+                      if engine.reference_runtime
                       else "none (GPU target: answers are checked for agreement only)"),
         "reference_s": round(reference_s, 1),
         "prompts": list(prompts), "max_tokens": max_tokens,

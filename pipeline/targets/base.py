@@ -41,7 +41,7 @@ class Target:
     name: ClassVar[str]
     summary: ClassVar[str]  # one line: what is built and what serves it
     engine_label: ClassVar[str] = "Triton"  # what serves it, in the image's title
-    artifact_dir: ClassVar[str]  # the build stage's folder for it (pipeline.artifacts.ARTIFACT_DIRS)
+    artifact_dir: ClassVar[str]  # the build stage's folder for it (a name from pipeline.artifacts)
     # files the build leaves in artifact_dir; publish refuses a folder without them
     artifact_files: ClassVar[tuple[str, ...]] = ()
     # where the tokenizer files are inside artifact_dir (None: publish takes them from the model folder)
@@ -58,8 +58,9 @@ class Target:
     # verify's own entry point where its frontends need their own checks, "module:function" (function(repo, prov,
     # out_dir, prompts, max_tokens, concurrent, frontends) -> dict); None: verify's Triton checks
     verify_entry: ClassVar[Optional[str]] = None
-    # the target runs this project's reference runtime (the report and summary say so; its speed says nothing of
-    # a GPU's), and a note the build section of the report prints
+    # the target runs this project's reference runtime on this CPU: verify computes the reference tokens itself and
+    # checks the served ones against them (elsewhere answers are checked for agreement only), and the report and
+    # summary say so (its speed says nothing of a GPU's); report_note: what the build section of the report prints
     reference_runtime: ClassVar[bool] = False
     report_note: ClassVar[str] = ""
     # needs NVIDIA GPUs and TensorRT-LLM: built and served only in the Triton TensorRT-LLM image
@@ -74,9 +75,6 @@ class Target:
     serving_settings: ClassVar[frozenset[str]] = frozenset()
     # runs on one process: tensor and pipeline parallel sizes must be 1
     single_process: ClassVar[bool] = False
-    # verify computes the reference tokens itself (the runtime is this project's, on this CPU) and checks the
-    # served ones against them; otherwise answers are checked for agreement only
-    verify_against_reference: ClassVar[bool] = False
     # the runtime exports the pipeline's own latency family (trtllm_pipeline_model_metrics)
     pipeline_metrics: ClassVar[bool] = True
     # `invoke tune` measures its serving settings (on a GPU target: a plan of points where no tritonserver runs)

@@ -24,7 +24,6 @@ class CpuTarget(Target):
     kv_formats = ("int8", "fp8", "none")
     serving_settings = frozenset({"adaptive_batch", "max_running", "prefill_chunk_tokens", "priority_levels"})
     single_process = True
-    verify_against_reference = True
     reference_runtime = True
     report_note = ("Target `cpu`: the CPU reference runtime (pipeline.engines.cpu_runtime) serving the exported "
                    "quantized checkpoint. A reference for correctness and wiring, **not a TensorRT engine**; its "
