@@ -225,7 +225,7 @@ def test_the_next_run_removes_only_what_a_dead_runs_record_lists(tmp_path, monke
     reaper.write_record(reaper.record_path(2), {**base, "starter": me, "reaper": dead, "members": {},
                                                 "shm": [live_ones.name]})
     try:
-        with caplog.at_level(logging.INFO, logger="pipeline.reaper"):
+        with caplog.at_level(logging.DEBUG, logger="pipeline.reaper"):
             removed, unproven = reaper.reap_dead_runs()
         assert sorted(removed) == sorted([*ours, folder])
         assert not any(p.exists() for p in ours) and not folder.exists() and Path("/etc").is_dir()
