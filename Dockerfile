@@ -15,7 +15,7 @@
 #   release_files     provenance.json, image.json and, for a release, the build report (<work dir>/image/release_files)
 # No token or credential enters any layer: the cpu target reads an optional pip config as a BuildKit secret
 # (id pip_conf), and the Hugging Face token of an engine-build Job comes from a Kubernetes Secret at run time.
-# Not built on the development machines (no Docker engine there): checked statically by tests/test_image.py.
+# Not built on the development machines (no Docker engine there): checked statically by tests/release/test_image.py.
 
 # The Triton TensorRT-LLM image. Its repository (your registry, or your mirror of the vendor's) has no real
 # default here: `invoke image` passes image.base_repository, and without it the pull of this placeholder name
@@ -43,7 +43,7 @@ ENV PYTHONPATH=/opt/trtllm-pipeline \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 # model_repository and release_files are named build contexts (--build-context), not stages: DL3022 cannot
-# know them. tests/test_image.py checks each --from names a stage or a documented named context.
+# know them. tests/release/test_image.py checks each --from names a stage or a documented named context.
 # hadolint ignore=DL3022
 COPY --from=model_repository . /models
 # hadolint ignore=DL3022

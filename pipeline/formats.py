@@ -39,7 +39,7 @@ class Format:
 
 # Min SM: NVIDIA Model-Optimizer docs, guides/0_support_matrix (FP8 and W4A8 AWQ: Ada and later; INT8
 # SmoothQuant and W4A16 AWQ: Ampere and later). Scales: what ModelOpt 0.47's TensorRT-LLM export writes
-# (checked by reading exports back, tests/test_checkpoint.py).
+# (checked by reading exports back, tests/quant/test_checkpoint.py).
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("int8_sq", 8, "INT8_SMOOTHQUANT_CFG", "W8A8_SQ_PER_CHANNEL", False, 80,
            ("weights_scaling_factor", "activation_scaling_factor"), "int8_sq"),
@@ -72,7 +72,7 @@ KV_CACHE_ALGOS: dict[str, Optional[str]] = {"int8": "INT8", "fp8": "FP8", "none"
 # requantized through a static_scaled_fp8_quant op the CPU build lacks, and per-channel weight scales meet a
 # per-tensor input scale in ChannelWiseTorchFP8ScaledMMLinearKernel, which narrows it as if per token: both
 # found loading the export on this CPU); INT8 W8A16 (Marlin on GPUs; no CPU kernel: mixed_precision/cpu.py
-# CPUWNA16LinearKernel takes uint4 / uint4b8 only, tests/test_vllm_export.py asks vLLM). INT4 experts of an MoE
+# CPUWNA16LinearKernel takes uint4 / uint4b8 only, tests/engines/vllm/test_vllm_export.py asks vLLM). INT4 experts of an MoE
 # model on a CPU need AMX as well (fused_moe/experts/cpu_moe.py CPUExpertsInt4): checked on the build machine,
 # pipeline.engines.vllm.runtime.check_cpu_experts
 VLLM_SERVABLE: dict[str, tuple[str, ...]] = {NO_QUANT: ("cpu", "cuda"), "int8_sq": ("cpu", "cuda"),

@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # The embedded default on the cpu target (Triton + the reference runtime): what the end-to-end chain of tests
 # (download -> ... -> verify, default_work_root) builds, and what every other test config extends. The
-# project's own default (pipeline.constants.DEFAULT_CONFIG) serves the same plan through vLLM: tests/test_vllm.py.
+# project's own default (pipeline.constants.DEFAULT_CONFIG) serves the same plan through vLLM: tests/engines/vllm/test_vllm.py.
 DEFAULT_CONFIG = REPO / "engine_configs" / "smollm2-135m-cpu.yaml"
 
 
@@ -299,3 +299,34 @@ def metric(metrics_url: str, family: str, label: str, value: str) -> float:
         if line.startswith(family + "{") and f'{label}="{value}"' in line:
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{family}{{{label}={value}}} is not on the metrics endpoint")
+
+
+@pytest.fixture(scope="session")
+def tokens():
+    """Calibration and evaluation token batches for the tiny Llama (seeded)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, 512, (4, 48), generator=g), torch.randint(3, 512, (2, 48), generator=g)
+
+
+@pytest.fixture(scope="session")
+def exported(tiny_model_dir, tokens, tmp_path_factory):
+    """ModelOpt's exports of the tiny Llama, made once per session on first use (tests/modelopt_exports.py):
+    case -> (plan, quant, checkpoint dir per tp, logits of ModelOpt's fake-quant model after the export)."""
+    import torch
+    from modelopt_exports import quantize_and_export
+    from transformers import AutoModelForCausalLM
+
+    calib, evals = tokens
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    cache: dict[str, dict] = {}
+
+    def get(case: str) -> dict:
+        if case not in cache:
+            name = case.replace("+", "_")
+            cache[case] = quantize_and_export(original, case, calib, evals,
+                                              {tp: tmp_path_factory.mktemp(f"ckpt_{name}_tp{tp}") for tp in (1, 2)})
+        return cache[case]
+
+    return get

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import run_invoke, tiny_config
+from tiny_families import HF_ONLY_QUANTIZATION, MAKERS, deepseek_v2, gemma2, gemma3, mixtral, phi3, saved, with_rules
 
 from pipeline import artifacts, families
 from pipeline.errors import ConfigError, InputError
@@ -24,173 +25,6 @@ pytest.importorskip("pytriton", reason="nvidia-pytriton provides the server")
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12], [8, 8, 8, 9, 10, 11, 400, 401, 402, 20, 21]]
 
 
-def _qwen2(kv_heads: int = 2):
-    """Qwen2.5-0.5B's shape, scaled down: q/k/v biases, tied word embeddings, GQA (``kv_heads`` < 4)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=kv_heads,
-                                         max_position_embeddings=512,
-                                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True))
-    for layer in model.model.layers:  # random init leaves biases at 0: give them weight, as trained ones have
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            proj.bias.data.normal_(0.0, 0.5)
-    return model
-
-
-def _qwen3():
-    """Qwen3-0.6B's shape, scaled down: per-head q/k RMSNorms, a head size that is not hidden / heads, tied
-    word embeddings."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                         tie_word_embeddings=True))
-    for layer in model.model.layers:
-        layer.self_attn.q_norm.weight.data.normal_(1.0, 0.2)
-        layer.self_attn.k_norm.weight.data.normal_(1.0, 0.2)
-    return model
-
-
-def _mistral():
-    """Mistral-7B-v0.1's shape, scaled down: Llama's layers with GQA and a sliding window on every layer (4096
-    tokens there, 8 here, so that calibration samples and served sequences outrun it)."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    return MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                            sliding_window=8, bos_token_id=1, eos_token_id=2))
-
-
-def _mixtral(experts: int = 4, intermediate: int = 96, hidden: int = 64):
-    """Mixtral-8x7B's shape, scaled down: a router and ``experts`` gated-MLP experts per layer, top-2 routing
-    (4 query heads of ``hidden`` / 4)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,
-                                            num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                            num_local_experts=experts, num_experts_per_tok=2, bos_token_id=1,
-                                            eos_token_id=2))
-
-
-def _qwen3_moe():
-    """Qwen3-30B-A3B's shape, scaled down: Qwen3's attention (q/k norms, head size 32) with a router and 8
-    experts per layer, top-2 routing with the top-k weights renormalised; the second layer dense
-    (mlp_only_layers), as the config allows."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=160, moe_intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=False))
-    for layer in model.model.layers:
-        layer.self_attn.q_norm.weight.data.normal_(1.0, 0.2)
-        layer.self_attn.k_norm.weight.data.normal_(1.0, 0.2)
-    return model
-
-
-def _phi3(hidden: int = 64):
-    """Phi-3-mini's shape, scaled down: q/k/v as one linear (qkv_proj), gate/up as one (gate_up_proj), GQA."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    return Phi3ForCausalLM(Phi3Config(vocab_size=512, hidden_size=hidden, intermediate_size=160, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False))
-
-
-def _gemma3():
-    """Gemma-3-1B's shape, scaled down: (1 + w) norms around attention and the MLP, embeddings scaled by
-    sqrt(hidden), q/k norms, a head size that is not hidden / heads, tied embeddings, one sliding-window layer
-    (its own rotary base) and one global one. The window (512 tokens in Gemma-3-1B) is 8 here, so that
-    calibration samples and served sequences outrun it."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    model = Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"], rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True))
-    _weigh_unit_offset_norms(model)
-    return model
-
-
-def _weigh_unit_offset_norms(model) -> None:
-    """(1 + w) norms start at w = 0: give them weight, as trained ones have."""
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data.normal_(0.0, 0.3)
-
-
-def _gemma2():
-    """Gemma-2-2B's shape, scaled down: (1 + w) norms around attention and the MLP, scaled embeddings, alternating
-    sliding-window (8 tokens here) and global layers, tied embeddings, and both soft-caps, tighter than Gemma 2's
-    own (50 and 30) so that on these random weights they bind: the attention scores at 2, the logits at 3."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    model = Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True))
-    _weigh_unit_offset_norms(model)
-    for layer in model.model.layers:  # attention scores wide enough for the cap to bind (initialised, they are not)
-        layer.self_attn.q_proj.weight.data *= 8.0
-        layer.self_attn.k_proj.weight.data *= 8.0
-    return model
-
-
-def _deepseek_v2(experts: int = 8, full: bool = False, cpu_mla: bool = False):
-    """DeepSeek-V2-Lite's shape (deepseek-ai/DeepSeek-V2-Lite config.json), scaled down: multi-head latent
-    attention with no q compression (q_lora_rank null; a KV latent of 32, each head's key 16 + 8 rotary wide and
-    its value 16), the first layer dense (first_k_dense_replace 1), then 8 routed experts, greedy top-2 of the
-    softmax scores unrenormalised (norm_topk_prob false) and 2 shared experts; untied lm_head. Router weights are
-    drawn wider than the initializer's so the routing is not a near-tie everywhere. ``full``: DeepSeek-V2's own
-    differences, q compressed too (q_a_proj, q_a_layernorm, q_b_proj) and group-limited routing (the top-2
-    chosen within the best 2 of 4 expert groups). ``cpu_mla``: the latent KV of DeepSeek-V2 itself (kv_lora_rank 512,
-    each head's key 64 + 64 rotary wide, its value 64; hidden 128), which vLLM's CPU multi-head latent attention
-    needs (576 wide only)."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    model = DeepseekV2ForCausalLM(DeepseekV2Config(
-        vocab_size=512, hidden_size=128 if cpu_mla else 64, intermediate_size=160, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48 if full else None,
-        kv_lora_rank=512 if cpu_mla else 32, qk_nope_head_dim=64 if cpu_mla else 16,
-        qk_rope_head_dim=64 if cpu_mla else 8, v_head_dim=64 if cpu_mla else 16, n_routed_experts=experts,
-        n_shared_experts=2,
-        num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1,
-        topk_method="group_limited_greedy" if full else "greedy", n_group=4 if full else 1,
-        topk_group=2 if full else 1, norm_topk_prob=False, routed_scaling_factor=1.0, scoring_func="softmax",
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False))
-    model.model.layers[1].mlp.gate.weight.data.normal_(0.0, 0.5)
-    return model
-
-
-MAKERS = {"qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
-          "phi3": _phi3, "gemma3_text": _gemma3, "gemma2": _gemma2, "deepseek_v2": _deepseek_v2}
-# the HF unified checkpoint and a KV cache it takes, set explicitly (what pipeline/autoconfig.py chooses for the
-# families exported that way when a config leaves them unset)
-HF_ONLY_QUANTIZATION = "quantization: {export_hf_checkpoint: true, kv_cache: fp8}"
-
-
-def _saved(model, path: Path, tokenizer_dir: Path) -> Path:
-    """The model saved with the tiny tokenizer beside it: a local model folder."""
-    model.save_pretrained(path, safe_serialization=True)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy2(f, path / f.name)
-    return path
-
-
-def _with_rules(cfg: Path, *rules: str) -> Path:
-    """The tiny config with plan rules added after its lm_head one."""
-    text = cfg.read_text().replace("rules: [{pattern: lm_head, keep_high_precision: true}]",
-                                   "rules: [{pattern: lm_head, keep_high_precision: true}, " + ", ".join(rules) + "]")
-    cfg.write_text(text)
-    return cfg
-
-
 @pytest.fixture(scope="module", params=sorted(MAKERS))
 def verified(request, tmp_path_factory, tiny_tokenizer_dir):
     """`invoke verify` on the family's tiny model, the tiny config with nothing else changed (the family and the
@@ -200,7 +34,7 @@ def verified(request, tmp_path_factory, tiny_tokenizer_dir):
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp(request.param)
-    model_dir = _saved(MAKERS[request.param](), root / "model", tiny_tokenizer_dir)
+    model_dir = saved(MAKERS[request.param](), root / "model", tiny_tokenizer_dir)
     cfg = tiny_config(root, model_dir)
     proc = run_invoke("verify", "--config", str(cfg), "--work-root", str(root / "work"), timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -237,7 +71,7 @@ def test_the_rebuilt_checkpoint_computes_what_modelopt_simulated(verified):
         # against the original, the simulation itself agrees on 0.976 (Phi-3), 0.881 (Gemma 3) and 0.873 (Gemma 2)
         # of these random models' near-tie tokens; the read-back within 5 of 126 of that (Gemma 2: 0.913, the
         # resmoothed export nearer the original; the reader against ModelOpt's resmoothed model, to 5e-7:
-        # tests/test_hf_checkpoint.py)
+        # tests/quant/test_hf_checkpoint.py)
         assert abs(rebuilt["top1_agreement"] - acc["top1_agreement"]) <= 0.04, acc
     else:
         # FP8 experts (RULES): the export gives all the experts of a layer one input scale (the largest), the
@@ -297,8 +131,8 @@ def test_a_family_outside_the_table_and_a_target_that_cannot_serve_one_are_refus
 
 # ---------------------------------------------------------------- families exported as the HF unified checkpoint only
 
-HF_ONLY = {"phi3": (_phi3, {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
-           "gemma3_text": (_gemma3, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})}
+HF_ONLY = {"phi3": (phi3, {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
+           "gemma3_text": (gemma3, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})}
 
 
 @pytest.mark.parametrize("family", sorted(HF_ONLY))
@@ -316,7 +150,7 @@ def test_a_family_with_only_an_hf_unified_export_reaches_a_gated_checkpoint(tmp_
     make, modules = HF_ONLY[family]
     torch.manual_seed(0)
     model = make().eval()
-    model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
+    model_dir = saved(model, tmp_path / "model", tiny_tokenizer_dir)
     cfg = tiny_config(tmp_path, model_dir)
     with pytest.raises(ConfigError, match=f"the tensorrt target cannot serve {family} .*without tensorrt_llm "
                                           "installed.*use build.target pytorch or cpu or vllm"):
@@ -331,7 +165,7 @@ def test_a_family_with_only_an_hf_unified_export_reaches_a_gated_checkpoint(tmp_
         with pytest.raises(InputError, match="model.layers.0.mlp.gate_up_proj .*int8_sq.*splits phi3's qkv_proj "
                                              "and gate_up_proj itself .*pattern: '\\*.qkv_proj', format: fp8"):
             Runner(load_config(cfg, overrides), STAGES, tmp_path / "refused").run(["quantize"], echo=lambda line: None)
-        _with_rules(cfg, "{pattern: '*.qkv_proj', format: fp8}", "{pattern: '*.gate_up_proj', format: fp8}")
+        with_rules(cfg, "{pattern: '*.qkv_proj', format: fp8}", "{pattern: '*.gate_up_proj', format: fp8}")
     Runner(load_config(cfg, overrides), STAGES, tmp_path / "work").run(["quantize"], echo=lambda line: None)
     work = tmp_path / "work" / "tiny"
 
@@ -389,7 +223,7 @@ def test_gemma2_runs_with_eager_attention_so_its_soft_capping_holds(tmp_path, ti
     from pipeline.stages import STAGES
 
     torch.manual_seed(0)
-    model_dir = _saved(_gemma2().eval(), tmp_path / "model", tiny_tokenizer_dir)
+    model_dir = saved(gemma2().eval(), tmp_path / "model", tiny_tokenizer_dir)
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
     eager, sdpa = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=a).eval()
                    for a in ("eager", "sdpa"))
@@ -427,8 +261,8 @@ def test_moe_sensitivity_and_plan_then_quantize_refuses_experts_it_cannot_export
     import torch
 
     torch.manual_seed(0)
-    model_dir = _saved(_mixtral(), tmp_path / "model", tiny_tokenizer_dir)
-    cfg_path = _with_rules(tiny_config(tmp_path, model_dir),
+    model_dir = saved(mixtral(), tmp_path / "model", tiny_tokenizer_dir)
+    cfg_path = with_rules(tiny_config(tmp_path, model_dir),
                            "{pattern: 'model.layers.1.*.experts.2.w2', keep_high_precision: true}")
     work = tmp_path / "work"
     proc = run_invoke("sensitivity", "--config", str(cfg_path), "--work-root", str(work), timeout=900)
@@ -489,8 +323,8 @@ def test_int4_awq_experts_read_back_as_modelopt_simulated_them(tmp_path, tiny_to
     import torch
 
     torch.manual_seed(0)
-    model_dir = _saved(_mixtral(), tmp_path / "model", tiny_tokenizer_dir)
-    cfg = _with_rules(tiny_config(tmp_path, model_dir), "{pattern: '*.experts.*', format: int4_awq}")
+    model_dir = saved(mixtral(), tmp_path / "model", tiny_tokenizer_dir)
+    cfg = with_rules(tiny_config(tmp_path, model_dir), "{pattern: '*.experts.*', format: int4_awq}")
     work = tmp_path / "work"
     proc = run_invoke("quantize", "--config", str(cfg), "--work-root", str(work), "--set",
                       "quantization.awq_group_size=32", timeout=900)
@@ -547,9 +381,9 @@ def _assert_rebuilt_experts_are_the_originals(work: Path, model_dir: Path, toler
 
 
 # model -> (it with 32 experts, its first MoE layer, the expert list's path there, the down and gate linears)
-ROUTED = {"mixtral": (lambda: _mixtral(experts=32), 0, "block_sparse_moe.experts", "w2", "w1"),
-          "deepseek_v2_lite": (lambda: _deepseek_v2(experts=32), 1, "mlp.experts", "down_proj", "gate_proj"),
-          "deepseek_v2": (lambda: _deepseek_v2(experts=32, full=True), 1, "mlp.experts", "down_proj", "gate_proj")}
+ROUTED = {"mixtral": (lambda: mixtral(experts=32), 0, "block_sparse_moe.experts", "w2", "w1"),
+          "deepseek_v2_lite": (lambda: deepseek_v2(experts=32), 1, "mlp.experts", "down_proj", "gate_proj"),
+          "deepseek_v2": (lambda: deepseek_v2(experts=32, full=True), 1, "mlp.experts", "down_proj", "gate_proj")}
 
 
 @pytest.mark.parametrize("family", sorted(ROUTED))
@@ -568,7 +402,7 @@ def test_an_experts_figure_is_its_error_on_the_tokens_the_router_sent_it(tmp_pat
     make, block, experts, down, gate = ROUTED[family]
     torch.manual_seed(1)
     model = make()
-    model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
+    model_dir = saved(model, tmp_path / "model", tiny_tokenizer_dir)
     ids = torch.randint(3, 512, (6, 8))
     table = sensitivity.analyse(model_dir, ids.numpy(), SensitivitySection(formats=("int8_w8a8",)),
                                 QuantizationSection())
@@ -624,8 +458,8 @@ def test_a_moe_model_quantized_layer_by_layer_reads_back_as_the_whole_model_did(
     import torch
 
     torch.manual_seed(0)
-    model_dir = _saved(_mixtral(), tmp_path / "model", tiny_tokenizer_dir)
-    cfg = _with_rules(tiny_config(tmp_path, model_dir), "{pattern: '*.experts.*', format: fp8}")
+    model_dir = saved(mixtral(), tmp_path / "model", tiny_tokenizer_dir)
+    cfg = with_rules(tiny_config(tmp_path, model_dir), "{pattern: '*.experts.*', format: fp8}")
     read_back = {}
     for mode in ("never", "always"):
         work = tmp_path / mode
@@ -652,8 +486,8 @@ def test_a_moe_checkpoint_split_over_two_ranks_reads_back_as_one_rank(tmp_path, 
     from pipeline.quant.checkpoint import rebuild
 
     torch.manual_seed(0)
-    model_dir = _saved(_mixtral(intermediate=128), tmp_path / "model", tiny_tokenizer_dir)  # 64 per rank: 2 groups
-    cfg = _with_rules(tiny_config(tmp_path, model_dir), f"{{pattern: '*.experts.*', format: {fmt}}}")
+    model_dir = saved(mixtral(intermediate=128), tmp_path / "model", tiny_tokenizer_dir)  # 64 per rank: 2 groups
+    cfg = with_rules(tiny_config(tmp_path, model_dir), f"{{pattern: '*.experts.*', format: {fmt}}}")
     logits, tokens = {}, torch.tensor([PROMPTS[0]])
     for tp in (1, 2):
         work = tmp_path / f"tp{tp}"

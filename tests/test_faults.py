@@ -342,7 +342,7 @@ def leftovers(token: str, shm_before: set[str], wait_s: float = 60) -> tuple[lis
 @pytest.fixture(scope="module")
 def vllm_published(default_work_root):
     """The embedded default (vllm target) published in the session's default work root (shared with
-    tests/test_vllm.py; the cpu default's model, text and checkpoint are reused where present)."""
+    tests/engines/vllm/test_vllm.py; the cpu default's model, text and checkpoint are reused where present)."""
     from pipeline.engines.vllm import runtime
     from pipeline.errors import EnvironmentProblem
 

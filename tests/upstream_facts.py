@@ -1,6 +1,6 @@
 """Upstream's facts (tests/data/upstream/*.json, each citing its repository, commit and paths) as test helpers:
 the JSON readers and trtllm-build's argument parser rebuilt from upstream's flag table. Used by
-tests/test_upstream_contract.py and by the stand-in tests/bin/trtllm-build-recorder."""
+tests/engines/trtllm/test_upstream_contract.py and by the stand-in tests/bin/trtllm-build-recorder."""
 
 from __future__ import annotations
 

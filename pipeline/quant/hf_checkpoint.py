@@ -8,7 +8,7 @@ applies its input transform, and every other tensor (norms, embeddings, biases) 
 
 Own code, written from what ModelOpt 0.47's ``export_hf_checkpoint`` writes (modelopt/torch/export:
 unified_export_hf.py, quant_utils.py ``to_quantized_weight`` / ``pack_int4_in_uint8``) and checked by reading
-exports back against the model ModelOpt simulated (tests/test_hf_checkpoint.py):
+exports back against the model ModelOpt simulated (tests/quant/test_hf_checkpoint.py):
 
 - formats: ``hf_quant_config.json`` ``quantization``: ``quant_algo`` with ``exclude_modules`` (fnmatch
   patterns) and ``group_size``, or ``MIXED_PRECISION`` with ``quantized_layers`` {module: {quant_algo,

@@ -2,7 +2,7 @@
 
 The sensitivity table must predict what the quantize stage (ModelOpt) will really produce, so these
 functions follow ModelOpt's formulas (read from modelopt/torch/quantization/tensor_quant.py and
-model_calib.py; tests/test_quant_math.py checks them against ModelOpt's own TensorQuantizer and
+model_calib.py; tests/quant/test_quant_math.py checks them against ModelOpt's own TensorQuantizer and
 smoothquant on the same inputs):
 
 - integer: ``scale = maxbound / amax`` (maxbound 127 for INT8, 7 for INT4), values

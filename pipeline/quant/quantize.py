@@ -214,7 +214,7 @@ def read_back_hf(hf_dir: Path, original, evals, kept: set[str], quant: Quantizat
     """The HF unified checkpoint (what the pytorch target serves) read back by pipeline.quant.hf_checkpoint and
     held to the accuracy gate: ModelOpt's HF export gives each of q/k/v and gate/up one pre-quant scale and one
     input scale and requantizes their weights, so it computes something other than the model the gate measured
-    (on a tiny Llama with INT4 AWQ the change was 70 % of quantization's own: tests/test_hf_checkpoint.py).
+    (on a tiny Llama with INT4 AWQ the change was 70 % of quantization's own: tests/quant/test_hf_checkpoint.py).
     Returns (reader facts, the gate's figures); a StageFailed when they fail the gate."""
     from pipeline.quant.hf_checkpoint import rebuild_hf
 

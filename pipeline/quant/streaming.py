@@ -33,7 +33,7 @@ weights in memory:
    child process (quantize.run_stage) so that the first pass's heap does not add to its peak.
 
 The streamed checkpoint is bit-equal to the in-memory one: every tensor, config.json, quant_cfg.json and the
-accuracy figures, on SmolLM2's default config and in tests/test_streaming.py (INT8 SmoothQuant, FP8 with
+accuracy figures, on SmolLM2's default config and in tests/quant/test_streaming.py (INT8 SmoothQuant, FP8 with
 lm_head quantized, mixed INT4 AWQ + INT8 SmoothQuant, tensor parallelism 2). The stage log names the peak RSS
 after each layer and step.
 The greedy generations for reading compare the original model and the written checkpoint, both with their

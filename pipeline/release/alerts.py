@@ -17,7 +17,7 @@ Every expression reads a series a real exporter writes, named where it is define
 
 The vllm target's rules (``rules(..., engine="vllm")``) read vLLM's own series instead, as vLLM 0.32's server
 exports them (each is in ``pipeline.engines.vllm.engine_args.METRIC_SERIES``, which verify's ``metrics`` check
-finds on the real server's /metrics; tests/test_alerts.py holds the rules to that list):
+finds on the real server's /metrics; tests/release/test_alerts.py holds the rules to that list):
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0-1), ``vllm:num_preemptions_total`` (v1/metrics/
 loggers.py) and the API's ``http_requests_total{handler, status="2xx"|"4xx"|"5xx"}``
 (prometheus-fastapi-instrumentator, attached in vllm/entrypoints/serve/instrumentator/metrics.py). The target,

@@ -5,7 +5,7 @@ in verify and bench.
 
 Names are vLLM 0.32's ``EngineArgs`` fields (``vllm/engine/arg_utils.py``), the same names its offline
 ``LLM(**kwargs)`` takes; its server's flags are those names with dashes (``--max-num-seqs``), booleans as
-``--flag`` / ``--no-flag``. tests/test_vllm.py parses the argv with vLLM's own server parser in the serving
+``--flag`` / ``--no-flag``. tests/engines/vllm/test_vllm.py parses the argv with vLLM's own server parser in the serving
 environment, so a renamed or dropped flag fails there, not at a user's server start.
 
 Facts of vLLM 0.32.0 this module relies on (read in its source):

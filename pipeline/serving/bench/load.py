@@ -13,7 +13,7 @@ latency at P50/P90/P99, P99/P50, jitter (std / mean).
 
 Why a client of our own: ``perf_analyzer`` (the maintained tool, and what genai-perf drives) is not in
 current tritonclient wheels; the one in tritonclient 2.51's wheel runs here with two extra libraries
-(libb64, libcudart) and is used to cross-check this client (tests/test_bench.py), not as the stage's tool.
+(libb64, libcudart) and is used to cross-check this client (tests/serving/bench/test_bench.py), not as the stage's tool.
 aiperf speaks OpenAI-style HTTP endpoints, which the Triton 2.51 binary of nvidia-pytriton does not serve.
 The vllm target is driven the same way over vLLM's OpenAI API (``drive_openai``: streamed completions).
 """

@@ -1,6 +1,6 @@
 """Port selection for the servers: every port of one server differs, a given port is kept, two endpoints on one
 port are refused, and a server that loses a chosen port to another process is started again on new ones (the
-real tritonserver, in tests/test_triton_server.py)."""
+real tritonserver, in tests/serving/test_triton_server.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_given_ports_are_kept_and_the_rest_filled_with_other_ones():
 
 def test_a_lost_port_race_is_told_from_the_servers_own_words():
     # lines as the servers wrote them here: tritonserver 2.51 (nvidia-pytriton) with its HTTP or gRPC port taken,
-    # and with its gRPC and metrics ports equal (tests/test_triton_server.py makes it write each); vLLM 0.32's
+    # and with its gRPC and metrics ports equal (tests/serving/test_triton_server.py makes it write each); vLLM 0.32's
     # OpenAI server with its port taken (vllm/entrypoints/launchers/launcher.py create_server_socket, line 348,
     # raising in sock.bind)
     assert lost_port_race('E1205 13:03:19.705810 7247 main.cc:257] "failed to start HTTP service: Unavailable - '

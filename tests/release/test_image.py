@@ -265,7 +265,7 @@ def test_dockerignore_keeps_everything_else_out():
     copied = copy_sources_checked()
     for rel in ["build/smollm2-135m-cpu/model/hf_model/model.safetensors", ".venv/bin/python", ".git/config",
                 ".env", "pipeline/.env", "pipeline/__pycache__/image.cpython-311.pyc", "scripts/setup-env",
-                "tests/test_image.py", "secrets/token", "pipeline/pip.conf", "id_rsa.pem"]:
+                "tests/release/test_image.py", "secrets/token", "pipeline/pip.conf", "id_rsa.pem"]:
         assert not dockerignore_allows(rel), f"{rel} would be sent to the Docker daemon"
     for rel in copied:
         assert dockerignore_allows(rel)

@@ -404,7 +404,7 @@ def test_request_classes_reach_the_runtime_through_the_ensemble(tiny):
         assert order.index("level 1") < min(order.index("none"), order.index("level 2")), order
         assert overtaken["level 1"] >= 3, order  # it overtook the queue
         # the default level waits its turn behind the long requests. Between the no-priority and the level-2
-        # request, arrival order is the runtime's (tests/test_cpu_runtime.py): a client here can see both
+        # request, arrival order is the runtime's (tests/engines/test_cpu_runtime.py): a client here can see both
         # answers come back in one burst, in either order (seen under load), so it is not asserted
         assert max(overtaken["none"], overtaken["level 2"]) < overtaken["level 1"], order
         greedy = _generate(server.http_url, "llm", "Request level 1:", max_tokens=16)["output_ids"]
@@ -550,8 +550,8 @@ def test_the_watchdog_stops_a_failing_and_a_leaking_server_and_the_supervisor_re
     it answers as before. Armed with "leak 60", the memory limit does the same. Every request sent meanwhile
     ends: answered right, or failed with an error."""
     sys.path.insert(0, str(REPO / "triton_repo" / "common"))
+    from grafana import dashboard_exprs
     from llm_watchdog import FAULT_ENV
-    from test_deploy import dashboard_exprs
 
     from pipeline.release import dashboards
 

@@ -4,108 +4,20 @@ and the integrity checks. Calibration and export run in this process (ModelOpt o
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 mtq = pytest.importorskip("modelopt.torch.quantization")
 
+from modelopt_exports import CASES, WEIGHT_ONLY, kept  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from pipeline import families  # noqa: E402
-from pipeline.config import QuantizationSection  # noqa: E402
 from pipeline.errors import IntegrityError  # noqa: E402
-from pipeline.formats import HIGH_PRECISION  # noqa: E402
 from pipeline.quant.checkpoint import rebuild, unpack_int4  # noqa: E402
 from pipeline.quant.export_checks import check_export  # noqa: E402
-from pipeline.quant.recipe import calibrate_phase, calibration_phases, modelopt_config  # noqa: E402
-
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
-# base format, format of layer 1's attention q/k/v and down_proj (None: the base format)
-CASES = {"int8_sq": ("int8_sq", None), "int8_wo": ("int8_wo", None), "fp8": ("fp8", None),
-         "int4_awq": ("int4_awq", None), "w4a8_awq": ("w4a8_awq", None),
-         "int4_awq+int8_sq": ("int4_awq", "int8_sq"), "int4_awq+int8_wo": ("int4_awq", "int8_wo")}
-WEIGHT_ONLY = ("int8_wo", "int4_awq", "int4_awq+int8_wo")
-
-
-def _plan(base: str, other: str | None) -> dict:
-    layers = {f"model.layers.{i}.{m}": {"format": base} for i in range(2) for m in LINEARS}
-    layers["lm_head"] = {"format": HIGH_PRECISION}
-    layers["model.layers.0.mlp.down_proj"] = {"format": HIGH_PRECISION}
-    if other:
-        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
-            layers[f"model.layers.1.{m}"] = {"format": other}
-    return {"layers": layers}
-
-
-def _kept(plan: dict) -> set[str]:
-    return {n for n, e in plan["layers"].items() if e["format"] == HIGH_PRECISION}
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(3, 512, (4, 48), generator=g), torch.randint(3, 512, (2, 48), generator=g)
-
-
-def quantize_and_export(original, case: str, calib, evals, out_of_tp, kv_cache: str = "none") -> dict:
-    """ModelOpt quantizes a copy of ``original`` as ``case`` plans (its KV cache as ``kv_cache``) and exports a
-    TensorRT-LLM checkpoint for each tensor-parallel size ``out_of_tp`` names (tp -> a new folder): {"plan",
-    "quant", "ckpt" (tp -> folder), "fake_quant_logits" (the fake-quant model's on ``evals``)}."""
-    from modelopt.torch.export import export_tensorrt_llm_checkpoint
-
-    base, other = CASES[case]
-    plan = _plan(base, other)
-    quant = QuantizationSection(weight_format=base, kv_cache=kv_cache, awq_group_size=32)
-    model = copy.deepcopy(original)
-
-    def loop(m):
-        for b in range(0, calib.shape[0], 2):
-            m(calib[b:b + 2])
-
-    with torch.no_grad():
-        mtq.quantize(model, modelopt_config(plan, quant), loop)
-        for algorithm, layers in calibration_phases(plan, quant):
-            calibrate_phase(model, algorithm, layers, loop)
-    entry = {"plan": plan, "quant": quant, "ckpt": {}}
-    model_config = json.loads((Path(original.name_or_path) / "config.json").read_text())
-    decoder = families.FAMILIES[model_config["model_type"]].decoder_type
-    for tp, out in sorted(out_of_tp.items()):
-        exported_model = copy.deepcopy(model)
-        with torch.no_grad():
-            export_tensorrt_llm_checkpoint(exported_model, decoder, torch.float16, export_dir=out,
-                                           inference_tensor_parallel=tp)
-            if tp == 1:
-                # the export fuses q/k/v (one pre-quant scale, one FP8 scale) in the model it is given:
-                # this is the fake-quant model the checkpoint encodes
-                entry["fake_quant_logits"] = exported_model(evals).logits
-        check_export(out, plan, quant, model_config, tp)
-        entry["ckpt"][tp] = out
-    return entry
-
-
-@pytest.fixture(scope="module")
-def exported(tiny_model_dir, tokens, tmp_path_factory):
-    """case -> (plan, quant, checkpoint dir per tp, logits of ModelOpt's fake-quant model after the export)."""
-    from transformers import AutoModelForCausalLM
-
-    calib, evals = tokens
-    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    cache: dict[str, dict] = {}
-
-    def get(case: str) -> dict:
-        if case not in cache:
-            name = case.replace("+", "_")
-            cache[case] = quantize_and_export(original, case, calib, evals,
-                                              {tp: tmp_path_factory.mktemp(f"ckpt_{name}_tp{tp}") for tp in (1, 2)})
-        return cache[case]
-
-    return get
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -117,7 +29,7 @@ def test_rebuilt_model_computes_what_the_fake_quant_model_computes(case, exporte
     for INT8, one part in 16 for FP8), so single logits may move by up to a few percent: under 5e-2 of the
     largest logit, while the distributions stay together (mean KL under 1e-4 nats)."""
     e = exported(case)
-    model, facts = rebuild(e["ckpt"][1], tiny_model_dir, _kept(e["plan"]))
+    model, facts = rebuild(e["ckpt"][1], tiny_model_dir, kept(e["plan"]))
     with torch.no_grad():
         got = model(tokens[1]).logits
     want = e["fake_quant_logits"]
@@ -146,8 +58,8 @@ def test_tensor_parallel_ranks_read_back_to_the_single_rank_model(case, exported
     config = json.loads((ckpt2 / "config.json").read_text())
     assert config["mapping"]["world_size"] == config["mapping"]["tp_size"] == 2
     assert sorted(p.name for p in ckpt2.glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]
-    one, _ = rebuild(e["ckpt"][1], tiny_model_dir, _kept(e["plan"]))
-    two, facts = rebuild(ckpt2, tiny_model_dir, _kept(e["plan"]))
+    one, _ = rebuild(e["ckpt"][1], tiny_model_dir, kept(e["plan"]))
+    two, facts = rebuild(ckpt2, tiny_model_dir, kept(e["plan"]))
     assert facts["tp_size"] == 2
     with torch.no_grad():
         a, b = one(tokens[1]).logits, two(tokens[1]).logits
@@ -161,8 +73,8 @@ def test_streamed_layers_compute_what_the_rebuilt_model_computes(case, exported,
     model rebuilt whole, on two ranks too; a second forward reads every layer again."""
     e = exported(case)
     for ckpt in (e["ckpt"][1], e["ckpt"][2]):
-        whole, _ = rebuild(ckpt, tiny_model_dir, _kept(e["plan"]))
-        streamed, facts = rebuild(ckpt, tiny_model_dir, _kept(e["plan"]), streamed=True)
+        whole, _ = rebuild(ckpt, tiny_model_dir, kept(e["plan"]))
+        streamed, facts = rebuild(ckpt, tiny_model_dir, kept(e["plan"]), streamed=True)
         layers = streamed.model.layers
         assert all(p.is_meta for p in layers.parameters())
         with torch.no_grad():
@@ -206,9 +118,9 @@ def test_a_layer_the_plan_keeps_but_the_checkpoint_quantizes_is_refused(exported
     e = exported("int4_awq")
     with pytest.raises(IntegrityError, match=r"transformer\.layers\.1\.mlp\.proj: the plan keeps "
                                              r"model\.layers\.1\.mlp\.down_proj"):
-        rebuild(e["ckpt"][1], tiny_model_dir, _kept(e["plan"]) | {"model.layers.1.mlp.down_proj"})
+        rebuild(e["ckpt"][1], tiny_model_dir, kept(e["plan"]) | {"model.layers.1.mlp.down_proj"})
     with pytest.raises(IntegrityError, match=r"the plan quantizes model\.layers\.0\.mlp\.down_proj"):
-        rebuild(e["ckpt"][1], tiny_model_dir, _kept(e["plan"]) - {"model.layers.0.mlp.down_proj"})
+        rebuild(e["ckpt"][1], tiny_model_dir, kept(e["plan"]) - {"model.layers.0.mlp.down_proj"})
 
 
 @pytest.mark.parametrize("tensor", ["weights_scaling_factor", "prequant_scaling_factor"])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import DEFAULT_CONFIG, REPO, run_invoke
+from grafana import dashboard_exprs
 from test_image import DEFAULT_NAME, PUSH_TO, make_published
 
 from pipeline.config import load_config
@@ -29,7 +30,7 @@ CHECKOV_SKIPS = {
                   "after the push",
     "CKV_K8S_15": "a content-derived tag never changes content, so IfNotPresent is right; Always would re-check "
                   "a multi-GB image on every pod start",
-    "CKV_DOCKER_7": "FROM images come from ARGs whose defaults are pinned (tests/test_image.py checks them)",
+    "CKV_DOCKER_7": "FROM images come from ARGs whose defaults are pinned (tests/release/test_image.py checks them)",
 }
 
 
@@ -234,11 +235,6 @@ def _checkov() -> Path:
     if done.returncode != 0:
         pytest.skip(f"could not install checkov {CHECKOV_VERSION} into its own venv: {done.stderr[-500:]}")
     return exe
-
-
-@pytest.mark.e2e
-def dashboard_exprs(dashboard: dict) -> list[str]:
-    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
 def test_the_dashboard_has_three_rows_and_promql_that_prometheus_parses(rendered_gpu, tmp_path):

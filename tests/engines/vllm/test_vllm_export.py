@@ -11,7 +11,7 @@ to E4M3 after dividing by the static input_scale; ``compressed_tensors_wNa16.py`
 ``unpack_from_int32``: 32 / bits fields per int32 word, lowest first, each code + 2^(bits - 1); W = code *
 the scale of its group or channel), not the export's code. What vLLM itself makes of each export's config and
 tensors is asked of vLLM in its own environment (``tests/bin/vllm-scheme-probe``); vLLM serving an export is
-tests/test_vllm.py."""
+tests/engines/vllm/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("modelopt.torch.quantization")
 
 from conftest import REPO  # noqa: E402
+from modelopt_exports import kept, quantize_and_export  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from test_checkpoint import _kept, exported, quantize_and_export, tokens  # noqa: E402,F401 - the ModelOpt exports
 
 from pipeline import families  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
@@ -159,7 +159,7 @@ def test_export_computes_what_the_checkpoint_computes(exported, tiny_model_dir, 
     assert state["model.layers.1.self_attn.q_proj.input_scale"].shape == (1,)
     assert "model.layers.1.self_attn.o_proj.weight_scale" not in state
 
-    want_model, _ = rebuild(ckpt, tiny_model_dir, _kept(e["plan"]))
+    want_model, _ = rebuild(ckpt, tiny_model_dir, kept(e["plan"]))
     want_model = _reference_without_act_quant_on(want_model, e["ckpt"][1], unfoldable)
     got_model = _model_from_export(tmp_path / "vllm", tiny_model_dir)
     with torch.no_grad():
@@ -270,7 +270,7 @@ def test_int4_awq_exports_as_packed_w4a16_computing_what_the_checkpoint_computes
     requantized = facts["int4_requantized_to_share_a_prequant_scale"]
     assert requantized == [f"model.layers.{i}.mlp.up_proj" for i in (0, 1)]
 
-    want_model, _ = rebuild(e["ckpt"][tp], tiny_model_dir, _kept(e["plan"]))
+    want_model, _ = rebuild(e["ckpt"][tp], tiny_model_dir, kept(e["plan"]))
     int8_unfoldable = [n for n in unfoldable if case != "int4_awq" and n.startswith("model.layers.1.")]
     want_model = _reference_without_act_quant_on(want_model, e["ckpt"][1], int8_unfoldable)
     want_model = _reference_with_requantized_up(want_model, e["ckpt"][tp], requantized, group=32)
@@ -349,7 +349,7 @@ def test_fp8_and_int8_weight_only_export_computing_what_the_checkpoint_computes(
                                                      ("mlp.down_proj", "self_attn.k_proj", "self_attn.q_proj",
                                                       "self_attn.v_proj")]
 
-    want_model, _ = rebuild(e["ckpt"][tp], tiny_model_dir, _kept(e["plan"]))
+    want_model, _ = rebuild(e["ckpt"][tp], tiny_model_dir, kept(e["plan"]))
     requantized = facts["int4_requantized_to_share_a_prequant_scale"]
     want_model = _reference_with_requantized_up(want_model, e["ckpt"][tp], requantized, group=32)
     got_model = _model_from_export(tmp_path / "vllm", tiny_model_dir)
@@ -438,14 +438,14 @@ def test_qwen_exports_carry_their_biases_and_qk_norms(tiny_tokenizer_dir, tokens
     """Qwen2's q/k/v biases (joined across ranks as the rows are) and Qwen3's per-head q/k RMSNorms are written
     beside the INT8 weights, and the export computes the rebuilt checkpoint's logits. With one KV head per
     query head (qwen2_mha) o_proj's smoothing folds into v_proj's rows, and v_proj's bias is scaled with them."""
-    from test_families import _qwen2, _qwen3, _saved
+    from tiny_families import qwen2, qwen3, saved
     from transformers import AutoModelForCausalLM
 
     from pipeline.engines.vllm.export import export_for_vllm
 
     torch.manual_seed(0)
-    maker = {"qwen2": _qwen2, "qwen2_mha": lambda: _qwen2(kv_heads=4), "qwen3": _qwen3}[family]
-    model_dir = _saved(maker(), tmp_path / "model", tiny_tokenizer_dir)
+    maker = {"qwen2": qwen2, "qwen2_mha": lambda: qwen2(kv_heads=4), "qwen3": qwen3}[family]
+    model_dir = saved(maker(), tmp_path / "model", tiny_tokenizer_dir)
     original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     calib, evals = tokens
     e = quantize_and_export(original, "int8_sq", calib, evals, {n: tmp_path / f"ckpt{n}" for n in {1, tp}})
@@ -459,7 +459,7 @@ def test_qwen_exports_carry_their_biases_and_qk_norms(tiny_tokenizer_dir, tokens
     unfoldable = facts["dequantized_smoothing_not_foldable"]
     folded_into_v = facts["smoothing_folded_into"].get("v_proj rows", 0)
     assert (folded_into_v, len(unfoldable)) == ((2, 0) if family == "qwen2_mha" else (0, 2))
-    want_model, _ = rebuild(e["ckpt"][tp], model_dir, _kept(e["plan"]))
+    want_model, _ = rebuild(e["ckpt"][tp], model_dir, kept(e["plan"]))
     want_model = _reference_without_act_quant_on(want_model, e["ckpt"][1], unfoldable)  # reads rank 0 whole
     got_model = _model_from_export(tmp_path / "vllm", model_dir)
     with torch.no_grad():
@@ -497,15 +497,15 @@ def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_pat
     experts one pre-quant scale per expert type, which folds into the norm (up/gate) and each expert's up rows
     (down) exactly."""
     from conftest import run_invoke, tiny_config
-    from test_families import _mixtral, _qwen3_moe, _saved, _with_rules
+    from tiny_families import mixtral, qwen3_moe, saved, with_rules
 
     from pipeline import artifacts
     from pipeline.engines.vllm.export import export_for_vllm
 
     torch.manual_seed(0)
-    model = _mixtral(intermediate=128) if family == "mixtral" else _qwen3_moe()
-    model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
-    cfg = _with_rules(tiny_config(tmp_path, model_dir), f"{{pattern: '*.experts.*', format: {fmt}}}")
+    model = mixtral(intermediate=128) if family == "mixtral" else qwen3_moe()
+    model_dir = saved(model, tmp_path / "model", tiny_tokenizer_dir)
+    cfg = with_rules(tiny_config(tmp_path, model_dir), f"{{pattern: '*.experts.*', format: {fmt}}}")
     sets = ("build.target=vllm", f"build.tensor_parallel_size={tp}", f"quantization.awq_group_size={group_size}",
             *(("vllm.device=cuda",) if fmt == "fp8" else ("vllm.device=cpu", "build.cuda_graphs.enabled=false")))
     work = tmp_path / "work"
@@ -642,7 +642,7 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
 
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
-    from test_families import MAKERS, _saved
+    from tiny_families import MAKERS, saved
 
     from pipeline.engines.vllm.export_hf import export_hf_for_vllm
     from pipeline.quant.hf_checkpoint import rebuild_hf
@@ -650,7 +650,7 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
 
     torch.manual_seed(0)
     original = MAKERS[family]().eval()
-    model_dir = _saved(original, tmp_path / "model", tiny_tokenizer_dir)
+    model_dir = saved(original, tmp_path / "model", tiny_tokenizer_dir)
     preset = copy.deepcopy(getattr(mtq, HF_PRESETS[fmt]))
     for item in preset["quant_cfg"]:
         set_block_size(item.get("cfg"), 16 if family == "deepseek_v2" else 32)  # experts 32 wide, kv_b_proj 32
@@ -731,7 +731,6 @@ def test_the_calibrated_kv_cache_scales_are_the_ones_vllm_serves_with(tiny_token
     (the checkpoint's amax / 448, not vLLM's fallback of 1.0), read back from the model inside vLLM's worker."""
     import shutil
 
-    from test_checkpoint import quantize_and_export
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from pipeline.engines.vllm import runtime

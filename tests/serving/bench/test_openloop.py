@@ -1,7 +1,7 @@
 """The open-loop load (pipeline/serving/bench/openloop.py): aiperf's command read back by aiperf's own parser,
 the figures read from its exports, the sustainable-rate rule, and the cross-check of our client against aiperf's
 closed loop. The load itself, against a real Triton server, is
-tests/test_bench.py::test_open_loop_load_through_aiperf.
+tests/serving/bench/test_bench.py::test_open_loop_load_through_aiperf.
 
 aiperf runs from its own environment (``.venv-aiperf``, scripts/setup-env; ``AIPERF`` overrides it); the tests
 that need it skip, saying how to install it, where it is missing. CI's set-up installs it."""

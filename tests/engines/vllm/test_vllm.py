@@ -330,12 +330,12 @@ def test_moe_models_are_built_and_checked_by_vllm_on_this_cpu(tiny_tokenizer_dir
     different at a near-tie)."""
     import torch
     from safetensors import safe_open
-    from test_families import _mixtral, _qwen3_moe, _saved, _with_rules
+    from tiny_families import mixtral, qwen3_moe, saved, with_rules
 
     torch.manual_seed(0)
-    model = _mixtral(intermediate=128, hidden=128) if family == "mixtral" else _qwen3_moe()  # heads 32 wide
-    model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
-    cfg = _with_rules(tiny_config(tmp_path, model_dir), "{pattern: '*.experts.*', keep_high_precision: true}")
+    model = mixtral(intermediate=128, hidden=128) if family == "mixtral" else qwen3_moe()  # heads 32 wide
+    model_dir = saved(model, tmp_path / "model", tiny_tokenizer_dir)
+    cfg = with_rules(tiny_config(tmp_path, model_dir), "{pattern: '*.experts.*', keep_high_precision: true}")
     sets = ["build.target=vllm", "vllm.device=cpu", "vllm.dtype=bfloat16", "build.cuda_graphs.enabled=false",
             "build.kv_cache.tokens_per_block=32"]
     proc = run_invoke("build", "--config", str(cfg), "--work-root", str(tmp_path / "work"),
@@ -370,16 +370,16 @@ def test_families_with_only_an_hf_unified_checkpoint_are_built_and_checked_by_vl
     greedy tokens equal or first different at a near-tie)."""
     import torch
     from safetensors import safe_open
-    from test_families import HF_ONLY_QUANTIZATION, _deepseek_v2, _gemma2, _gemma3, _phi3, _saved, _with_rules
+    from tiny_families import HF_ONLY_QUANTIZATION, deepseek_v2, gemma2, gemma3, phi3, saved, with_rules
 
     torch.manual_seed(0)
-    model = {"phi3": lambda: _phi3(hidden=128), "gemma3_text": _gemma3, "gemma2": _gemma2,  # heads 32 wide
-             "deepseek_v2": lambda: _deepseek_v2(cpu_mla=True)}[family]()
-    model_dir = _saved(model, tmp_path / "model", tiny_tokenizer_dir)
+    model = {"phi3": lambda: phi3(hidden=128), "gemma3_text": gemma3, "gemma2": gemma2,  # heads 32 wide
+             "deepseek_v2": lambda: deepseek_v2(cpu_mla=True)}[family]()
+    model_dir = saved(model, tmp_path / "model", tiny_tokenizer_dir)
     mla = family == "deepseek_v2"
     cfg = tiny_config(tmp_path, model_dir, HF_ONLY_QUANTIZATION.replace("fp8", "none") if mla else HF_ONLY_QUANTIZATION)
     if mla:
-        _with_rules(cfg, "{pattern: '*.experts.*', keep_high_precision: true}")
+        with_rules(cfg, "{pattern: '*.experts.*', keep_high_precision: true}")
     mla_block = 16 if runtime.cpu_features().mla_backend == "CPU_MLA" else 32  # AMX_MLA: a multiple of 32
     sets = ["build.target=vllm", "vllm.device=cpu", "vllm.dtype=bfloat16", "build.cuda_graphs.enabled=false",
             f"build.kv_cache.tokens_per_block={mla_block if mla else 32}"]
@@ -444,7 +444,7 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     """`invoke all` with the vllm config: the export passes the accuracy gate in vLLM; verify's checks pass
     through the openai client on vLLM's server and through Triton's clients on the vLLM Python-backend model,
     both giving the offline engine's tokens; bench sweeps both frontends and, where the cpu target's default was
-    published in this session (tests/test_verify.py), the cpu target too, in the same run.
+    published in this session (tests/serving/test_verify.py), the cpu target too, in the same run.
 
     The cpu default's model, text and checkpoint are reused where present (copied: the runner reruns what
     depends on build.target and skips what comes out identical)."""

@@ -5,12 +5,12 @@ checked against the plan; and the rules refused before any work."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
 from conftest import tiny_config as _tiny_config
 from safetensors import safe_open
+from upstream_facts import UPSTREAM
 
 from pipeline.config import load_config
 from pipeline.errors import InputError, StageFailed
@@ -166,7 +166,7 @@ def test_the_hf_unified_checkpoint_is_written_from_a_fresh_copy_and_says_what_th
     assert trtllm["kv_cache_quant_algo"] == "FP8"
     summary = json.loads((out / "manifest.json").read_text())["summary"]
     assert summary["hf_checkpoint"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
-    # read back by the HF reader (tests/test_hf_checkpoint.py) and gated: every quantized layer, both KV scales
+    # read back by the HF reader (tests/quant/test_hf_checkpoint.py) and gated: every quantized layer, both KV scales
     # of both layers; the same figures as the TensorRT-LLM checkpoint's read-back, to the resmoothing of gate/up
     read = summary["hf_checkpoint"]["read_back"]
     assert read["formats"] == {"W8A8_SQ_PER_CHANNEL": len(plan["layers"]) - len(kept)}
@@ -194,7 +194,7 @@ def test_the_pytorch_target_refuses_keys_its_unit_scale_fp8_kv_cache_cannot_hold
     from pipeline.quant.export_checks import PYTORCH_FP8_KV_SCALE
     from pipeline.quant.quant_math import FP8_MAX
 
-    upstream = json.loads((Path(__file__).parent / "data" / "upstream" / "pytorch_kv_cache_scales.json").read_text())
+    upstream = json.loads((UPSTREAM / "pytorch_kv_cache_scales.json").read_text())
     assert (PYTORCH_FP8_KV_SCALE, FP8_MAX) == (upstream["fp8_kv_scale_served"], upstream["fp8_e4m3_max"])
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
@@ -220,7 +220,7 @@ def test_tensor_parallel_2_writes_two_ranks_that_read_back_to_the_tp1_logits(tmp
     cfg = _tiny_config(tmp_path, tiny_model_dir)
     work = tmp_path / "work"
     # INT8 weight-only keeps the two runs quick; INT4 AWQ and mixed plans over two ranks are read back in
-    # tests/test_checkpoint.py
+    # tests/quant/test_checkpoint.py
     common = ("build.target=tensorrt", "sensitivity.formats=[int8_wo]", "quantization.weight_format=int8_wo",
               "quantization.kv_cache=int8", *LOOSE)
     _run(cfg, work, "build.tensor_parallel_size=2", *common)

@@ -3,7 +3,7 @@ target's artifact): generated configs parsed back, the GPU targets' parameters a
 decisions (contract), versions and their pruning, an atomic swap that a kill cannot tear, and every refusal.
 
 The engine and checkpoint files here are stand-ins (publish only copies them); loading and serving a real
-repository is tests/test_verify.py's job.
+repository is tests/serving/test_verify.py's job.
 """
 
 from __future__ import annotations

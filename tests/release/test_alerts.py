@@ -1,7 +1,7 @@
 """The alert rules `invoke deploy-manifests` renders (Triton's series, or vLLM's for the vllm target), checked
 and unit-tested by Prometheus's own promtool: each alert fires on the series its exporter writes once its
 condition has held long enough, not before, and not for a healthy pod beside it. That vLLM's real server
-exports every series its rules read is verify's ``metrics`` check (tests/test_vllm.py)."""
+exports every series its rules read is verify's ``metrics`` check (tests/engines/vllm/test_vllm.py)."""
 
 from __future__ import annotations
 

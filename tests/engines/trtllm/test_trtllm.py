@@ -62,7 +62,7 @@ def make_standins(root: Path, trtllm_build: bool = True, gpu: bool = True,
         pkg = site / "tensorrt_llm"
         pkg.mkdir()
         (pkg / "__init__.py").write_text(
-            "raise ImportError('stand-in tensorrt_llm from tests/test_trtllm.py: metadata only, never imported')\n")
+            "raise ImportError('stand-in tensorrt_llm from tests/engines/trtllm/test_trtllm.py: metadata only, never imported')\n")
         for dist, version in (("tensorrt_llm", trtllm_version), ("tensorrt", "10.13.0")):
             info = site / f"{dist}-{version}.dist-info"
             info.mkdir()
@@ -167,7 +167,7 @@ def test_shipped_config_contract(path):
         preflight.preflight(loaded)
         return
     # pinned to a real commit, sized for a named GPU, on the 1.2 line (the Jetson profile: refused, see
-    # tests/test_upstream_contract.py)
+    # tests/engines/trtllm/test_upstream_contract.py)
     assert cfg.model.source.kind == "hub" and cfg.model.source.pinned, "GPU profiles pin a 40-character revision"
     if b.target_sm == rules.JETSON_ORIN_SM:
         assert [r for r, _ in rules.validity_problems(cfg, b.target_sm)] == ["trtllm_release_line"]
