@@ -15,8 +15,9 @@ NOT_MODULES = {"pipeline.test"}
 
 
 def _defines(source: str, name: str) -> bool:
+    # a definition, an assignment, or an import (a package's __init__ re-exports names in parenthesized imports)
     return bool(re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b|^\s*{name}\s*[:=]|^\s*from \S+ import .*\b{name}\b|"
-                          rf"^\s*import .*\b{name}\b", source, re.M))
+                          rf"^\s*from \S+ import \([^)]*\b{name}\b|^\s*import .*\b{name}\b", source, re.M))
 
 
 def resolves(dotted: str, root: Path = REPO) -> bool:
@@ -55,3 +56,6 @@ def test_a_stale_name_is_found():
     assert _stale({"x": "the reader (pipeline.checkpoint) and pipeline.formats.NO_SUCH_TABLE"}) == {
         "pipeline.checkpoint": ["x"], "pipeline.formats.NO_SUCH_TABLE": ["x"]}
     assert _stale({"x": "pipeline.quant.checkpoint, pipeline.formats.VLLM_SERVABLE, pipeline.engines.trtllm"}) == {}
+    # names a package re-exports, one per line of a parenthesized import (pipeline/config/__init__.py)
+    assert _stale({"x": "pipeline.config.BenchSection, pipeline.config.NoSuchSection"}) == {
+        "pipeline.config.NoSuchSection": ["x"]}

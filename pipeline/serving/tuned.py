@@ -37,7 +37,7 @@ RESULTS_FILE = "tune_results.json"  # every measured point, the choice, the A/B
 TABLE_FILE = "tune.md"
 PLOT_FILE = "throughput_vs_p99.png"
 PLAN_FILE = "tune_plan.yaml"  # <work dir>/tune_plan.yaml: the GPU targets' points to measure where the GPU is
-# the triton keys a tuned file may set (config.py TritonSection says which target reads which)
+# the triton keys a tuned file may set (pipeline/config/serving.py TritonSection says which target reads which)
 TUNABLE = ("max_running", "adaptive_batch", "prefill_chunk_tokens", "scheduler_policy",
            "kv_cache_free_gpu_memory_fraction")
 FORMAT_VERSION = 1

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the config imports this module; only its types are needed h
     from pipeline.config import PipelineConfig
 
 # The triton section's keys that set how a runtime batches and schedules: each target says which its runtime reads
-# (Target.serving_settings); a config that sets another is refused (pipeline.config._check_serving_keys).
+# (Target.serving_settings); a config that sets another is refused (pipeline.config.schema._check_serving_keys).
 # The servers a target is served by (Target.server), each started by pipeline.serving.serve.server_for_target:
 SERVER_TRITON = "triton"  # nvidia-pytriton's Triton server, its Python models in the pipeline's environment
 SERVER_TRITON_VLLM = "triton-vllm"  # the same server, its Python models in vLLM's serving environment

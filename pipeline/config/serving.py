@@ -1,0 +1,223 @@
+"""The serving sections: ``triton`` (the served model and how its runtime batches), ``verify``, ``sla``, ``bench``
+and ``tune``. Which target reads which ``triton`` key is held in :mod:`pipeline.config.schema`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from pipeline.config.base import SafeName, Strict
+
+
+class WatchdogSection(Strict):
+    """The serving model's watchdog (triton_repo/common/llm_watchdog.py; cpu, pytorch and vllm targets: the
+    tensorrt target's C++ backend has none, its liveness probe stands in): past a limit the model turns
+    unready and stops its server, for the orchestrator (or `invoke serve --supervise`) to restart it.
+    0 turns a signal off."""
+
+    # failed requests (the engine raised; bad client input is not counted) in the last minute; 5: the seeds'
+    # "more than 5 CUDA errors a minute"
+    errors_per_minute: int = Field(5, ge=0)
+    # the model process's resident memory growing faster than this over memory_window_s (1 MB/s: the seeds')
+    memory_mb_per_s: float = Field(1.0, ge=0)
+    memory_window_s: int = Field(300, ge=5, le=86400)
+
+
+class TritonSection(Strict):
+    model_name: SafeName = "llm"
+    instance_count: int = Field(1, ge=1, le=64)
+    max_queue_delay_us: int = Field(100, ge=0)
+    decoupled: bool = True  # streaming responses (gRPC streams, generate_stream)
+    keep_versions: int = Field(3, ge=1, le=100)
+    server_url: Optional[str] = None  # if set, publish asks this server to reload the model
+    # The live repository a server reads, where versions accumulate across publishes (an absolute path).
+    # Default: <work dir>/model_repository. It cannot be the publish stage's own folder: the runner replaces
+    # that folder on every run (the stage's publish/model_repository is a snapshot of the latest version).
+    repository_dir: Optional[Path] = None
+    # Where servers will see repository_dir (e.g. /models in a container): the tensorrtllm backend needs an
+    # absolute engine path in its config. Default: repository_dir itself.
+    serving_repository_path: Optional[str] = None
+    overwrite: bool = False  # replace models in repository_dir that this pipeline did not write
+    apply_chat_template: bool = False  # wrap prompts in the tokenizer's chat template unless a request says
+    cpu_threads: int = Field(0, ge=0, le=1024)  # cpu target: torch threads in the server (0: torch's default)
+    # The batch size adapts at run time. cpu target: the runtime keeps its step time (the gap between two tokens
+    # of a sequence) at sla.p99_itl_ms (pipeline/engines/cpu_runtime.py AdaptiveBatchLimit). pytorch target:
+    # TensorRT-LLM's own tuning (scheduler_config.dynamic_batch_config: batch size and max_num_tokens from
+    # moving averages of the requests' lengths; pipeline/engines/trtllm/targets.py serving_llm_api_options).
+    adaptive_batch: bool = False
+    # At most this many sequences run at once (None: build.max_batch_size, the most it can be). cpu target: the
+    # runtime's KV pool is sized for them; pytorch target: the LLM API's max_batch_size (CUDA graphs captured up
+    # to it). The tensorrt engine's limit is build.max_batch_size itself. `invoke tune` measures it.
+    max_running: Optional[int] = Field(None, ge=1)
+    # cpu target: prompt tokens the runtime prefills per scheduler step, between decode steps (chunked prefill,
+    # as TensorRT-LLM's chunked context): a running sequence waits for one chunk between two of its tokens, not
+    # for every newly admitted prompt whole (None: whole prompts)
+    prefill_chunk_tokens: Optional[int] = Field(None, ge=1)
+    # GPU targets (tensorrt, pytorch): the executor's capacity scheduler (None: guaranteed_no_evict, the
+    # backend's default). max_utilization packs more sequences and may pause some when the KV cache fills.
+    scheduler_policy: Optional[Literal["guaranteed_no_evict", "max_utilization"]] = None
+    # GPU targets: the share of free GPU memory given to the KV cache at load (None: build.kv_cache's).
+    kv_cache_free_gpu_memory_fraction: Optional[float] = Field(None, gt=0, le=1)
+    # cpu and vllm targets: request classes. Levels 1..N, 1 the highest (Triton's priority levels); a request's
+    # optional `priority` input picks one (none or 0: default_priority_level, else the lowest). The runtime
+    # takes waiting requests by level, first come first served within one (cpu: admission and prefill order;
+    # vllm: its priority scheduling policy, through Triton); Triton's own queues take the same levels from a
+    # request's priority parameter. None: one class.
+    priority_levels: Optional[int] = Field(None, ge=2, le=16)
+    default_priority_level: Optional[int] = Field(None, ge=1)
+    watchdog: WatchdogSection = WatchdogSection()
+
+    @field_validator("repository_dir")
+    @classmethod
+    def _absolute_dir(cls, v: Optional[Path]) -> Optional[Path]:
+        if v is not None and not v.expanduser().is_absolute():
+            raise ValueError("must be an absolute path (the repository a server reads), e.g. /srv/triton/models")
+        return v.expanduser() if v is not None else None
+
+    @field_validator("serving_repository_path")
+    @classmethod
+    def _absolute_path(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("must be an absolute path as the server sees it, e.g. /models")
+        return v
+
+    @field_validator("server_url")
+    @classmethod
+    def _url(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.match(r"^(https?://)?[A-Za-z0-9.\-\[\]:]+(:\d+)?/?$", v):
+            raise ValueError("must be the server's HTTP endpoint, e.g. http://127.0.0.1:8000")
+        return v
+
+
+class VerifySection(Strict):
+    """`invoke verify` (pipeline/serving/verify.py): how much each check asks of the server."""
+
+    max_tokens: int = Field(16, ge=1, le=256)  # greedy tokens per prompt, in every check
+    # sent at once in the concurrency check (more than build.max_batch_size also tests the queue)
+    concurrent_requests: int = Field(16, ge=1, le=256)
+
+
+class SlaSection(Strict):
+    """The latency a deployment must keep, as P99 bounds in milliseconds (unset: no bound). It applies to the
+    bench's request mix (bench.prompt_tokens, bench.output_tokens): bench reports goodput against it."""
+
+    p99_e2e_ms: Optional[float] = Field(None, gt=0)  # request sent -> last token
+    p99_ttft_ms: Optional[float] = Field(None, gt=0)  # request sent -> first token
+    p99_itl_ms: Optional[float] = Field(None, gt=0)  # per request: (e2e - TTFT) / (output tokens - 1)
+
+    def bounds(self) -> dict[str, float]:
+        """{metric (e2e_ms, ttft_ms, itl_ms): bound} for the bounds that are set."""
+        return {k[len("p99_"):]: v for k, v in self.model_dump().items() if v is not None}
+
+
+class BenchSection(Strict):
+    """`invoke bench` (pipeline/serving/bench/): a closed-loop concurrency sweep over the streaming model."""
+
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    requests_per_level: int = Field(32, ge=1)  # measured requests per level, after the warm-up
+    warmup_requests: int = Field(4, ge=0)  # sent once per server before the sweep, not measured
+    prompt_tokens: int = Field(64, ge=1)  # each prompt: this many tokens of the evaluation text
+    output_tokens: int = Field(64, ge=1)
+    # every request generates exactly output_tokens (end_id -1, as LLM benchmarks do); false: stop at EOS
+    ignore_eos: bool = True
+    # more concurrency "stops paying" where throughput gains less than this per doubling: the knee
+    knee_min_gain: float = Field(0.10, gt=0, lt=1)
+    request_timeout_s: float = Field(300.0, gt=0)
+    # drive a running server instead of starting one on the published repository: its gRPC endpoint
+    # (host:port) and, for Triton's own queue and compute times, its metrics URL (http://host:port/metrics)
+    grpc_url: Optional[str] = None
+    metrics_url: Optional[str] = None
+    # comparison mode: a second published repository (absolute; e.g. an unquantized baseline's
+    # <work root>/<name>/publish/model_repository, or that work dir), swept in the same run, level by
+    # level, alternating with this build; the results carry this/baseline ratios
+    compare_repository: Optional[Path] = None
+    # open-loop load after the sweep (pipeline/serving/bench/openloop.py): requests arriving at each of these
+    # rates (requests/s, Poisson arrivals; requests_per_level each), driven by NVIDIA's aiperf from
+    # .venv-aiperf; the highest rate sustained under the SLA. Empty: none.
+    request_rates: tuple[float, ...] = ()
+    # the sweep measured this many times (rounds, each walking every level); a level reports the median over
+    # rounds of each figure, with the spread of throughput and P99 end-to-end latency (noise made visible)
+    repeats: int = Field(1, ge=1)
+    # one of the concurrency levels: after the sweep, aiperf drives the same closed loop at it on every target,
+    # and the results set its figures beside our client's (a cross-check of the client). None: no cross-check
+    cross_check_concurrency: Optional[int] = None
+
+    @property
+    def uses_aiperf(self) -> bool:
+        """Whether the stage runs aiperf (open-loop rates or the cross-check): it must be installed."""
+        return bool(self.request_rates) or self.cross_check_concurrency is not None
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or list(v) != sorted(set(v)) or v[0] < 1:
+            raise ValueError("must be positive, unique and ascending, e.g. [1, 2, 4, 8]")
+        return v
+
+    @field_validator("request_rates")
+    @classmethod
+    def _rates(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if v and (list(v) != sorted(set(v)) or v[0] <= 0):
+            raise ValueError("must be positive, unique and ascending requests per second, e.g. [0.5, 1, 2]")
+        return v
+
+    @field_validator("grpc_url")
+    @classmethod
+    def _grpc_url(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.match(r"^[A-Za-z0-9.\-\[\]:]+:\d+$", v):
+            raise ValueError("must be the server's gRPC endpoint as host:port, e.g. 127.0.0.1:8001")
+        return v
+
+    @field_validator("metrics_url")
+    @classmethod
+    def _metrics_url(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.match(r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d+)?(/[A-Za-z0-9_./-]*)?$", v):
+            raise ValueError("must be the server's metrics URL, e.g. http://127.0.0.1:8002/metrics")
+        return v
+
+    @field_validator("compare_repository")
+    @classmethod
+    def _absolute_compare(cls, v: Optional[Path]) -> Optional[Path]:
+        if v is not None and not v.expanduser().is_absolute():
+            raise ValueError("must be an absolute path: a published model repository or the work dir holding it")
+        return v.expanduser() if v is not None else None
+
+    @model_validator(mode="after")
+    def _metrics_needs_url(self) -> "BenchSection":
+        if self.metrics_url is not None and self.grpc_url is None:
+            raise ValueError("metrics_url is only used with grpc_url (a started server's metrics are found by itself)")
+        if self.request_rates and self.grpc_url is not None:
+            raise ValueError("request_rates drives the HTTP endpoint of a server bench starts itself; with grpc_url "
+                             "(a running server) leave request_rates empty")
+        c = self.cross_check_concurrency
+        if c is not None and c not in self.concurrency:
+            raise ValueError(f"bench.cross_check_concurrency ({c}) must be one of bench.concurrency "
+                             f"{list(self.concurrency)}: the cross-check sets aiperf beside our client's level")
+        if c is not None and self.grpc_url is not None:
+            raise ValueError("bench.cross_check_concurrency drives the HTTP endpoint of a server bench starts "
+                             "itself; with grpc_url (a running server) leave it unset")
+        return self
+
+
+class TuneSection(Strict):
+    """`invoke tune` (pipeline/serving/tune.py): the serving settings searched against the SLA on a real server."""
+
+    # the load each setting is measured under, closed loop: this many requests in flight. None: twice the
+    # highest bench.concurrency level, more clients than the server should run at once (where a limit matters)
+    concurrency: Optional[int] = Field(None, ge=1, le=1024)
+    # measured requests per point (after bench.warmup_requests per server); at least tune.concurrency
+    requests: int = Field(32, ge=4)
+    # a smaller limit is measured next only while the last one raised goodput by at least this fraction, and
+    # a setting replaces the default only if it beats the default's goodput by it (noise is not a gain)
+    min_gain: float = Field(0.05, ge=0, lt=1)
+    # tuned vs default after the search, both servers up, alternating which goes first; the medians over the
+    # rounds must confirm the choice (pipeline/serving/tune.py: confirm)
+    ab_rounds: int = Field(3, ge=1, le=10)
+    # cpu target, with sla.p99_itl_ms set: the chunked prefill (triton.prefill_chunk_tokens) the search tries,
+    # alone and with the adaptive limit (null: not tried). 8 held SmolLM2's inter-token P99 within its bound
+    # on 2 cores (README: scripts/bench_adaptive.py), at the cost of time to first token
+    prefill_chunk_tokens: Optional[int] = Field(8, ge=1)
+    apply: bool = True  # publish applies <work dir>/tune/tuned_settings.yaml where tune wrote one
