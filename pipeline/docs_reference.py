@@ -44,7 +44,7 @@ type or an impossible combination is an error naming the file, the YAML path, th
 Unset fields take the default below, or the value the model's family and the build target choose
 (`invoke explain` prints those choices and why).
 
-Each section lists its fields: the YAML path, the type, the default (*required* where there is none), the
+Each section lists its fields: the YAML path, the type, the default ("required" where there is none), the
 constraints the schema checks, and what the field does. Rules that tie fields together (and the target's own
 rules) are checked too; they are not repeated here.
 """
@@ -101,7 +101,7 @@ def _default(info: FieldInfo) -> str:
     if info.default_factory is not None:
         value = info.default_factory()  # type: ignore[call-arg]
     elif info.default is PydanticUndefined:
-        return "*required*"
+        return "required"
     else:
         value = info.default
     if isinstance(value, BaseModel):
@@ -124,7 +124,12 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """``text`` as one Markdown table cell: pipes escaped, and outside `code` spans the characters Markdown would
+    take for HTML or emphasis (``<work dir>``, ``*.bin``)."""
+    parts = text.replace("\n", " ").split("`")
+    for i in range(0, len(parts), 2):  # even parts are outside code spans
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*")
+    return "`".join(parts).replace("|", "\\|")
 
 
 # Fields the schema's source leaves without a comment: their description here (a field in neither place fails
@@ -134,10 +139,10 @@ DESCRIPTIONS = {
     "description": "free text, shown in the report",
     "model": "the model: where it comes from, and the dtype of the prepared folder",
     "model.source": "where the model comes from: hub, local, gguf_file or gguf_package",
-    "sensitivity": "the per-layer error table (docs: concepts/sensitivity.md)",
-    "plan": "which layers keep high precision or take another format (docs: concepts/plan.md)",
-    "quantization": "ModelOpt's formats and the accuracy gate (docs: concepts/accuracy-gate.md)",
-    "build": "the build target and the engine's limits (docs: concepts/targets.md)",
+    "sensitivity": "the per-layer error table",
+    "plan": "which layers keep high precision or take another format",
+    "quantization": "ModelOpt's formats and the accuracy gate",
+    "build": "the build target and the engine's limits",
     "triton": "the Triton model repository publish writes, and the runtime's serving settings",
     "model.source.kind": "which source this is",
     "model.source.include": "file patterns fetched from the Hub repository",
