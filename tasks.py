@@ -192,7 +192,8 @@ def _build_docs(c, site_dir=None):
         sys.exit(f"{docs_reference.PAGE} differs from the config schema: run `{docs_reference.FIX}`")
     with tempfile.TemporaryDirectory(prefix="trtllm-pipeline-site-") as tmp:
         started = time.monotonic()
-        built = docs_reference.build_site(ROOT, Path(site_dir or tmp))
+        with commands.user_errors():
+            built = docs_reference.build_site(ROOT, Path(site_dir or tmp))
         if built.returncode != 0:
             sys.exit(f"{built.stderr}\nthe docs do not build strict (above: each broken link or anchor)")
         print(f"docs: built strict in {time.monotonic() - started:.1f} s" + (f" into {site_dir}" if site_dir else ""))

@@ -9,6 +9,7 @@ the schema's source (the lines just above it and the one on its line), so the pa
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import io
 import json
@@ -28,6 +29,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from pipeline.config import PipelineConfig
+from pipeline.errors import EnvironmentProblem
 
 PAGE = Path("docs") / "reference" / "config.md"
 FIX = ".venv/bin/invoke docs --write"
@@ -330,6 +332,9 @@ def stale(root: Path) -> bool:
 def build_site(root: Path, site_dir: Path) -> subprocess.CompletedProcess:
     """``mkdocs build --strict`` of ``root``'s mkdocs.yml into ``site_dir``, its output captured (a broken link or
     anchor, a page missing from the nav, is a warning that --strict makes a failure, and the output names it)."""
+    if importlib.util.find_spec("mkdocs") is None:
+        raise EnvironmentProblem("mkdocs is not installed in this environment (the dev extra has mkdocs-material): "
+                                 "run `bash scripts/setup-env`")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's notice about its successor, on every build
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
                            str(root / "mkdocs.yml"), "--site-dir", str(site_dir)],
