@@ -6,6 +6,8 @@ Every task takes --config (default: the embedded SmolLM2 CPU config), --set sect
 
 import shlex
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from invoke import Collection, task
@@ -163,15 +165,16 @@ def deploy_manifests(c, config=None, set=None, work_root=str(WORK_ROOT), gpu_typ
 @task(help={"quick": "skip the slow end-to-end tests (marked e2e)",
             "heavy": "also run the tests marked heavy (INT4 AWQ calibration of the real model: ~15 min on 2 cores)",
             "k": "pytest -k expression",
-            "no_lint": "skip the house rules (ruff, import layers, mypy) and run only the tests"})
+            "no_lint": "skip the house rules (ruff, import layers, mypy, the docs build) and run only the tests"})
 def test(c, quick=False, heavy=False, k=None, no_lint=False):
-    """The house rules (ruff, the import-layer contract, mypy), then the test suite: everything but the heavy
-    tests (--heavy adds them; --quick also skips e2e)."""
+    """The house rules (ruff, the import-layer contract, mypy, the docs built strict), then the test suite:
+    everything but the heavy tests (--heavy adds them; --quick also skips e2e)."""
     if not no_lint:
         bin_dir = Path(sys.executable).parent
         c.run(shlex.join([str(bin_dir / "ruff"), "check", "pipeline", "tests", "tasks.py", "scripts"]), pty=False)
         c.run(shlex.join([str(bin_dir / "lint-imports"), "--no-cache"]), pty=False)
         c.run(shlex.join([str(bin_dir / "mypy")]), pty=False)
+        _build_docs(c)
     args = [sys.executable, "-m", "pytest", "-q", "--durations=25"]  # the slowest tests named, for CI's time
     if quick:
         args += ["-m", "not e2e and not heavy"]
@@ -182,5 +185,31 @@ def test(c, quick=False, heavy=False, k=None, no_lint=False):
     c.run(shlex.join(args), pty=False)
 
 
+def _build_docs(c, site_dir=None):
+    from pipeline import docs_reference
+
+    if docs_reference.stale(ROOT):
+        sys.exit(f"{docs_reference.PAGE} differs from the config schema: run `{docs_reference.FIX}`")
+    with tempfile.TemporaryDirectory(prefix="trtllm-pipeline-site-") as tmp:
+        started = time.monotonic()
+        with commands.user_errors():
+            built = docs_reference.build_site(ROOT, Path(site_dir or tmp))
+        if built.returncode != 0:
+            sys.exit(f"{built.stderr}\nthe docs do not build strict (above: each broken link or anchor)")
+        print(f"docs: built strict in {time.monotonic() - started:.1f} s" + (f" into {site_dir}" if site_dir else ""))
+
+
+@task(help={"write": "rewrite docs/reference/config.md from the config schema first",
+            "site_dir": "where to write the site (default: a temporary folder, removed after the build)"})
+def docs(c, write=False, site_dir=None):
+    """Build the documentation site strictly (every link and anchor checked), after checking that the
+    configuration reference matches the schema (--write regenerates it)."""
+    if write:
+        from pipeline import docs_reference
+
+        print(f"wrote {docs_reference.write(ROOT).relative_to(ROOT)}")
+    _build_docs(c, site_dir)
+
+
 ns = Collection(download, sensitivity, quantize, build, publish, verify, bench, report, all_, explain, plan_alias, clean,
-                serve, tune, image, release, deploy_manifests, test)
+                serve, tune, image, release, deploy_manifests, test, docs)

@@ -71,7 +71,7 @@ class Family:
     hf_architecture: str
     decoder_type: str  # ModelOpt export_tensorrt_llm_checkpoint(decoder_type=...)
     extras: str  # what the layers hold beyond Llama's
-    targets: tuple[str, ...]  # what has run end to end where is the README's table ("Model families")
+    targets: tuple[str, ...]  # what has run end to end where: docs/concepts/families.md
     moe: MoE | None = None
     why_not: str = ""  # why the other targets cannot serve it (default: its extras are not in their export)
     # False: quantize exports the HF unified checkpoint only (the pytorch target's), read back and gated by

@@ -25,7 +25,7 @@ restart and GPU rules are the same; the GPU ones only with ``vllm.device: cuda``
 
 The queue threshold defaults to the HorizontalPodAutoscaler's target (32 waiting per replica): the alert
 says the autoscaler is not keeping up (at its maximum, or pods not starting), not that it has work to do.
-Each alert carries a ``runbook`` annotation; the README lists them.
+Each alert carries a ``runbook`` annotation; docs/how-to/operate.md has a section per alert (its name the anchor).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Adding a target: write ``pipeline/targets/<name>.py`` with a subclass of ``pipeline.targets.base.Target`` (its
 facts, its config rules, the dotted paths of its build and preflight), then add one line to REGISTRY below.
-docs: README "Adding a build target".
+docs: docs/how-to/add-target.md.
 """
 
 from __future__ import annotations

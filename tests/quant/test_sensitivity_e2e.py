@@ -29,7 +29,7 @@ def test_table_covers_every_linear_layer_and_finds_the_down_projections(analysed
     assert table["calibration"]["tokens"] == 32 * 256
     w8a8 = [l for l in table["layers"] if l["errors"]["int8_w8a8"]["error"] > 0.1]
     sq = [l for l in table["layers"] if l["errors"]["int8_sq"]["error"] > 0.1]
-    assert 30 <= len(w8a8) <= 55  # 42 measured on other English text (README, Quantize)
+    assert 30 <= len(w8a8) <= 55  # 42 measured on other English text (docs/concepts/accuracy-gate.md)
     assert len(sq) < len(w8a8) / 3  # SmoothQuant moves most of the activation outliers into the weights
     assert sum(l["module"] in ("down_proj", "v_proj") for l in w8a8) >= 0.8 * len(w8a8)
     for l in table["layers"]:

@@ -218,7 +218,7 @@ def _status(url: str, body: bytes, timeout: float = 60) -> int:
 
 
 # (body, HTTP status): ours (the models' INVALID_ARG) are 400; Triton 2.51's HTTP frontend answers what it
-# cannot parse with 500 (README, "Bad input and HTTP statuses"; tests/data/upstream/triton_http_errors.json)
+# cannot parse with 500 (docs/serving/publish-verify.md, "Bad input and HTTP statuses"; tests/data/upstream/triton_http_errors.json)
 HOSTILE = {
     "empty prompt": (b'{"text_input": "", "max_tokens": 4}', 400),
     "max_tokens 0": (b'{"text_input": "hi", "max_tokens": 0}', 400),

@@ -400,7 +400,7 @@ def test_families_with_only_an_hf_unified_checkpoint_are_built_and_checked_by_vl
 
 def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path):
     """No vLLM Python, or a Python without vLLM: the build's preflight stops every task that would build,
-    exit 3, saying how the README's set-up installs it and which config serves without vLLM; no stage runs.
+    exit 3, saying how scripts/setup-env installs it and which config serves without vLLM; no stage runs.
     The project's default config is the vllm one: `invoke all` without --config stops the same way."""
     for python, says in ((str(tmp_path / "nothing" / "python"), "does not exist"), (sys.executable, "has no vLLM")):
         proc = run_invoke("build", "--config", str(VLLM_CONFIG), "--work-root", str(tmp_path / "work"),
