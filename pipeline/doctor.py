@@ -43,7 +43,8 @@ MIN_FREE_DISK_GIB = 10
 CHROMIUMS = ("chromium-headless-shell", "chromium", "chromium-browser")  # as tests/test_report.py looks for them
 TRTLLM_IMAGE = "the Triton TensorRT-LLM image (tritonserver:<yy.mm>-trtllm-python-py3)"
 
-# the checks every target needs, and what only tests need (name -> who)
+# this module's own checks (the others are targets.NEEDS_*): every target needs disk, memory and /dev/shm; a bench
+# that runs aiperf needs its environment; only the tests need promtool and Chromium (name -> who, for the table)
 DISK, MEMORY, SHM, AIPERF_ENV, PROMTOOL, CHROMIUM = "disk", "memory", "shm", "aiperf-env", "promtool", "chromium"
 ALL_TARGETS = (DISK, MEMORY, SHM)
 TEST_TOOLS = {PROMTOOL: "tests (alert rules)", CHROMIUM: "tests (report page)"}
