@@ -98,6 +98,15 @@ def plan_alias(c, config=None, set=None, work_root=str(WORK_ROOT)):
 
 
 @task(iterable=["set"], help=CONFIG_HELP)
+def doctor(c, config=None, set=None, work_root=str(WORK_ROOT)):
+    """Check this machine for what each build target needs (CPU features, the vLLM and aiperf environments, Triton,
+    GPUs, TensorRT-LLM, disk, memory, /dev/shm, the tests' tools) and say how to get each missing piece. Exits 3
+    when the config (default: engine_configs/smollm2-135m-vllm.yaml) cannot run here."""
+    with commands.user_errors():
+        commands.doctor(config, set or [], Path(work_root))
+
+
+@task(iterable=["set"], help=CONFIG_HELP)
 def clean(c, config=None, set=None, work_root=str(WORK_ROOT)):
     """Delete the config's work dir (all its stages' artifacts), and what killed runs left in /dev/shm and the
     temporary directory that is provably theirs."""
@@ -211,5 +220,5 @@ def docs(c, write=False, site_dir=None):
     _build_docs(c, site_dir)
 
 
-ns = Collection(download, sensitivity, quantize, build, publish, verify, bench, report, all_, explain, plan_alias, clean,
-                serve, tune, image, release, deploy_manifests, test, docs)
+ns = Collection(download, sensitivity, quantize, build, publish, verify, bench, report, all_, explain, plan_alias, doctor,
+                clean, serve, tune, image, release, deploy_manifests, test, docs)

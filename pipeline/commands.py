@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from pipeline import artifacts, constants, targets
 from pipeline.config import LoadedConfig, load_config
-from pipeline.errors import PipelineError
+from pipeline.doctor import Report, examine, render
+from pipeline.errors import EnvironmentProblem, PipelineError
 from pipeline.fsutil import remove_tree
 from pipeline.reaper import reap_dead_runs
 from pipeline.release.deploy import pod_host_memory, render_manifests
@@ -175,6 +176,31 @@ def serving_pod_line(cfg) -> str:
         line += (f" (vLLM's KV offloading: {offload:g} GiB in all, {offload / ranks:g} GiB per rank of {ranks}, "
                  f"{where})")
     return line
+
+
+def doctor(config: Optional[str], overrides: Sequence[str], work_root: Path) -> Report:
+    """Print what this machine has of what each target needs (pipeline.doctor); an EnvironmentProblem where the
+    config cannot run here. Without ``config``: the project's default (constants.DEFAULT_CONFIG), not the cpu
+    fallback that default_config() takes where vLLM cannot run, which is named after it."""
+    loaded = load_config(config or constants.DEFAULT_CONFIG, list(overrides))
+    report = examine(loaded.config, work_root, loaded.name)
+    print(render(report))
+    print()
+    if report.ready:
+        print(f"{loaded.name}: ready on this machine")
+        return report
+    if config is None:
+        from pipeline.engines.vllm.runtime import unusable_reason
+
+        if unusable_reason(loaded.config) is not None:
+            # the same model as the default (it extends the cpu config): its type is known, not probed again
+            model_type = loaded.resolution.model_type if loaded.resolution else None
+            fallback = load_config(constants.CPU_DEFAULT_CONFIG, list(overrides), model_type=model_type)
+            lacking = examine(fallback.config, work_root, fallback.name).lacking
+            print(f"note: where vLLM cannot run, the tasks without --config use {fallback.name}: "
+                  + (f"it lacks {', '.join(lacking)} too" if lacking else "ready on this machine"))
+    raise EnvironmentProblem(f"{loaded.name} (build.target {report.target}) cannot run on this machine: it lacks "
+                             f"{', '.join(report.lacking)}. Each one's fix is above.")
 
 
 def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> Path:

@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from pipeline.errors import ConfigError
 from pipeline.targets.base import (
+    NEEDS_GPU,
+    NEEDS_IMAGE_TRITON,
+    NEEDS_TRITON,
+    NEEDS_TRTLLM,
+    NEEDS_TRTLLM_BUILD,
+    NEEDS_VLLM_CPU,
+    NEEDS_VLLM_ENV,
     SERVER_IMAGE_TRITON,
     SERVER_TRITON,
     SERVER_TRITON_VLLM,
@@ -22,7 +29,8 @@ from pipeline.targets.pytorch import PytorchTarget
 from pipeline.targets.tensorrt import TensorrtTarget
 from pipeline.targets.vllm import VllmTarget
 
-__all__ = ["REGISTRY", "SERVER_IMAGE_TRITON", "SERVER_TRITON", "SERVER_TRITON_VLLM", "SERVER_VLLM_OPENAI",
+__all__ = ["NEEDS_GPU", "NEEDS_IMAGE_TRITON", "NEEDS_TRITON", "NEEDS_TRTLLM", "NEEDS_TRTLLM_BUILD", "NEEDS_VLLM_CPU",
+           "NEEDS_VLLM_ENV", "REGISTRY", "SERVER_IMAGE_TRITON", "SERVER_TRITON", "SERVER_TRITON_VLLM", "SERVER_VLLM_OPENAI",
            "SERVING_SETTINGS", "Target", "get", "names", "resolve_entry"]
 
 REGISTRY: dict[str, Target] = {t.name: t for t in (

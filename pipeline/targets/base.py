@@ -32,6 +32,17 @@ SERVER_VLLM_OPENAI = "vllm-openai"  # vLLM's own OpenAI server
 SERVER_IMAGE_TRITON = "image-triton"  # the Triton TensorRT-LLM image's tritonserver, one per GPU rank where needed
 SERVING_SETTINGS = ("adaptive_batch", "max_running", "prefill_chunk_tokens", "priority_levels", "scheduler_policy",
                     "kv_cache_free_gpu_memory_fraction")
+# What a target needs of this machine to build and serve it (Target.requirements), each one check of `invoke
+# doctor` (pipeline.doctor, which says how to get what is missing):
+NEEDS_TRITON = "triton-server"  # nvidia-pytriton's tritonserver (SERVER_TRITON, SERVER_TRITON_VLLM)
+NEEDS_IMAGE_TRITON = "image-tritonserver"  # the Triton TensorRT-LLM image's tritonserver (SERVER_IMAGE_TRITON)
+NEEDS_VLLM_ENV = "vllm-env"  # vLLM's serving environment (.venv-vllm, or VLLM_PYTHON)
+NEEDS_VLLM_CPU = "cpu-features"  # a CPU vLLM's CPU build runs on: AVX-512 or AMX
+NEEDS_GPU = "gpu"  # an NVIDIA GPU (of build.target_sm where a TensorRT-LLM build names one)
+NEEDS_TRTLLM = "tensorrt-llm"  # TensorRT-LLM build.trtllm_version, importable
+NEEDS_TRTLLM_BUILD = "trtllm-build"  # its trtllm-build command
+SERVER_NEEDS = {SERVER_TRITON: (NEEDS_TRITON,), SERVER_TRITON_VLLM: (NEEDS_TRITON, NEEDS_VLLM_ENV),
+                SERVER_VLLM_OPENAI: (NEEDS_VLLM_ENV,), SERVER_IMAGE_TRITON: (NEEDS_IMAGE_TRITON, NEEDS_GPU)}
 
 
 class Target:
@@ -117,6 +128,14 @@ class Target:
     def alert_engine(self, cfg: "PipelineConfig") -> tuple[str, bool]:
         """(whose series the alert rules read: "triton" or "vllm", whether the GPU rules apply)."""
         return "triton", not self.on_cpu(cfg)
+
+    def requirements(self, cfg: "PipelineConfig") -> tuple[str, ...]:
+        """What this machine must have to build and serve it (NEEDS_*): the base answers from the servers of its
+        frontends and, for a GPU-only target, a GPU and TensorRT-LLM (with trtllm-build for an engine per rank)."""
+        needs = [n for f in self.frontends(cfg) for n in SERVER_NEEDS[self.server(f)]]
+        if self.gpu_only:
+            needs += [NEEDS_GPU, NEEDS_TRTLLM] + ([NEEDS_TRTLLM_BUILD] if self.engine_per_rank else [])
+        return tuple(dict.fromkeys(needs))
 
     def kv_offloading_gib(self, cfg: "PipelineConfig") -> Optional[float]:
         """The host-memory KV tier it keeps, in GiB over all ranks (None: none)."""

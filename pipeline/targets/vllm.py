@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from pipeline import artifacts
 from pipeline.formats import HIGH_PRECISION, NO_QUANT, VLLM_CPU_BLOCK_MULTIPLE, VLLM_CPU_MLA_BLOCK, VLLM_SERVABLE
 from pipeline.targets.base import (
+    NEEDS_GPU,
+    NEEDS_VLLM_CPU,
+    NEEDS_VLLM_ENV,
     SERVER_TRITON_VLLM,
     SERVER_VLLM_OPENAI,
     Target,
@@ -53,6 +56,11 @@ class VllmTarget(Target):
 
     def on_cpu(self, cfg: "PipelineConfig") -> bool:
         return cfg.vllm.device == "cpu"
+
+    def requirements(self, cfg: "PipelineConfig") -> tuple[str, ...]:
+        # the build checks the export in vLLM too; vLLM's CPU build runs on AVX-512 or AMX only
+        device = NEEDS_VLLM_CPU if self.on_cpu(cfg) else NEEDS_GPU
+        return tuple(dict.fromkeys((*super().requirements(cfg), NEEDS_VLLM_ENV, device)))
 
     def docker_stage(self, cfg: "PipelineConfig") -> str:
         return DOCKER_STAGES[(cfg.vllm.device, cfg.vllm.frontends[0])]

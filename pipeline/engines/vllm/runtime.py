@@ -39,13 +39,18 @@ class CpuFeatures:
     amx: bool  # torch.cpu._is_amx_tile_supported(): the amx_tile flag
 
     @property
+    def runs_vllm(self) -> bool:
+        """AVX-512 or AMX: what vLLM's CPU build needs to run at a usable speed (``cpu_runs_vllm``)."""
+        return self.avx512 or self.amx
+
+    @property
     def mla_backend(self) -> str:
         """The multi-head latent attention backend vLLM's CPU platform picks: AMX_MLA wherever AMX is."""
         return "AMX_MLA" if self.amx else "CPU_MLA"
 
     def branches(self) -> dict:
         """Which way vLLM goes on this CPU, for a person to read (what `invoke doctor` would print)."""
-        return {"avx512": self.avx512, "amx_tile": self.amx, "runs_vllm": self.avx512 or self.amx,
+        return {"avx512": self.avx512, "amx_tile": self.amx, "runs_vllm": self.runs_vllm,
                 "mla_backend": self.mla_backend,
                 "int4_experts": "CPUExpertsInt4 (AMX; INT4 groups other than 32)" if self.amx else "none (needs AMX)"}
 
@@ -63,8 +68,7 @@ def cpu_runs_vllm() -> bool:
     bfloat16 by emulation (measured on a 2-core AVX2 machine: a [4096, 576] x [576, 1536] bf16 matmul at 0.7
     GFLOP/s against 28 in fp32; one engine step of SmolLM2's accuracy check passed vLLM's 300 s RPC timeout)
     and refuses an FP8 KV cache ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX")."""
-    features = cpu_features()
-    return features.avx512 or features.amx
+    return cpu_features().runs_vllm
 
 
 def check_cpu(cfg) -> None:
@@ -209,9 +213,14 @@ def unusable_reason(cfg) -> Optional[str]:
     return None
 
 
+def serving_python_path() -> str:
+    """Where the serving environment's Python is looked for: ``VLLM_PYTHON``, else ``.venv-vllm``'s."""
+    return os.environ.get(ENV_VAR) or str(REPO_ROOT / VENV_DIR / "bin" / "python")
+
+
 def serving_python() -> str:
     """The serving environment's Python, checked to have vLLM; EnvironmentProblem says how to install it."""
-    python = os.environ.get(ENV_VAR) or str(REPO_ROOT / VENV_DIR / "bin" / "python")
+    python = serving_python_path()
     if not Path(python).is_file():
         raise EnvironmentProblem(
             f"vLLM's serving environment is missing ({python} does not exist). `bash scripts/setup-env` creates "
