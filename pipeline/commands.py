@@ -36,7 +36,7 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}\n  (causes and fixes: {e.docs_link()})", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
     except KeyboardInterrupt:
         print("interrupted.", file=sys.stderr)

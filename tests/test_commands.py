@@ -15,6 +15,7 @@ def test_user_errors_print_one_paragraph_and_exit_with_the_errors_code(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: build.max_batch_size") and "Traceback" not in err
+    assert err.rstrip().endswith("(causes and fixes: docs/troubleshooting.md#configerror)")  # a heading there
 
 
 def test_explain_on_a_fresh_work_dir_lists_every_stage(tmp_path, capsys):
