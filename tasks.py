@@ -173,11 +173,12 @@ def deploy_manifests(c, config=None, set=None, work_root=str(WORK_ROOT), gpu_typ
 
 @task(help={"quick": "skip the slow end-to-end tests (marked e2e)",
             "heavy": "also run the tests marked heavy (INT4 AWQ calibration of the real model: ~15 min on 2 cores)",
+            "unit": "only the unit tier: the tests marked unit (no model run, no server start; minutes on 2 cores)",
             "k": "pytest -k expression",
             "no_lint": "skip the house rules (ruff, import layers, mypy, the docs build) and run only the tests"})
-def test(c, quick=False, heavy=False, k=None, no_lint=False):
+def test(c, quick=False, heavy=False, unit=False, k=None, no_lint=False):
     """The house rules (ruff, the import-layer contract, mypy, the docs built strict), then the test suite:
-    everything but the heavy tests (--heavy adds them; --quick also skips e2e)."""
+    everything but the heavy tests (--heavy adds them; --quick also skips e2e; --unit runs the unit tier only)."""
     if not no_lint:
         bin_dir = Path(sys.executable).parent
         c.run(shlex.join([str(bin_dir / "ruff"), "check", "pipeline", "tests", "tasks.py", "scripts"]), pty=False)
@@ -185,7 +186,9 @@ def test(c, quick=False, heavy=False, k=None, no_lint=False):
         c.run(shlex.join([str(bin_dir / "mypy")]), pty=False)
         _build_docs(c)
     args = [sys.executable, "-m", "pytest", "-q", "--durations=25"]  # the slowest tests named, for CI's time
-    if quick:
+    if unit:
+        args += ["-m", "unit and not e2e and not heavy"]
+    elif quick:
         args += ["-m", "not e2e and not heavy"]
     elif not heavy:
         args += ["-m", "not heavy"]

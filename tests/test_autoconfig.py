@@ -10,6 +10,8 @@ import pytest
 from pipeline.autoconfig import gguf_architecture
 from pipeline.config import load_config
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 gguf = pytest.importorskip("gguf")
 
 

@@ -12,6 +12,8 @@ from pipeline.child import run_in_child
 from pipeline.compute import Bound
 from pipeline.errors import ConfigError, StageFailed
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 
 def test_result_and_peak_rss_is_the_childs_own(tmp_path):
     ballast = bytearray(1024 * 2**20)  # the parent holds 1 GiB, touched, while it spawns the child

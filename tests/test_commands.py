@@ -8,6 +8,8 @@ from conftest import DEFAULT_CONFIG, run_invoke, write_yaml
 from pipeline import artifacts, commands
 from pipeline.errors import ConfigError
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 
 def test_user_errors_print_one_paragraph_and_exit_with_the_errors_code(capsys):
     with pytest.raises(SystemExit) as e, commands.user_errors():

@@ -18,6 +18,8 @@ from pipeline.child import run_in_child
 from pipeline.config import ComputeSection
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 
 def _limit_in(cgroup: str) -> tuple[int, str]:  # runs in a child that joins the cgroup first
     Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))

@@ -9,11 +9,14 @@ import re
 from pathlib import Path
 
 import markdown
+import pytest
 from conftest import REPO
 
 from pipeline import docs_reference, errors
 from pipeline.config import AlertsSection, PipelineConfig
 from pipeline.release import alerts
+
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
 
 PAGES = sorted((REPO / "docs").rglob("*.md"))
 # names in the docs that end like an error class but are upstream's, not this project's

@@ -10,12 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import DEFAULT_CONFIG, REPO, memory_cgroup, needs_memory_cgroup, run_invoke
 
 from pipeline import constants, doctor, targets
 from pipeline.config import load_config
 from pipeline.engines.vllm import runtime
 from pipeline.errors import EnvironmentProblem
+
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
 
 PROJECT_DEFAULT = str(constants.DEFAULT_CONFIG)  # vLLM's; conftest's DEFAULT_CONFIG is the cpu target's
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
 
 DOTTED = re.compile(r"(?<![\w./{}-])pipeline(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 # not module names: a logger the tests create under the package's own

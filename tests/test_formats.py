@@ -8,6 +8,8 @@ from pipeline import formats
 from pipeline.config import KVCacheFormat, SensitivityFormat, WeightFormat
 from pipeline.quant import checkpoint
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 
 def test_config_literals_are_the_tables_names():
     assert set(get_args(WeightFormat)) == set(formats.FORMATS) | {formats.NO_QUANT}

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
 
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 

@@ -20,6 +20,8 @@ import pytest
 
 from pipeline import procs, reaper
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 # A server stand-in: it maps a new shared-memory segment (Python's multiprocessing.shared_memory, as vLLM's
 # message queues are), starts a child in its group that maps it too, prints the name and both pids, and then
 # ignores SIGTERM (the case the grace period and SIGKILL are for) or not, per argv[1].

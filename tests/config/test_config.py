@@ -9,6 +9,8 @@ from conftest import DEFAULT_CONFIG, REPO, run_invoke, tree_snapshot, write_yaml
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 SHIPPED = sorted((REPO / "engine_configs").glob("*.yaml"))
 
 

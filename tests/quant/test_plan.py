@@ -15,6 +15,8 @@ from pipeline.errors import InputError
 from pipeline.formats import HIGH_PRECISION
 from pipeline.quant.plan import layer_bytes, make_plan
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 Q = QuantizationSection(weight_format="int8_sq")
 S = SensitivitySection(formats=("int8_sq",), threshold=0.1)
 

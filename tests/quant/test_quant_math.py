@@ -15,6 +15,8 @@ mtq = pytest.importorskip("modelopt.torch.quantization")
 from modelopt.torch.quantization.config import QuantizerAttributeConfig  # noqa: E402
 from modelopt.torch.quantization.nn import TensorQuantizer  # noqa: E402
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 
 @pytest.fixture(scope="module")
 def tensors():

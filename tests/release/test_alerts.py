@@ -14,6 +14,8 @@ import yaml
 from pipeline.config import AlertsSection
 from pipeline.release import alerts, deploy
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="needs promtool (Debian: apt-get install prometheus; scripts/setup-env does it as root)")

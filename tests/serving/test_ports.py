@@ -11,6 +11,8 @@ import pytest
 from pipeline.errors import InputError
 from pipeline.serving.ports import fill_ports, free_port, free_ports, lost_port_race
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 
 def test_the_ports_of_one_server_always_differ():
     # asking the kernel once per port, closing each socket before the next ask, repeated a port in 14 of 50,000

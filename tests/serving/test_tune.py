@@ -29,6 +29,8 @@ from pipeline.serving.tune import (
 )
 from pipeline.serving.tuned import PLAN_FILE, TUNE_DIR, TUNED_FILE, apply_tuned, tuned_fingerprint, with_triton
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 ITL = {"itl_ms": 250.0}
 
 

@@ -19,6 +19,8 @@ from huggingface_hub.errors import (
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 from huggingface_hub.utils import reset_sessions
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 try:  # tests/ may or may not become a package
     from tests.fake_hub import FakeHub
 except ImportError:  # pragma: no cover - depends on how pytest puts tests/ on sys.path

@@ -24,6 +24,8 @@ from pipeline.runner import Runner
 from pipeline.source.download import inspect_hf_folder
 from pipeline.stages import STAGES
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 REPO = "acme/tiny-llama"
 NAME = "hubtest"
 WEIGHTS = "model.safetensors"

@@ -19,6 +19,8 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.fsutil import HashCache
 from pipeline.source.text import load_documents, prepare_text, text_fingerprint
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 
 def _files(tmp_path, n=12, words=400):
     paths = []

@@ -17,6 +17,8 @@ from pipeline import autoconfig, families, targets
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 
 def _name_comparisons(path: Path) -> list[str]:
     """`x == "vllm"`, `x in ("cpu", "vllm")` and the like in one module: a comparison of a value with a

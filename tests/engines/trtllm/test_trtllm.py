@@ -23,6 +23,8 @@ from pipeline.engines.trtllm.preflight import GPU
 from pipeline.engines.trtllm.rules import QuantFacts
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, StageFailed
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 CONFIGS = sorted((REPO / "engine_configs").glob("*.yaml"))
 GPU_CONFIGS = [p for p in CONFIGS if load_config(p).config.build.target in ("tensorrt", "pytorch")]
 STANDIN_BIN = REPO / "tests" / "bin"

@@ -32,6 +32,8 @@ from pipeline.serving import launch
 pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 from pipeline.serving import publish as pub  # noqa: E402  (needs tritonclient)
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 GPU_PROFILES = [p for p in sorted((REPO_ROOT / "engine_configs").glob("*.yaml"))
                 if load_config(p).config.build.target in ("tensorrt", "pytorch")
                 and not rules.validity_problems(load_config(p).config, load_config(p).config.build.target_sm)]

@@ -20,6 +20,8 @@ from pipeline.config import BenchSection, load_config
 from pipeline.errors import ConfigError, EnvironmentProblem
 from pipeline.serving.bench import openloop
 
+pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
+
 
 @pytest.fixture(scope="module")
 def aiperf_python() -> str:
