@@ -181,9 +181,17 @@ def test(c, quick=False, heavy=False, unit=False, k=None, no_lint=False):
     everything but the heavy tests (--heavy adds them; --quick also skips e2e; --unit runs the unit tier only)."""
     if not no_lint:
         bin_dir = Path(sys.executable).parent
-        c.run(shlex.join([str(bin_dir / "ruff"), "check", "pipeline", "tests", "tasks.py", "scripts"]), pty=False)
+        c.run(shlex.join([str(bin_dir / "ruff"), "check", "pipeline", "triton_repo", "tests", "tasks.py", "scripts"]),
+              pty=False)
         c.run(shlex.join([str(bin_dir / "lint-imports"), "--no-cache"]), pty=False)
         c.run(shlex.join([str(bin_dir / "mypy")]), pty=False)
+        # Triton's Python models: each is a `model.py` beside the shared helpers (triton_repo/common, put on their
+        # sys.path at load), so mypy checks one model at a time with those helpers on its path
+        models = sorted(str(m.relative_to(ROOT)) for m in (ROOT / "triton_repo").glob("*/model.py"))
+        for model in models:
+            c.run(shlex.join([str(bin_dir / "mypy"), model]), env={"MYPYPATH": str(ROOT / "triton_repo" / "common")},
+                  pty=False, hide="out")
+        print(f"mypy: {len(models)} Triton models checked")
         _build_docs(c)
     args = [sys.executable, "-m", "pytest", "-q", "--durations=25"]  # the slowest tests named, for CI's time
     if unit:
