@@ -126,7 +126,7 @@ def tune(c, config=None, set=None, work_root=str(WORK_ROOT), verbose=False, resu
         commands.tune(config, set or [], Path(work_root), results=Path(results) if results else None)
 
 
-@task(iterable=["set"], help={**CONFIG_HELP, "http_port": "HTTP port (default 8000)",
+@task(iterable=["set"], help={**CONFIG_HELP, "http_port": "HTTP port (default 8000; vLLM's OpenAI server: its API and metrics)",
                                "grpc_port": "gRPC port (default 8001)", "metrics_port": "metrics port (default 8002)",
                                "host": "address to bind (default 127.0.0.1: this machine only)",
                                "supervise": "restart the server when it stops by itself (its watchdog, a crash), "
@@ -134,7 +134,9 @@ def tune(c, config=None, set=None, work_root=str(WORK_ROOT), verbose=False, resu
                                "max_restarts": "with --supervise: restarts in a row before giving up (default 5)"})
 def serve(c, config=None, set=None, work_root=str(WORK_ROOT), http_port=8000, grpc_port=8001, metrics_port=8002,
           host="127.0.0.1", supervise=False, max_restarts=5):
-    """Run a Triton server on the published repository in the foreground until Ctrl-C; prints the endpoints."""
+    """Serve the published build in the foreground until Ctrl-C or SIGTERM, with the server its target gives:
+    Triton (cpu, tensorrt, pytorch targets) or, for the vllm target, vLLM's OpenAI server (vllm.frontends'
+    first; triton: Triton over vLLM). Prints one line naming the server, the model and its URLs."""
     commands.setup_logging(False)
     with commands.user_errors():
         commands.serve(config, set or [], Path(work_root), http_port=http_port, grpc_port=grpc_port,

@@ -19,7 +19,8 @@ Runs in a child process (pipeline.child) with its log beside the checkpoint. In 
 6. the TensorRT-LLM checkpoint export (one rank file per tensor-parallel rank), and a check of what it wrote:
    quant_algo (MIXED_PRECISION with a quant_cfg.json listing exactly the plan's quantized layers and their
    formats, when formats are mixed), kv_cache_quant_algo, exclusions = the plan's high-precision layers,
-   rope fields, weight dtypes;
+   rope fields, weight dtypes. A tied lm_head that ModelOpt wrote as a second copy of the embedding is
+   dropped (pipeline.quant.tied_head), so the checkpoint holds what the plan counts;
 7. the HF unified checkpoint (``hf_checkpoint/``) from the copy, checked: hf_quant_config.json names the
    format, the KV-cache format and the plan's kept layers, and its config.json parses under transformers;
 8. the checkpoint read back by pipeline.quant.checkpoint, and the same accuracy figures for that rebuilt model
@@ -60,6 +61,7 @@ from pipeline.quant.gate import (
 )
 from pipeline.quant.memory import gpu_bounds, gpu_streams
 from pipeline.quant.recipe import calibrate_phase, calibration_phases, kept_layers, modelopt_config
+from pipeline.quant.tied_head import embedding_bytes, share_tied_embedding
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,9 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         log.info("layer streaming: one decoder layer at a time")
         res = streaming.quantize_streamed(model_dir, calib, evals, plan_doc, quant, build, model_config, ckpt,
                                           out_dir / "layer_exports", device, ref_dtype, table_layers, baseline)
-        streamed_export = check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size)
+        shared = share_tied_embedding(ckpt, model_config)
+        streamed_export = {**check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size),
+                           **_embedding_facts(ckpt, shared)}
         from safetensors.torch import save_file
 
         save_file({"hidden": res["reference_final_hidden"].cpu().contiguous()}, str(out_dir / READ_BACK_REFERENCE))
@@ -174,7 +178,9 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         with torch.no_grad():
             export_tensorrt_llm_checkpoint(model, fam.decoder_type, dtype, export_dir=ckpt,
                                            inference_tensor_parallel=build.tensor_parallel_size)
-        exported = check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size)
+        shared = share_tied_embedding(ckpt, model_config)
+        exported = {**check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size),
+                    **_embedding_facts(ckpt, shared)}
     hf_exported = None
     if hf_source is not None:
         hf_dir = out_dir / artifacts.HF_CHECKPOINT_DIR
@@ -208,6 +214,12 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     assert from_ckpt is not None and read_facts is not None
     return _finish(out_dir, accuracy, from_ckpt, read_facts, exported, hf_exported, generations, plan_doc,
                    int(calib.numel()), int(evals.numel()), comp.compute_record(device, ref_dtype, bound), t_quant, t0)
+
+
+def _embedding_facts(ckpt: Path, shared: dict) -> dict:
+    """What the checkpoint holds besides the plan's linears: the embedding, and whether it is lm_head too."""
+    return {"embedding_bytes": embedding_bytes(ckpt), "lm_head_shares_embedding": shared["lm_head_shares_embedding"],
+            "lm_head_sharing": shared["why"]}
 
 
 def read_back_hf(hf_dir: Path, original, evals, kept: set[str], quant: QuantizationSection) -> tuple[dict, dict]:

@@ -16,8 +16,12 @@ Every panel reads a series a real exporter writes (the same sources as pipeline/
 - quality of service: end-to-end P50 / P99, P99 / P50, jitter and token-gap jitter over the last minute,
   failed requests, the scrape heartbeat (``up``), watchdog stops and pod restarts.
 
-The vllm target's OpenAI server exports vLLM's own series instead: its dashboard is vLLM's (its repository's
-examples), not this one.
+The vllm target's OpenAI server exports vLLM's own series instead, and gets its own dashboard
+(``dashboard(name, engine="vllm")``) on the series its alert rules read (pipeline/release/alerts.py, each in
+``pipeline.engines.vllm.engine_args.METRIC_SERIES``, which verify's ``metrics`` check finds on the real server):
+an engine row (requests waiting and running, KV cache used, preemptions), a quality-of-service row (API
+answers by status, the 5xx share, the heartbeat, restarts) and, with ``vllm.device: cuda``, the DCGM row.
+Each dashboard shows every series its alert rules read (tests/test_alerts.py holds them to it).
 """
 
 from __future__ import annotations
@@ -43,22 +47,45 @@ def _row(title: str, y: int) -> dict:
             "panels": []}
 
 
-def dashboard(name: str) -> dict:
-    """The dashboard for release ``name`` (its pods are ``<name>-...``); panels by row, three to a line."""
+GPU_PANELS = [
+    ("GPU utilisation", {"{{Hostname}} GPU {{gpu}}": "avg by (Hostname, gpu) (DCGM_FI_DEV_GPU_UTIL)"},
+     "percent", "DCGM: the share of time a kernel ran (alert: GpuSaturated)"),
+    ("GPU memory-copy load", {"{{Hostname}} GPU {{gpu}}": "avg by (Hostname, gpu) (DCGM_FI_DEV_MEM_COPY_UTIL)"},
+     "percent", "DCGM: the share of time the memory was read or written (decode is memory-bound; alert: "
+                "GpuMemoryCopyBusy)"),
+    ("NVLink traffic", {"{{Hostname}} GPU {{gpu}}": "max by (Hostname, gpu) (DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL)"},
+     "short", "DCGM field 449, all lanes (tensor-parallel traffic), as exported: the exporter's CSV "
+              "declares it a counter, while DCGM reports it as a rate; shown raw, not rate()d"),
+    ("GPU memory used", {"{{Hostname}} GPU {{gpu}}": "max by (Hostname, gpu) (DCGM_FI_DEV_FB_USED)"},
+     "decmbytes", "DCGM: framebuffer used (MiB): weights, KV cache, activations"),
+    ("GPU XID errors", {"{{Hostname}} GPU {{gpu}}": "max by (Hostname, gpu) (DCGM_FI_DEV_XID_ERRORS)"},
+     "short", "DCGM: the last XID error's value, 0 when none (alert: GpuXidError)"),
+]
+
+
+def _pod_panels(pods: str) -> list:
+    """Prometheus's scrape heartbeat and kube-state-metrics' restarts (alerts: TargetDown, PodRestarting)."""
+    return [
+        ("Heartbeat", {"{{pod}}": f"min by (pod) (up{{{pods}}})"}, "short",
+         "1 while Prometheus scrapes the pod; 0 is a missed heartbeat (the TargetDown alert after 3)"),
+        ("Restarts", {"restarts in 15m {{pod}}":
+                      f"sum by (pod) (increase(kube_pod_container_status_restarts_total{{{pods}}}[15m]))"},
+         "short", "The pod's container restarts (the PodRestarting alert)"),
+    ]
+
+
+def dashboard(name: str, engine: str = "triton", gpu: bool = True) -> dict:
+    """The dashboard for release ``name`` (its pods are ``<name>-...``); panels by row, three to a line. ``engine``:
+    whose series it reads ("triton", or "vllm": vLLM's OpenAI server; as pipeline.release.alerts.rules); ``gpu``:
+    the vllm dashboard's DCGM row (the Triton one always has its hardware row)."""
+    if engine == "vllm":
+        return _board(name, _vllm_rows(name, gpu), "vllm")
     pods = f'pod=~"{name}-.*"'
     ours = OURS + '{{metric_type="{}",' + pods + "}}"
     per_model = "sum by (model) (rate({}{{" + pods + "}}[5m]))"
     rows = {
         "Hardware": [
-            ("GPU utilisation", {"{{Hostname}} GPU {{gpu}}": "avg by (Hostname, gpu) (DCGM_FI_DEV_GPU_UTIL)"},
-             "percent", "DCGM: the share of time a kernel ran"),
-            ("GPU memory-copy load", {"{{Hostname}} GPU {{gpu}}": "avg by (Hostname, gpu) (DCGM_FI_DEV_MEM_COPY_UTIL)"},
-             "percent", "DCGM: the share of time the memory was read or written (decode is memory-bound)"),
-            ("NVLink traffic", {"{{Hostname}} GPU {{gpu}}": "max by (Hostname, gpu) (DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL)"},
-             "short", "DCGM field 449, all lanes (tensor-parallel traffic), as exported: the exporter's CSV "
-                      "declares it a counter, while DCGM reports it as a rate; shown raw, not rate()d"),
-            ("GPU memory used", {"{{Hostname}} GPU {{gpu}}": "max by (Hostname, gpu) (DCGM_FI_DEV_FB_USED)"},
-             "decmbytes", "DCGM: framebuffer used (MiB): weights, KV cache, activations"),
+            *GPU_PANELS,
             ("Model process memory", {"{{pod}}": f"max by (pod) ({ours.format('resident_memory_bytes')})",
                                       "{{pod}} growth / s": f"max by (pod) "
                                                             f"({ours.format('resident_memory_growth_bytes_per_s')})"},
@@ -80,10 +107,12 @@ def dashboard(name: str) -> dict:
              "short", "Triton: inferences per model execution (the effective batch size of each stage)"),
             ("LLM requests", {"{{request_type}}": f'sum by (request_type) (nv_trt_llm_request_metrics{{{pods},'
                                                  f'request_type=~"active|scheduled|waiting"}})',
+                              "pending in Triton": f"sum (nv_inference_pending_request_count{{{pods}}})",
                               "paused": f'sum (nv_trt_llm_inflight_batcher_metrics{{{pods},'
                                         f'inflight_batcher_specific_metric="paused_requests"}})'},
              "short", "The batch manager's requests: active, scheduled (running), waiting, and paused (a running "
-                      "sequence whose slot a more urgent request took; KV kept)"),
+                      "sequence whose slot a more urgent request took; KV kept); Triton's pending requests "
+                      "(waiting + pending: the TritonQueueBacklog alert)"),
             ("KV cache used", {"{{pod}}": f'sum by (pod) (nv_trt_llm_kv_cache_block_metrics{{{pods},'
                                           f'kv_cache_block_type="used"}}) / sum by (pod) '
                                           f'(nv_trt_llm_kv_cache_block_metrics{{{pods},kv_cache_block_type="max"}})'},
@@ -107,14 +136,40 @@ def dashboard(name: str) -> dict:
                                      f"max by (pod) ({ours.format('failed_requests_last_minute')})"},
              "short", "Triton's failed share of requests, and the failures the watchdog counts (its limit: "
                       "triton.watchdog.errors_per_minute)"),
-            ("Heartbeat", {"{{pod}}": f"min by (pod) (up{{{pods}}})"}, "short",
-             "1 while Prometheus scrapes the pod; 0 is a missed heartbeat (TritonTargetDown after 3)"),
-            ("Watchdog stops and restarts",
-             {"watchdog tripped {{pod}}": f"max by (pod) ({ours.format('watchdog_tripped')})",
-              "restarts in 15m {{pod}}": f"sum by (pod) (increase(kube_pod_container_status_restarts_total{{{pods}}}[15m]))"},
-             "short", "The model's watchdog stopping its server, and the restarts that follow"),
+            *_pod_panels(pods),
+            ("Watchdog stops", {"watchdog tripped {{pod}}": f"max by (pod) ({ours.format('watchdog_tripped')})"},
+             "short", "The model's watchdog stopping its server (a restart follows)"),
         ],
     }
+    return _board(name, rows, "triton")
+
+
+def _vllm_rows(name: str, gpu: bool) -> dict:
+    """vLLM's OpenAI server: its engine's gauges and counters and its API's requests (the series its alerts read)."""
+    pods = f'pod=~"{name}-.*"'
+    api = f'handler=~"/v1/.*",{pods}'
+    rows = {"Hardware": GPU_PANELS} if gpu else {}
+    rows["Engine"] = [
+        ("Requests", {"waiting {{pod}}": f"sum by (pod) (vllm:num_requests_waiting{{{pods}}})",
+                      "running {{pod}}": f"sum by (pod) (vllm:num_requests_running{{{pods}}})"},
+         "short", "vLLM's scheduler: requests running in the batch and waiting for it (the VllmQueueBacklog alert)"),
+        ("KV cache used", {"{{pod}}": f"max by (pod) (vllm:kv_cache_usage_perc{{{pods}}})"},
+         "percentunit", "vLLM's KV-cache blocks in use (the VllmKVCacheNearlyFull alert)"),
+        ("Preemptions", {"{{pod}}": f"sum by (pod) (rate(vllm:num_preemptions_total{{{pods}}}[5m]))"},
+         "ops", "Sequences vLLM preempted (and will recompute) for want of KV cache (the VllmPreempting alert)"),
+    ]
+    failed = f'sum by (pod) (rate(http_requests_total{{status="5xx",{api}}}[5m]))'
+    rows["Quality of service"] = [
+        ("API answers", {"{{status}}": f"sum by (status) (rate(http_requests_total{{{api}}}[5m]))"},
+         "reqps", "The OpenAI API's answers per second by status class (2xx, 4xx: bad client input, 5xx)"),
+        ("Failed share", {"{{pod}}": f"{failed} / sum by (pod) (rate(http_requests_total{{{api}}}[5m]))"},
+         "percentunit", "The share of API requests answered 5xx (the VllmErrorRate alert)"),
+        *_pod_panels(pods),
+    ]
+    return rows
+
+
+def _board(name: str, rows: dict, engine: str) -> dict:
     panels, y = [], 0
     for title, specs in rows.items():
         panels.append(_row(title, y))
@@ -123,15 +178,15 @@ def dashboard(name: str) -> dict:
             panels.append(_panel(panel_title, exprs, unit, 8 * (i % 3), y + 8 * (i // 3), description))
         y += 8 * -(-len(specs) // 3)
     return {"title": f"{name}: LLM serving", "uid": f"trtllm-{name}"[:40], "schemaVersion": SCHEMA_VERSION,
-            "tags": ["trtllm-pipeline", "triton"], "timezone": "browser", "refresh": "30s",
+            "tags": ["trtllm-pipeline", engine], "timezone": "browser", "refresh": "30s",
             "time": {"from": "now-3h", "to": "now"},
             "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
                                      "label": "Prometheus"}]},
             "panels": panels}
 
 
-def config_map(name: str, labels: dict[str, str]) -> dict:
+def config_map(name: str, labels: dict[str, str], engine: str = "triton", gpu: bool = True) -> dict:
     """The dashboard as a ConfigMap for Grafana's sidecar (one JSON file in it)."""
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": f"{name}-dashboard", "labels": {**labels, **DASHBOARD_LABEL}},
-            "data": {f"{name}.json": json.dumps(dashboard(name), indent=1)}}
+            "data": {f"{name}.json": json.dumps(dashboard(name, engine, gpu), indent=1)}}

@@ -45,7 +45,7 @@ JOBS_SHARED = ("engine-builds-pvc.yaml", "networkpolicy.yaml")  # rendered once,
 RENDERED_DIR = "deploy"  # inside the config's work dir
 ALERTS_RESOURCE = "prometheusrule.yaml"  # the Prometheus Operator's resource, among the serving manifests
 ALERTS_RULE_FILE = "monitoring/alert-rules.yml"  # the same rules as a plain rules file (not a resource)
-DASHBOARD_RESOURCE = "grafana-dashboard.yaml"  # a ConfigMap for Grafana's dashboard sidecar (Triton-served builds)
+DASHBOARD_RESOURCE = "grafana-dashboard.yaml"  # a ConfigMap for Grafana's dashboard sidecar (every frontend)
 DASHBOARD_FILE = "monitoring/dashboard.json"  # the same dashboard, to import by hand
 BASE_NAME = "triton-llm"  # the name every base resource carries; rendering replaces it
 INSTANCE_LABEL = "app.kubernetes.io/instance"
@@ -197,8 +197,7 @@ def render_serving(cfg: PipelineConfig, pub, image_ref: str) -> dict[str, dict]:
         out[file_name] = doc
     labels = out["deployment.yaml"]["metadata"].get("labels") or {}
     out[ALERTS_RESOURCE] = alerts.prometheus_rule(cfg.alerts, name, labels, *alert_engine(cfg, pub.target))
-    if alert_engine(cfg, pub.target)[0] == "triton":
-        out[DASHBOARD_RESOURCE] = dashboards.config_map(name, labels)
+    out[DASHBOARD_RESOURCE] = dashboards.config_map(name, labels, *alert_engine(cfg, pub.target))
     return out
 
 
@@ -350,7 +349,8 @@ def render_manifests(runner: Runner, overrides: Sequence[str], gpu_types: Sequen
             plain[ALERTS_RULE_FILE] = alerts.rule_file(cfg.alerts, serving[ALERTS_RESOURCE]["metadata"]["name"],
                                                        *alert_engine(cfg, pub.target))
         if DASHBOARD_RESOURCE in serving:
-            plain[DASHBOARD_FILE] = dashboards.dashboard(serving[ALERTS_RESOURCE]["metadata"]["name"])
+            plain[DASHBOARD_FILE] = dashboards.dashboard(serving[ALERTS_RESOURCE]["metadata"]["name"],
+                                                         *alert_engine(cfg, pub.target))
         out = write_rendered(runner.work_dir / RENDERED_DIR, serving, jobs, header, plain)
     echo(f"image: {image_ref}")
     echo(f"manifests: {out} (kubectl apply -k {out})")

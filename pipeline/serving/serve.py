@@ -1,7 +1,7 @@
 """Which server serves a published build, and `invoke serve`: the server started for a build's target (through
 ``Target.server``: nvidia-pytriton's Triton, vLLM's OpenAI server, Triton over vLLM, the GPU image's
-tritonserver), run in the foreground until Ctrl-C or SIGTERM, supervised and restarted where asked, with a banner
-saying what it serves. The servers themselves are pipeline.serving.server and pipeline.serving.vllm_server."""
+tritonserver), run in the foreground until Ctrl-C or SIGTERM (SIGINT handled even where it arrived ignored),
+supervised and restarted where asked, with a line naming the server, the model and its URLs, and a banner. The servers themselves are pipeline.serving.server and pipeline.serving.vllm_server."""
 
 from __future__ import annotations
 
@@ -82,7 +82,9 @@ def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001
     target = prov["build"]["target"]
     openai = targets.get(target).server(frontend) == targets.SERVER_VLLM_OPENAI
     log_path = work_dir / "logs" / ("vllm-serve.log" if openai else "tritonserver-serve.log")
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Ctrl-C stops it even where it was started with SIGINT ignored (a script's background job gets SIG_IGN,
+    # and Python then installs no KeyboardInterrupt handler of its own); SIGTERM does the same
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     restarts = 0
     try:
         while True:
@@ -92,6 +94,8 @@ def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001
                 with server_for_target(target, repo, frontend=frontend, http_port=http_port, grpc_port=grpc_port,
                                        metrics_port=metrics_port, host=host, log_path=log_path) as server:
                     if restarts == 0:
+                        kind = targets.get(target).server(frontend)
+                        echo(serving_line(server, kind, names.ensemble, prov))
                         echo(serve_banner(server, names.ensemble,
                                           names.stream if (repo / names.stream).is_dir() else None, prov, repo,
                                           log_path))
@@ -118,7 +122,8 @@ def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001
             echo(f"serve: the server stopped ({cause}); restart {restarts} of {max_restarts} in {delay:.0f} s")
             time.sleep(delay)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def stop_cause(log_path: Path, offset: int = 0) -> Optional[str]:
@@ -133,8 +138,27 @@ def stop_cause(log_path: Path, offset: int = 0) -> Optional[str]:
     return "watchdog: " + lines[-1].split(WATCHDOG_MARK, 1)[1].strip() if lines else None
 
 
-def _raise_interrupt(signum, frame):  # SIGTERM: leave the with block (stopping the server) like Ctrl-C
+def _raise_interrupt(signum, frame):  # SIGINT, SIGTERM: leave the with block (stopping the server)
     raise KeyboardInterrupt
+
+
+SERVER_KINDS = {  # targets.SERVER_* -> what a user reads
+    targets.SERVER_TRITON: "Triton (nvidia-pytriton; the Python-backend models)",
+    targets.SERVER_TRITON_VLLM: "Triton over vLLM (nvidia-pytriton; the vLLM Python-backend model)",
+    targets.SERVER_VLLM_OPENAI: "vLLM's OpenAI server",
+    targets.SERVER_IMAGE_TRITON: "Triton (the TensorRT-LLM image's tritonserver)",
+}
+
+
+def serving_line(server, kind: str, ensemble: str, prov: dict) -> str:
+    """One line: which server, which model, where."""
+    if kind == targets.SERVER_VLLM_OPENAI:
+        model, urls = server.model_name, f"OpenAI {server.base_url}, metrics {server.metrics_url}"
+    else:
+        model = ensemble
+        urls = f"HTTP http://{server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}"
+    return (f"serve: {SERVER_KINDS[kind]} serving model {model} v{prov['version']} ({prov['build']['target']} "
+            f"target) at {urls} (server pid {server.pid})")
 
 
 def serve_banner(server, ensemble: str, stream: Optional[str], prov: dict, repo: Path, log_path: Path) -> str:

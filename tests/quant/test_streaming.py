@@ -64,13 +64,35 @@ CASES = {
     "mixed int4 AWQ + int8 SQ": ("tiny", MIXED),
     "int8_sq, tensor parallel 2": ("tiny", ("build.target=tensorrt", "build.tensor_parallel_size=2",
                                             "sensitivity.threshold=5")),
+    # lm_head kept and tied to the embedding: written once by both paths (pipeline.quant.tied_head)
+    "int8_sq, tied embeddings": ("tied", ("sensitivity.threshold=5",)),
 }
+
+
+def _tied_model(tmp_path: Path, tokenizer_dir: Path) -> Path:
+    """The tiny Llama's shape with tied word embeddings."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True))
+    out = tmp_path / "tied_model"
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy2(f, out / f.name)
+    return out
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_streamed_checkpoint_is_bit_equal_to_the_in_memory_one(tmp_path, tiny_model_dir, outlier_model_dir, case):
     which, overrides = CASES[case]
-    cfg = _tiny_config(tmp_path, outlier_model_dir if which == "outlier" else tiny_model_dir)
+    model = {"outlier": outlier_model_dir, "tiny": tiny_model_dir}.get(which) or _tied_model(tmp_path, tiny_model_dir)
+    cfg = _tiny_config(tmp_path, model)
     whole = _quantize(cfg, tmp_path / "whole", "never", *overrides, *LOOSE)
     streamed = _quantize(cfg, tmp_path / "streamed", "always", *overrides, *LOOSE)
     a, b = whole / "trtllm_checkpoint", streamed / "trtllm_checkpoint"
@@ -91,6 +113,8 @@ def test_streamed_checkpoint_is_bit_equal_to_the_in_memory_one(tmp_path, tiny_mo
     for key, value in sa["accuracy"]["from_checkpoint"].items():
         assert sb["accuracy"]["from_checkpoint"][key] == value, key
     assert sb["checkpoint"]["read_back"] == sa["checkpoint"]["read_back"]
+    assert sb["checkpoint"]["lm_head_shares_embedding"] is sa["checkpoint"]["lm_head_shares_embedding"] is \
+        (which == "tied")
     assert not (streamed / "layer_exports").exists()
     # the greedy generations, both models streamed: the original model's text is the in-memory run's
     ga = json.loads((whole / "accuracy.json").read_text())["generations"]

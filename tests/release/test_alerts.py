@@ -192,3 +192,44 @@ def test_the_triton_rules_read_only_series_verify_finds_on_a_real_triton_server(
     required = {family for family, _, _ in metric_series("cpu")}
     assert read and read <= required, read - required
     assert set(metric_series("tensorrt")) == set(metric_series("cpu")) - set(PIPELINE_SERIES)
+
+
+def _series(exprs: list[str]) -> set[str]:
+    """The series names a set of PromQL expressions read (``name{...}`` and ``__name__=~"a|b"``)."""
+    import re
+
+    read = {m for e in exprs for m in re.findall(r"([A-Za-z_:][A-Za-z0-9_:]*)\{", e)}
+    read |= {m for e in exprs for m in re.findall(r"\bDCGM_FI_[A-Z_]+", e)}  # read bare, without labels
+    return read | {m for e in exprs for names in re.findall(r'__name__=~"([^"]+)"', e) for m in names.split("|")}
+
+
+# series from Prometheus itself, kube-state-metrics and dcgm-exporter: no serving endpoint exports them
+EXTERNAL = {"up", "kube_pod_container_status_restarts_total"}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_each_frontends_dashboard_shows_every_series_its_alerts_read_and_only_what_verify_finds(engine):
+    """Triton's and vLLM's OpenAI server's dashboards: every series an alert rule reads is on a panel. vLLM's: every
+    series a panel reads from the server is one verify's metrics check requires on the real server
+    (engine_args.METRIC_SERIES), so the dashboard is held to the alerts and both to the exporter. Triton's reads
+    more of Triton's own families than verify requires: the watchdog test (tests/test_verify.py) finds each on
+    a real server's endpoint."""
+    from pipeline.engines.vllm.engine_args import METRIC_SERIES
+    from pipeline.release import dashboards
+    from pipeline.serving.verify import metric_series
+
+    gpu, _ = ENGINES[engine]
+    kind = engine.split("-")[0]
+    board = dashboards.dashboard(NAME, kind, gpu)
+    shown = _series([t["expr"] for p in board["panels"] for t in p.get("targets", [])])
+    assert _series([r["expr"] for r in _rules(engine)]) <= shown
+    served = set(METRIC_SERIES) if kind == "vllm" else {family for family, _, _ in metric_series("cpu")}
+    from_server = {s for s in shown - EXTERNAL if not s.startswith("DCGM_")}
+    assert from_server and (kind != "vllm" or from_server <= served), from_server - served
+    assert _series([r["expr"] for r in _rules(engine)]) - EXTERNAL - {s for s in shown if s.startswith("DCGM_")} \
+        <= served
+    assert any(s.startswith("DCGM_") for s in shown) == gpu
+    rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    assert rows == (["Hardware"] if gpu else []) + (["Engine"] if kind == "vllm" else ["Inference pipeline"]) + [
+        "Quality of service"]
+    assert board["tags"] == ["trtllm-pipeline", kind]

@@ -322,6 +322,30 @@ def test_rendered_vllm_manifests_serve_one_port_and_scale_on_vllms_queue(tmp_pat
     names = [r["alert"] for r in plain["groups"][0]["rules"]]
     assert rule["spec"] == plain and "VllmQueueBacklog" in names and not any(n.startswith("Triton") for n in names)
     assert any(n.startswith("Gpu") for n in names) == (device == "cuda")
+    # vLLM's own dashboard (its series: tests/test_alerts.py), as a ConfigMap and as JSON, its queries parsed
+    (cm,) = kinds["ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(next(iter(cm["data"].values())))
+    assert board == json.loads((out / deploy.DASHBOARD_FILE).read_text()) and board["tags"][-1] == "vllm"
+    assert [p["title"] for p in board["panels"] if p["type"] == "row"] == \
+        ["Hardware"] * (device == "cuda") + ["Engine", "Quality of service"]
+    assert f"dashboard: {out / deploy.DASHBOARD_RESOURCE}" in done.stdout
+    _promtool_parses(dashboard_exprs(board), tmp_path)
+
+
+def _promtool_parses(exprs: list[str], tmp_path: Path) -> None:
+    """Each query parses as Prometheus reads it (promtool checks each as a recording rule)."""
+    import shutil
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("needs promtool (Debian: apt-get install prometheus; scripts/setup-env does it as root)")
+    rules = tmp_path / "dashboard-queries.yml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query{i}", "expr": e} for i, e in enumerate(exprs)]}]}))
+    checked = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
+    assert checked.returncode == 0 and f"SUCCESS: {len(exprs)} rules found" in checked.stdout, \
+        checked.stdout + checked.stderr
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

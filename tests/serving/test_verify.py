@@ -348,6 +348,43 @@ def test_invoke_serve_prints_endpoints_answers_and_stops_on_ctrl_c(tiny):
     assert not _leftovers(proc.pid)
 
 
+def _sigint_ignored() -> None:
+    """``preexec_fn``: SIGINT ignored, as a shell script's background job (``invoke serve &``) starts."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_invoke_serve_says_what_it_serves_and_stops_on_sigint_it_was_started_ignoring(tiny):
+    """Started with SIGINT ignored, `invoke serve` installs its own handler: one SIGINT stops it (exit 130) and
+    its server's whole process group, which it names on one line with the model and URLs, is gone."""
+    from pipeline.procs import group_members
+
+    cfg, work_root, _, _ = tiny
+    ports = free_ports(3)
+    cmd = [sys.executable, "-m", "invoke", "serve", "--config", str(cfg), "--work-root", str(work_root),
+           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
+    for s in TINY_SETS:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_sigint_ignored)
+    server_pid = None
+    try:
+        text = "\n".join(read_until(proc, "Ctrl-C stops the server", 300))
+        line = next((l for l in text.splitlines() if l.startswith("serve: ")), "")
+        found = re.search(r"\(server pid (\d+)\)$", line)
+        server_pid = int(found.group(1)) if found else None
+        assert line.startswith("serve: Triton (nvidia-pytriton; the Python-backend models) serving model llm v1 "
+                               "(cpu target) at HTTP http://127.0.0.1:"), text
+        assert f"http://127.0.0.1:{ports[0]}" in line and f"127.0.0.1:{ports[1]}" in line, line
+        assert f"127.0.0.1:{ports[2]}" in line and server_pid and group_members(server_pid), line
+        _ctrl_c(proc)
+    finally:
+        _kill(proc)
+        if server_pid is not None and group_members(server_pid):  # the test started it: it ends here
+            os.killpg(server_pid, signal.SIGKILL)
+    assert server_pid is not None and not group_members(server_pid)
+    assert not _leftovers(proc.pid)
+
+
 def _ctrl_c(proc) -> None:
     """Stop `invoke serve` as a user does; it exits 130. What it still prints while it stops is read: left in
     the pipe, its shutdown log would fill the pipe's buffer and block it on a write, and it would never exit."""

@@ -18,7 +18,7 @@ from pipeline import artifacts, targets
 from pipeline.config import AlertsSection
 from pipeline.release.deploy import ALERTS_RULE_FILE, DASHBOARD_FILE, RENDERED_DIR
 from pipeline.release.report.document import NOT_RUN, Doc, fmt, mark, mib, short_hash
-from pipeline.release.report.summary import five_lines
+from pipeline.release.report.summary import five_lines, kv_cache_sentence
 from pipeline.release.report.workdir import (
     STAGES,
     dig,
@@ -221,10 +221,15 @@ def _section_sizes(doc: Doc, summary: dict, build: Optional[dict]) -> None:
         ["prepared model weights (as loaded)", z.get("model_weight_bytes"), mib(z.get("model_weight_bytes"))],
         ["linear layers, all FP16", z.get("weight_bytes_fp16"), mib(z.get("weight_bytes_fp16"))],
         ["linear layers, as planned", z.get("weight_bytes_planned"), mib(z.get("weight_bytes_planned"))],
+        ["the embedding in the checkpoint" + (" (also lm_head: tied, stored once)"
+                                              if z.get("lm_head_shares_embedding") else ""),
+         z.get("embedding_bytes"), mib(z.get("embedding_bytes"))],
         ["TensorRT-LLM checkpoint on disk", z.get("checkpoint_bytes"), mib(z.get("checkpoint_bytes"))],
         ["KV-cache pool (cpu runtime)", z.get("kv_cache_pool_bytes"), mib(z.get("kv_cache_pool_bytes"))],
         ["KV cache per token", z.get("kv_cache_bytes_per_token"), ""],
     ])
+    doc.p(f"The checkpoint holds the planned linears, the embedding where it is not the tied lm_head the plan "
+          f"counts, the norms and the quantization scales. {kv_cache_sentence(summary.get('kv_cache'))}.")
     if build:
         b = build["summary"]
         if b.get("kv_cache_dtype"):  # an engine that chose its own KV cache (vLLM)

@@ -46,11 +46,16 @@ def build_summary(work_dir: Path, manifests: dict[str, Optional[dict]]) -> dict:
         # the vllm target: the same figures measured in vLLM on its export at build time, and its KV-cache dtype
         "served_accuracy": dig(s["build"], "check"),
         "served_kv_cache_dtype": dig(s["build"], "kv_cache_dtype"),
+        "kv_cache": kv_cache_receipt(quant_cfg.get("kv_cache"), s["build"], dig(settings, "target")),
         "sizes": {
             "model_weight_bytes": dig(s["model"], "model", "weight_bytes"),
             "weight_bytes_fp16": dig(s["plan"], "weight_bytes_fp16"),
             "weight_bytes_planned": dig(s["plan"], "weight_bytes_planned"),
             "checkpoint_bytes": dig(s["quantize"], "checkpoint_bytes"),
+            # what the checkpoint holds besides the plan's linears: the embedding, unless it is the tied lm_head
+            # the plan counts (stored once: pipeline.quant.tied_head)
+            "embedding_bytes": dig(s["quantize"], "checkpoint", "embedding_bytes"),
+            "lm_head_shares_embedding": dig(s["quantize"], "checkpoint", "lm_head_shares_embedding"),
             "kv_cache_pool_bytes": kv_pool,
             "kv_cache_bytes_per_token": kv_pool / (blocks * tpb) if kv_pool and blocks and tpb else None,
         },
@@ -72,13 +77,50 @@ def build_summary(work_dir: Path, manifests: dict[str, Optional[dict]]) -> dict:
     return out
 
 
+# vLLM's kv_cache_dtype -> the KV format it stores (auto: the model's own dtype, unquantized)
+VLLM_KV_FORMATS = {"auto": "none", "fp8": "fp8", "fp8_e4m3": "fp8"}
+
+
+def kv_cache_receipt(gate_kv: Optional[str], build: Optional[dict], target: Optional[str]) -> Optional[dict]:
+    """Which KV-cache format the build serves, and what measured it: the quantize stage's accuracy gate (which
+    simulates quantization.kv_cache with ModelOpt's K/V quantizers), the engine's own check at build time (vLLM's:
+    perplexity through vLLM with the KV dtype it serves), both, or neither. None before a build."""
+    if build is None:
+        return None
+    if build.get("kv_cache_dtype"):  # vLLM chose its own (pipeline.engines.vllm.engine_args.kv_cache_dtype)
+        dtype = build["kv_cache_dtype"]
+        served = VLLM_KV_FORMATS.get(dtype, dtype)
+        checked = dig(build, "check", "kv_cache", "dtype") == dtype
+    else:  # the checkpoint's kv_cache_quant_algo, as the runtime loaded it
+        served = (build.get("kv_cache_quant_algo") or "none").lower()
+        checked = False
+    measured_by = [who for who, did in (("the accuracy gate", served == gate_kv),
+                                        (f"the build's {_engine_label(target)} check", checked)) if did]
+    return {"served": served, "target": target, "gate": gate_kv, "measured_by": measured_by}
+
+
+def kv_cache_sentence(kv: Optional[dict]) -> str:
+    """One sentence: the KV format served and what measured it."""
+    if kv is None:
+        return f"KV cache: build {NOT_RUN}"
+    served = "unquantized (the model's dtype)" if kv["served"] == "none" else kv["served"]
+    text = f"KV cache {served} served ({kv['target']} target)"
+    if kv["measured_by"]:
+        text += ", measured by " + " and ".join(kv["measured_by"])
+    else:
+        text += ", measured by no accuracy check"
+    if "the accuracy gate" not in kv["measured_by"]:
+        text += f" (the accuracy gate measured {kv['gate']})"
+    return text
+
+
 def five_lines(summary: dict) -> list[str]:
     """What `invoke all` prints at the end: model and plan, accuracy, sizes, serving, speed."""
     m, q, a, z = summary.get("model") or {}, summary.get("quantization"), summary.get("accuracy"), summary["sizes"]
     lines = []
     if q:
         lines.append(f"{summary['config_name']}: {m.get('architecture', '?')} {m.get('num_parameters', 0) / 1e6:.3g}M "
-                     f"params; {q['weight_format']} weights, {q['kv_cache']} KV cache; {q['kept_high_precision']} of "
+                     f"params; {q['weight_format']} weights; {q['kept_high_precision']} of "
                      f"{q['layers']} layers kept high precision ({q['effective_bits_per_weight']} bits/weight)")
     else:
         lines.append(f"{summary['config_name']}: quantize {NOT_RUN}")
@@ -92,12 +134,11 @@ def five_lines(summary: dict) -> list[str]:
                         f"{served['top1_agreement_with_original']:.3f}" if served else ""))
     else:
         lines.append(f"accuracy: {NOT_RUN}")
-    kv = z.get("kv_cache_bytes_per_token")
-    lines.append(f"size: checkpoint {mib(z.get('checkpoint_bytes'))} "
-                 f"(all-FP16 linears {mib(z.get('weight_bytes_fp16'))}, "
-                 f"planned {mib(z.get('weight_bytes_planned'))}); KV cache "
-                 + (f"{summary['served_kv_cache_dtype']} in vLLM" if summary.get("served_kv_cache_dtype")
-                    else f"{kv:,.0f} bytes/token" if kv else NOT_RUN))
+    per_token = z.get("kv_cache_bytes_per_token")
+    lines.append(f"size: checkpoint {mib(z.get('checkpoint_bytes'))} (planned {mib(z.get('weight_bytes_planned'))}"
+                 + _embedding_clause(z) + f"; all-FP16 linears {mib(z.get('weight_bytes_fp16'))}); "
+                 + kv_cache_sentence(summary.get("kv_cache"))
+                 + (f", {per_token:,.0f} bytes/token" if per_token else ""))
     r, v = summary.get("repository"), summary.get("verify")
     lines.append(
         (f"serving: {_engine_label(summary.get('target'))} model {r['model_name']} "
@@ -116,6 +157,15 @@ def five_lines(summary: dict) -> list[str]:
     else:
         lines.append(f"speed: bench {NOT_RUN}")
     return lines
+
+
+def _embedding_clause(z: dict) -> str:
+    """What the checkpoint holds besides the plan's linears: the embedding when it is not the tied lm_head."""
+    if z.get("lm_head_shares_embedding"):
+        return ", lm_head stored once as the tied embedding"
+    if z.get("embedding_bytes"):
+        return f" + the embedding {mib(z['embedding_bytes'])}"
+    return ""
 
 
 def _sla_clause(choice: Optional[dict]) -> str:

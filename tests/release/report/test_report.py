@@ -55,6 +55,28 @@ def test_stages_not_run_are_said_so(tmp_path):
     assert html.startswith("<!DOCTYPE html>") and "<strong>not run</strong>" in html
 
 
+@pytest.mark.parametrize("gate, build, served, measured_by", [
+    ("int8", {"kv_cache_dtype": "fp8", "check": {"kv_cache": {"dtype": "fp8"}}}, "fp8", ["the build's vLLM check"]),
+    ("fp8", {"kv_cache_dtype": "fp8_e4m3", "check": {"kv_cache": {"dtype": "fp8_e4m3"}}}, "fp8",
+     ["the accuracy gate", "the build's vLLM check"]),
+    ("none", {"kv_cache_dtype": "auto", "check": {"kv_cache": {"dtype": "auto"}}}, "none",
+     ["the accuracy gate", "the build's vLLM check"]),
+    ("int8", {"kv_cache_quant_algo": "INT8"}, "int8", ["the accuracy gate"]),
+    ("fp8", {"kv_cache_quant_algo": "FP8"}, "fp8", ["the accuracy gate"]),
+])
+def test_the_kv_cache_served_and_what_measured_it(gate, build, served, measured_by):
+    """vLLM picks its own KV dtype (an INT8 plan is served as FP8) and measures it in its build check; the
+    TensorRT-LLM targets and the cpu runtime serve the checkpoint's, the format the gate simulated."""
+    from pipeline.release.report.summary import kv_cache_receipt, kv_cache_sentence
+
+    target = "vllm" if "kv_cache_dtype" in build else "cpu"
+    kv = kv_cache_receipt(gate, build, target)
+    assert kv == {"served": served, "target": target, "gate": gate, "measured_by": measured_by}
+    text = kv_cache_sentence(kv)
+    assert ("(the accuracy gate measured" in text) is ("the accuracy gate" not in measured_by)
+    assert kv_cache_receipt(gate, None, target) is None and kv_cache_sentence(None) == "KV cache: build not run"
+
+
 def test_unreadable_files_read_as_not_run(tmp_path):
     """The report reads leniently: a garbled provenance, build settings or result file is shown as absent."""
     work = tmp_path / "synthetic"
@@ -132,6 +154,9 @@ def test_report_figures_equal_the_manifests(tiny_run):
     assert s["quantization"]["effective_bits_per_weight"] == p["effective_bits_per_weight"]
     assert s["quantization"]["quant_algo"] == q["checkpoint"]["quant_algo"]
     assert s["sizes"]["checkpoint_bytes"] == q["checkpoint_bytes"]
+    # the cpu target's runtime serves the checkpoint's INT8 KV cache: the format the gate simulated
+    assert s["kv_cache"] == {"served": "int8", "target": "cpu", "gate": "int8", "measured_by": ["the accuracy gate"]}
+    assert "KV cache int8 served (cpu target), measured by the accuracy gate" in five_lines(s)[2]
     assert s["sizes"]["weight_bytes_planned"] == p["weight_bytes_planned"]
     assert s["sizes"]["kv_cache_pool_bytes"] == b["smoke_test"]["kv_pool_bytes"]
     assert s["sizes"]["kv_cache_bytes_per_token"] == b["smoke_test"]["kv_pool_bytes"] / (b["kv_blocks"] *
