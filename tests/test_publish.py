@@ -349,7 +349,8 @@ KILL_AT = textwrap.dedent("""
     out = work / ".staging" / "publish-killed"
     out.mkdir(parents=True)
     config = load_config(sys.argv[2], sys.argv[4:]).config
-    pub.publish(config, "tiny", work, work / "build", work / "model" / "hf_model", out)
+    pub.publish(config, "tiny", work_dir=work, build_dir=work / "build", model_dir=work / "model" / "hf_model",
+                out_dir=out)
     """)
 
 

@@ -167,7 +167,8 @@ work = Path(sys.argv[2])
 out = work / ".staging" / "publish-killed"
 out.mkdir(parents=True, exist_ok=True)
 config = load_config(sys.argv[1], sys.argv[3:]).config
-pub.publish(config, "tiny", work, work / "build", work / "model" / "hf_model", out)
+pub.publish(config, "tiny", work_dir=work, build_dir=work / "build", model_dir=work / "model" / "hf_model",
+            out_dir=out)
 """
 
 
