@@ -31,7 +31,7 @@ RUN_HELP = {
 
 def _stage_task(name: str, doc: str):
     @task(name=name, iterable=["set"], help=RUN_HELP)
-    def _task(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False):
+    def _task(c, *, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False):
         commands.setup_logging(verbose)
         with commands.user_errors():
             commands.run_task(name, config, set or [], Path(work_root), force=force)
@@ -55,7 +55,7 @@ verify = _stage_task("verify", "Start a real Triton server on the repository and
     "compare_with": "also sweep a second published build (its model repository, or the work dir holding it), "
                     "alternating level by level, and report the ratios (sets bench.compare_repository)",
 })
-def bench(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False, compare_with=None):
+def bench(c, *, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False, compare_with=None):
     """Benchmark the served model over a concurrency sweep (throughput, TTFT, inter-token and end-to-end latency)."""
     overrides = list(set or [])
     if compare_with:
@@ -66,7 +66,7 @@ def bench(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbo
 
 
 @task(iterable=["set"], help=RUN_HELP)
-def report(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False):
+def report(c, *, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False):
     """Write the build report (running what it needs first), then print where it is and its five lines."""
     commands.setup_logging(verbose)
     with commands.user_errors():
@@ -75,7 +75,7 @@ def report(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verb
 
 
 @task(name="all", iterable=["set"], help=RUN_HELP)
-def all_(c, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False):
+def all_(c, *, config=None, set=None, work_root=str(WORK_ROOT), force=False, verbose=False):
     """Run every stage that is built, in order; list the ones not built yet."""
     commands.setup_logging(verbose)
     with commands.user_errors():
@@ -117,7 +117,7 @@ def clean(c, config=None, set=None, work_root=str(WORK_ROOT)):
 @task(iterable=["set"], help={**CONFIG_HELP, "verbose": RUN_HELP["verbose"],
                                "results": "choose from points measured elsewhere (a tune_results.json of the GPU "
                                           "machine's `invoke tune`) instead of measuring"})
-def tune(c, config=None, set=None, work_root=str(WORK_ROOT), verbose=False, results=None):
+def tune(c, *, config=None, set=None, work_root=str(WORK_ROOT), verbose=False, results=None):
     """Measure serving settings against the SLA on real servers (cpu target here; tensorrt/pytorch where the
     image's tritonserver runs, else write the plan of points to <work dir>/tune_plan.yaml), write the evidence
     and the chosen settings to <work dir>/tune, and republish with them."""
@@ -132,7 +132,7 @@ def tune(c, config=None, set=None, work_root=str(WORK_ROOT), verbose=False, resu
                                "supervise": "restart the server when it stops by itself (its watchdog, a crash), "
                                             "with backoff, each restart printed with its cause",
                                "max_restarts": "with --supervise: restarts in a row before giving up (default 5)"})
-def serve(c, config=None, set=None, work_root=str(WORK_ROOT), http_port=8000, grpc_port=8001, metrics_port=8002,
+def serve(c, *, config=None, set=None, work_root=str(WORK_ROOT), http_port=8000, grpc_port=8001, metrics_port=8002,
           host="127.0.0.1", supervise=False, max_restarts=5):
     """Serve the published build in the foreground until Ctrl-C or SIGTERM, with the server its target gives:
     Triton (cpu, tensorrt, pytorch targets) or, for the vllm target, vLLM's OpenAI server (vllm.frontends'
@@ -149,18 +149,18 @@ def serve(c, config=None, set=None, work_root=str(WORK_ROOT), http_port=8000, gr
     "dry_run": "print the exact docker commands (and tags) instead of running them; needs no Docker",
     "builder": "build the engine-build image (for deploy/jobs) instead of the serving image",
 })
-def image(c, config=None, set=None, work_root=str(WORK_ROOT), push=False, dry_run=False, builder=False):
+def image(c, *, config=None, set=None, work_root=str(WORK_ROOT), push=False, dry_run=False, builder=False):
     """Build the container image of the published build (tags and labels derived from its provenance)."""
     with commands.user_errors():
-        commands.image(config, set or [], Path(work_root), push=push, dry_run=dry_run, builder=builder)
+        commands.image(config, set or [], work_root=Path(work_root), push=push, dry_run=dry_run, builder=builder)
 
 
 @task(iterable=["set"], help={**RUN_HELP, "dry_run": "print what would run (all, docker build, docker push); run nothing"})
-def release(c, config=None, set=None, work_root=str(WORK_ROOT), dry_run=False, force=False, verbose=False):
+def release(c, *, config=None, set=None, work_root=str(WORK_ROOT), dry_run=False, force=False, verbose=False):
     """`all`, then the image with the build report inside, then push it to image.repository."""
     commands.setup_logging(verbose)
     with commands.user_errors():
-        commands.release(config, set or [], Path(work_root), dry_run=dry_run, force=force)
+        commands.release(config, set or [], work_root=Path(work_root), dry_run=dry_run, force=force)
 
 
 @task(name="deploy-manifests", iterable=["set", "gpu_type"], help={

@@ -132,11 +132,11 @@ def resolve(raw: dict, model_type: Optional[str], defaults: dict[str, Any]) -> R
 
     # mixture-of-experts: the experts in a format the TensorRT-LLM export writes for stacked experts
     if fam is not None and fam.moe is not None and fam.trtllm_checkpoint and weights != NO_QUANT:
-        res.conflicts += _experts(raw, res, fam, target, weights, value)
+        res.conflicts += _experts(raw, res, fam=fam, target=target, weights=weights, setting=value)
     return res
 
 
-def _experts(raw: dict, res: Resolution, fam: families.Family, target: targets.Target, weights: str,
+def _experts(raw: dict, res: Resolution, *, fam: families.Family, target: targets.Target, weights: str,
              setting: Callable[[str], Any]) -> list[str]:
     """The experts' plan rule where the weight format cannot be written for them; the conflicts of rules that set
     them to such a format."""

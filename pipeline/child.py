@@ -67,7 +67,7 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _child_main(fn: Callable, args: tuple, kwargs: dict, log_path: str, conn, parent: int) -> None:
+def _child_main(fn: Callable, args: tuple, *, kwargs: dict, log_path: str, conn, parent: int) -> None:
     _die_with(parent)
     handler = StageLogHandler(log_path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -108,7 +108,8 @@ def run_in_child(fn: Callable, *args: Any, log_path: Path, what: str = "the stag
     named with the peak watched so far when the child is killed."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child_main, args=(fn, args, kwargs, str(log_path), sender, os.getpid()), daemon=True)
+    proc = ctx.Process(target=_child_main, args=(fn, args), daemon=True,
+                       kwargs={"kwargs": kwargs, "log_path": str(log_path), "conn": sender, "parent": os.getpid()})
     proc.start()
     sender.close()
     watched = 0

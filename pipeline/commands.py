@@ -68,7 +68,7 @@ def open_runner(config: Optional[str], overrides: Sequence[str], work_root: Path
     return runner
 
 
-def _resolved_runner(runner: Runner, config: Optional[str], overrides: Sequence[str], work_root: Path,
+def _resolved_runner(runner: Runner, *, config: Optional[str], overrides: Sequence[str], work_root: Path,
                      stages: Sequence[str], force: bool) -> Runner:
     """``runner``, or where the model's family is not known yet and ``stages`` go past the download: the model
     stage run first, then the runner reopened with the family's defaults (pipeline/autoconfig.py)."""
@@ -114,7 +114,8 @@ def run_task(task: str, config: Optional[str], overrides: Sequence[str], work_ro
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
     sweep_dead_runs()
     stages = list(TASK_STAGES[task])
-    runner = _resolved_runner(runner, config, overrides, work_root, stages, force)
+    runner = _resolved_runner(runner, config=config, overrides=overrides, work_root=work_root, stages=stages,
+                              force=force)
     return runner.run(stages, force=stages if force else False)
 
 
@@ -123,7 +124,8 @@ def run_all(config: Optional[str], overrides: Sequence[str], work_root: Path, fo
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
     sweep_dead_runs()
     names = [s.name for s in STAGES]
-    runner = _resolved_runner(runner, config, overrides, work_root, names, force)
+    runner = _resolved_runner(runner, config=config, overrides=overrides, work_root=work_root, stages=names,
+                              force=force)
     runner.run(names, force=force)
     print(f"all: {len(names)} stage(s) ran or were up to date; artifacts in {runner.work_dir}")
 
@@ -265,13 +267,13 @@ def tune(config: Optional[str], overrides: Sequence[str], work_root: Path, resul
     return out
 
 
-def image(config: Optional[str], overrides: Sequence[str], work_root: Path, *, push: bool = False,
+def image(config: Optional[str], overrides: Sequence[str], *, work_root: Path, push: bool = False,
           dry_run: bool = False, builder: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
     return build_image(open_runner(config, overrides, work_root), push=push, dry_run=dry_run, builder=builder,
                        echo=echo)
 
 
-def release(config: Optional[str], overrides: Sequence[str], work_root: Path, *, dry_run: bool = False,
+def release(config: Optional[str], overrides: Sequence[str], *, work_root: Path, dry_run: bool = False,
             force: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
     """`invoke all`, then the image with the report inside, then push it."""
     runner = open_runner(config, overrides, work_root)

@@ -39,9 +39,10 @@ def _run_sensitivity(ctx: StageContext) -> dict:
     if cfg.compute.device == "cpu" or compute.nvidia_gpu_count() == 0:  # on a GPU the layer lives there
         compute.check_layer_fits(model_dir, cfg.sensitivity.reference_dtype, bound, "sensitivity")
     summary, peak_rss = run_in_child(
-        run_analysis, model_dir,
-        ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE, cfg.sensitivity, cfg.quantization, ctx.out_dir,
-        cfg.plan.decision_format or decision_format(cfg.quantization), cfg.build.target, cfg.compute, bound,
+        run_analysis, model_dir, ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE,
+        section=cfg.sensitivity, quant=cfg.quantization, out_dir=ctx.out_dir,
+        decision=cfg.plan.decision_format or decision_format(cfg.quantization), target=cfg.build.target,
+        compute=cfg.compute, memory_bound=bound,
         log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE, what="sensitivity", bound=bound,
     )
     return {**summary, "peak_rss_bytes": peak_rss}
@@ -74,10 +75,12 @@ def _run_quantize(ctx: StageContext) -> dict:
     bound = compute.host_memory_bound(cfg.compute)
     stream = quantize_streams(model_dir, cfg, bound)
     summary, peak_rss = run_stage(
-        model_dir,
-        ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE, ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
-        ctx.upstream("plan") / artifacts.PLAN_FILE, ctx.upstream("sensitivity") / artifacts.SENSITIVITY_TABLE_JSON,
-        cfg.quantization, cfg.build, ctx.out_dir, cfg.compute, stream, bound, ctx.out_dir / artifacts.STAGE_LOG_FILE)
+        model_dir, ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE,
+        evaluation_file=ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
+        plan_file=ctx.upstream("plan") / artifacts.PLAN_FILE,
+        table_file=ctx.upstream("sensitivity") / artifacts.SENSITIVITY_TABLE_JSON, quant=cfg.quantization,
+        build=cfg.build, out_dir=ctx.out_dir, compute=cfg.compute, stream=stream, bound=bound,
+        log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE)
     return {**summary, "peak_rss_bytes": peak_rss}
 
 
@@ -125,8 +128,8 @@ def _run_publish(ctx: StageContext) -> dict:
     config, tuned = apply_tuned(ctx.config, ctx.work_dir)
     # the live repository (triton.repository_dir, default <work dir>/model_repository) is outside this
     # stage's folder, which the runner replaces on every run: see pipeline/serving/publish.py
-    summary = publish(config, ctx.loaded.name, ctx.work_dir, ctx.upstream("build"),
-                      ctx.upstream("model") / artifacts.MODEL_DIR, ctx.out_dir)
+    summary = publish(config, ctx.loaded.name, work_dir=ctx.work_dir, build_dir=ctx.upstream("build"),
+                      model_dir=ctx.upstream("model") / artifacts.MODEL_DIR, out_dir=ctx.out_dir)
     return {**summary, **({"tuned_settings": tuned} if tuned else {})}
 
 

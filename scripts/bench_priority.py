@@ -56,7 +56,8 @@ async def arm(client, model: str, args, prompts: dict, priorities, seed: int) ->
 
     async def send(cls: str, prompt: Prompt, tokens: int) -> None:
         level = priorities[cls] if priorities else None
-        out[cls].append(await one_request(client, model, prompt, tokens, -1, args.timeout_s, priority=level))
+        out[cls].append(await one_request(client, model, prompt=prompt, max_tokens=tokens, end_id=-1,
+                                          timeout_s=args.timeout_s, priority=level))
 
     async def batch_client() -> None:
         while time.perf_counter() < end:
@@ -109,7 +110,8 @@ async def main_async(args) -> None:
         client = grpcaio.InferenceServerClient(server.grpc_url)
         try:
             for _ in range(2):  # warm-up, not measured
-                await one_request(client, names.stream, prompts["interactive"], 4, -1, args.timeout_s)
+                await one_request(client, names.stream, prompt=prompts["interactive"], max_tokens=4, end_id=-1,
+                                  timeout_s=args.timeout_s)
             runs: dict[str, list[dict]] = {a: [] for a in ARMS}
             for i, name in enumerate(order):
                 runs[name].append(await arm(client, names.stream, args, prompts, ARMS[name], seed=args.seed + i // 2))

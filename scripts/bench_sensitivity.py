@@ -83,7 +83,8 @@ def job_sensitivity(model_dir: str, calib: str, config: str, conn) -> None:
     _return_freed_memory_to_the_os()  # as the stage does
     base = _rss_now()
     t0 = time.perf_counter()
-    table = analyse(Path(model_dir), ids, cfg.sensitivity, cfg.quantization, fusion_groups_for(cfg.build.target))
+    table = analyse(Path(model_dir), ids, section=cfg.sensitivity, quant=cfg.quantization,
+                    fusion_groups=fusion_groups_for(cfg.build.target))
     conn.send({"compute_s": time.perf_counter() - t0, "peak_rss": _peak(), "base_rss": base,
                "over_threshold": {f: sum(l["errors"][f]["error"] > cfg.sensitivity.threshold for l in table["layers"])
                                   for f in cfg.sensitivity.formats}})

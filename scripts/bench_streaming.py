@@ -131,9 +131,11 @@ def side_by_side(root: Path) -> int:
     out.mkdir()
     t0 = time.perf_counter()
     streamed, peak = run_stage(
-        model_dir, work / "text" / artifacts.CALIBRATION_TOKENS_FILE, work / "text" / artifacts.EVALUATION_TOKENS_FILE,
-        work / "plan" / artifacts.PLAN_FILE, work / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON, cfg.quantization,
-        cfg.build, out, cfg.compute, True, compute.host_memory_bound(cfg.compute), out / "stage.log")
+        model_dir, work / "text" / artifacts.CALIBRATION_TOKENS_FILE,
+        evaluation_file=work / "text" / artifacts.EVALUATION_TOKENS_FILE, plan_file=work / "plan" / artifacts.PLAN_FILE,
+        table_file=work / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON, quant=cfg.quantization, build=cfg.build,
+        out_dir=out, compute=cfg.compute, stream=True, bound=compute.host_memory_bound(cfg.compute),
+        log_path=out / "stage.log")
     wall = time.perf_counter() - t0
     rows.append(("quantize", "streamed", streamed["timing_s"]["total"], peak))
     print(f"\nSmolLM2-135M, fp32 weights {gib(fp32)}; {os.cpu_count()} CPU cores")

@@ -43,7 +43,7 @@ def test_clean_removes_the_work_dir(tmp_path):
 
 def test_image_without_a_published_build_names_the_task_to_run(tmp_path):
     with pytest.raises(Exception, match="invoke publish"):
-        commands.image(None, [], tmp_path, dry_run=True)
+        commands.image(None, [], work_root=tmp_path, dry_run=True)
 
 
 def test_explain_task_and_its_old_name(tmp_path):

@@ -100,7 +100,7 @@ def test_the_cpu_runtime_gives_the_rebuilt_models_greedy_tokens(verified):
         batched = [r.result(timeout=120) for r in [rt.submit(p, params) for p in PROMPTS]]
         solo = [rt.generate(p, params) for p in PROMPTS]
     for p, s, b in zip(PROMPTS, solo, batched):
-        want = reference.greedy(model, p, 12, algo, scales)
+        want = reference.greedy(model, p, max_new_tokens=12, kv_quant_algo=algo, kv_scales=scales)
         assert reference.compare(s, want)["equal"], (p, s, want.tokens)
         assert reference.compare(b, want)["ok"], (p, b, want.tokens)
 
@@ -404,8 +404,8 @@ def test_an_experts_figure_is_its_error_on_the_tokens_the_router_sent_it(tmp_pat
     model = make()
     model_dir = saved(model, tmp_path / "model", tiny_tokenizer_dir)
     ids = torch.randint(3, 512, (6, 8))
-    table = sensitivity.analyse(model_dir, ids.numpy(), SensitivitySection(formats=("int8_w8a8",)),
-                                QuantizationSection())
+    table = sensitivity.analyse(model_dir, ids.numpy(), section=SensitivitySection(formats=("int8_w8a8",)),
+                                quant=QuantizationSection())
     layers = {l["name"]: l for l in table["layers"]}
     # every linear measured (DeepSeek-V2's q_a_proj / q_b_proj too), and DeepSeek's router, which is a weight
     assert set(layers) == {n for n, m in model.named_modules()

@@ -1,9 +1,11 @@
 """The house plan holds: the import graph is the layered DAG pyproject.toml declares (checked by import-linter,
 the real tool, on this tree and on a copy with one planted back-edge), and no GPU-only or heavy library is
-imported by merely loading the stage graph; no import cycle between modules either."""
+imported by merely loading the stage graph; no import cycle between modules either; and a function with six or
+more parameters takes all but the first one or two by keyword."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -101,3 +103,60 @@ def test_a_planted_module_cycle_is_found(tmp_path, monkeypatch):
     (pkg / "b.py").write_text("from cyclic import a\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert module_cycles("cyclic") == [["cyclic.a", "cyclic.b"]]
+
+
+WIDE_SIGNATURE = 6  # parameters (a method's self/cls not counted) from which the rest are taken by keyword
+POSITIONAL_IN_WIDE = 2  # the subject or two stay positional: `def build(cfg, target, *, artifact_dir, ...)`
+
+
+def positional_wide_functions(root: Path, paths: list[Path]) -> list[str]:
+    """The functions and methods with WIDE_SIGNATURE or more parameters of which more than POSITIONAL_IN_WIDE can
+    be passed by position, as 'path:line qualified.name(positional ...)'."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, prefix: str, in_class: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.", True)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = child.args
+                positional = [a.arg for a in args.posonlyargs + args.args]
+                if in_class and positional[:1] in (["self"], ["cls"]):
+                    positional = positional[1:]
+                if (len(positional) + len(args.kwonlyargs) >= WIDE_SIGNATURE
+                        and len(positional) > POSITIONAL_IN_WIDE):
+                    found.append(f"{path.relative_to(root)}:{child.lineno} {prefix}{child.name}"
+                                 f"({', '.join(positional)}, ...)")
+                visit(child, f"{prefix}{child.name}.", False)
+            else:
+                visit(child, prefix, in_class)
+
+    for path in paths:
+        visit(ast.parse(path.read_text(), filename=str(path)), "", False)
+    return found
+
+
+def test_wide_signatures_take_their_parameters_by_keyword():
+    scanned = sorted((REPO / "pipeline").rglob("*.py")) + sorted((REPO / "triton_repo").rglob("*.py"))
+    found = positional_wide_functions(REPO, scanned + [REPO / "tasks.py"])
+    assert found == [], (f"{len(found)} function(s) with {WIDE_SIGNATURE}+ parameters take more than "
+                         f"{POSITIONAL_IN_WIDE} by position; put a `*` after the first one or two:\n"
+                         + "\n".join(found))
+
+
+def test_a_planted_wide_positional_signature_is_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "def wide(a, b, c, d, e, f): ...\n"
+        "def keyword_only(a, b, *, c, d, e, f): ...\n"
+        "def narrow(a, b, c, d, e): ...\n"
+        "def variadic(a, b, *rest, c=1, d=2, e=3, f=4): ...\n"
+        "class K:\n"
+        "    def method(self, a, b, *, c, d, e, f): ...\n"
+        "    def wide_method(self, a, b, c, d, e, f):\n"
+        "        def inner(a, b, c, *, d, e, f): ...\n")
+    assert positional_wide_functions(tmp_path, [planted]) == [
+        "planted.py:1 wide(a, b, c, d, e, f, ...)",
+        "planted.py:7 K.wide_method(a, b, c, d, e, f, ...)",
+        "planted.py:8 K.wide_method.inner(a, b, c, ...)",
+    ]

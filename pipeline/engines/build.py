@@ -38,7 +38,7 @@ def checkpoint_sha256(ckpt_dir: Path) -> str:
     return digest_of_files({rel: sha256_file(ckpt_dir / rel) for rel in list_files(ckpt_dir)})
 
 
-def build_settings(cfg, target: str, artifact_dir: str, kv_algo: Optional[str], cuda_graphs: dict,
+def build_settings(cfg, target: str, *, artifact_dir: str, kv_algo: Optional[str], cuda_graphs: dict,
                    trtllm_version: Optional[str], provenance: dict, ckpt_hash: str,
                    enable_chunked_context: bool = False) -> dict:
     """build_settings.json, the same shape for every target (publish and the report read it)."""
@@ -84,7 +84,9 @@ def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> dict:
                       "cuda_graph_cache_size": 0}
     provenance = {"runtime": "pipeline.engines.cpu_runtime (reference, not TensorRT)", "torch": _version("torch"),
                   "transformers": _version("transformers")}
-    settings = build_settings(cfg, "cpu", artifacts.CPU_BUNDLE_DIR, kv_algo, no_cuda_graphs, None, provenance, ckpt_hash)
+    settings = build_settings(cfg, "cpu", artifact_dir=artifacts.CPU_BUNDLE_DIR, kv_algo=kv_algo,
+                              cuda_graphs=no_cuda_graphs, trtllm_version=None, provenance=provenance,
+                              ckpt_hash=ckpt_hash)
     (out_dir / artifacts.BUILD_SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     return {"target": "cpu", "checkpoint_sha256": ckpt_hash, "kv_cache_quant_algo": kv_algo,
             "kv_blocks": runtime["num_blocks"], "tokens_per_block": runtime["tokens_per_block"],

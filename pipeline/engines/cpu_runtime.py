@@ -89,7 +89,7 @@ class KVBlockPool:
     TensorRT-LLM's INT8 KV cache applies, and a tie bound that holds for both, are still to be measured.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, tokens_per_block: int, num_blocks: int,
+    def __init__(self, num_layers: int, *, kv_heads: int, head_dim: int, tokens_per_block: int, num_blocks: int,
                  quant_algo: Optional[str], scales: Optional[list[float]] = None, v_head_dim: Optional[int] = None):
         if quant_algo not in KV_STORAGE:
             raise IntegrityError(f"KV-cache quant_algo {quant_algo!r} is not supported (INT8, FP8 or none)")
@@ -290,7 +290,7 @@ class AdaptiveBatchLimit:
     step after. Bounds: 1 and the runtime's max_running; the KV pool's free blocks bound admission besides.
     """
 
-    def __init__(self, target_ms: float, max_batch_size: int, alpha: float = 0.3, high: float = 1.1,
+    def __init__(self, target_ms: float, max_batch_size: int, *, alpha: float = 0.3, high: float = 1.1,
                  low: float = 0.9, chunk: Optional[int] = None, max_chunk: Optional[int] = None):
         if target_ms <= 0:
             raise InputError(f"the adaptive batch limit needs a positive step-latency target, got {target_ms} ms")
@@ -334,7 +334,7 @@ class CpuRuntime:
     tokens, not for every admitted prompt whole); None: each admitted prompt is prefilled whole, in a forward
     of its own, in the step that admits it."""
 
-    def __init__(self, model, pool: KVBlockPool, settings: dict, eos_token_id: Optional[int],
+    def __init__(self, model, pool: KVBlockPool, *, settings: dict, eos_token_id: Optional[int],
                  adaptive: Optional[AdaptiveBatchLimit] = None, max_running: Optional[int] = None,
                  prefill_chunk: Optional[int] = None):
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -366,7 +366,7 @@ class CpuRuntime:
         self._thread.start()
 
     @classmethod
-    def load(cls, bundle_dir: Path | str, quantize_kv_cache: bool = True, threads: Optional[int] = None,
+    def load(cls, bundle_dir: Path | str, *, quantize_kv_cache: bool = True, threads: Optional[int] = None,
              layer_streaming: Optional[str] = None, adaptive_target_ms: Optional[float] = None,
              max_running: Optional[int] = None, prefill_chunk: Optional[int] = None) -> "CpuRuntime":
         """``quantize_kv_cache=False`` keeps the KV cache in fp32 (for comparisons with the unquantized cache).
@@ -388,8 +388,9 @@ class CpuRuntime:
         # the pool the build sized for max_batch_size sequences of max_seq_len, cut to the running limit's share
         num_blocks = -(-settings["num_blocks"] * limit // settings["max_batch_size"])
         k_dim, v_dim = families.kv_head_dims(cfg)
-        pool = KVBlockPool(cfg.num_hidden_layers, cfg.num_key_value_heads, k_dim, settings["tokens_per_block"],
-                           num_blocks, kv_algo, scales, v_head_dim=v_dim)
+        pool = KVBlockPool(cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=k_dim,
+                           tokens_per_block=settings["tokens_per_block"], num_blocks=num_blocks, quant_algo=kv_algo,
+                           scales=scales, v_head_dim=v_dim)
         eos = getattr(model.generation_config, "eos_token_id", None) or cfg.eos_token_id
         if isinstance(eos, (list, tuple)):
             eos = eos[0]
@@ -398,7 +399,8 @@ class CpuRuntime:
                  pool.bytes / 1e6)
         adaptive = (AdaptiveBatchLimit(adaptive_target_ms, limit, chunk=prefill_chunk,
                                        max_chunk=settings["max_input_len"]) if adaptive_target_ms else None)
-        rt = cls(model, pool, settings, eos, adaptive, limit, prefill_chunk)
+        rt = cls(model, pool, settings=settings, eos_token_id=eos, adaptive=adaptive, max_running=limit,
+                 prefill_chunk=prefill_chunk)
         rt.layer_streaming = streamed
         return rt
 

@@ -55,7 +55,9 @@ def _fake_quant_cache(config, quant_algo: str, scales: list[float]):
 
     from pipeline.engines.cpu_runtime import KVBlockPool
 
-    codec = KVBlockPool(len(scales), 1, 1, 1, 1, quant_algo, scales)  # for its encode/decode rule only
+    # for its encode/decode rule only
+    codec = KVBlockPool(len(scales), kv_heads=1, head_dim=1, tokens_per_block=1, num_blocks=1, quant_algo=quant_algo,
+                        scales=scales)
 
     class FakeQuantKVCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
@@ -84,7 +86,7 @@ def load_reference(bundle_dir: Path) -> LoadedReference:
     return model.eval(), algo, scales
 
 
-def greedy(model, prompt_ids: list[int], max_new_tokens: int, kv_quant_algo: Optional[str] = None,
+def greedy(model, prompt_ids: list[int], *, max_new_tokens: int, kv_quant_algo: Optional[str] = None,
            kv_scales: Optional[list[float]] = None, end_id: Optional[int] = None) -> Greedy:
     """Greedy decoding, one token per forward, keeping every step's logits."""
     import torch

@@ -103,7 +103,7 @@ def unpack_int4(packed):
     return codes.reshape(packed.shape[0] * 2, packed.shape[1]).to(torch.int8)
 
 
-def _dequantize(name: str, algo: str | None, w, s: dict, group_size: int | None,
+def _dequantize(name: str, algo: str | None, *, w, s: dict, group_size: int | None,
                 required: tuple[str, ...] | None = None):
     """One rank's weight as float32, from its codes and its scales (by their TensorRT-LLM names); checks the
     scales' shapes. ``required``: the scales it must carry (default: its format's ``checkpoint_scales``)."""
@@ -293,7 +293,7 @@ class CheckpointReader:
                                  f"{hf_names[0]} but the checkpoint stores it as {weights[0].dtype}")
         if fmt is None and any(v is not None for s in scales for v in s.values()):
             raise IntegrityError(f"{name}: unquantized weight with quantization scales beside it")
-        parts = [_dequantize(name, fmt, w, s, group) for w, s in zip(weights, scales)]
+        parts = [_dequantize(name, fmt, w=w, s=s, group_size=group) for w, s in zip(weights, scales)]
         if kind == "qkv":
             heads, kv, head_dim, tp = *self._heads, self.tp
             q, k_, v = heads // tp * head_dim, kv // tp * head_dim, kv // tp * head_dim
@@ -351,7 +351,7 @@ class CheckpointReader:
                 raise IntegrityError(f"{name}: bias of shape {tuple(b.shape)} does not fit {hf_name}'s {n} outputs")
         return dict(zip(hf_names, full))
 
-    def _read_experts(self, name: str, hf_p: str, names: list[list[str]], rows: list[int], shape_in: int,
+    def _read_experts(self, name: str, hf_p: str, *, names: list[list[str]], rows: list[int], shape_in: int,
                       kind: str):
         """A stacked expert tensor (``mlp.fc``, kind column, or ``mlp.proj``, kind row): per expert, its fp32
         weights split into ``rows`` (up | gate for fc) and named ``names[expert]`` (relative to the decoder layer
@@ -384,7 +384,7 @@ class CheckpointReader:
             pieces, owns = [], []
             for r in range(tp):
                 own = {k: (v[r][e] if v[r].dim() >= 2 and v[r].shape[0] == experts else v[r]) for k, v in found.items()}
-                part = _dequantize(f"{name}[{e}]", fmt, ws[r][e], own, group)
+                part = _dequantize(f"{name}[{e}]", fmt, w=ws[r][e], s=own, group_size=group)
                 if tuple(part.shape) != (sum(rank_rows), rank_in):
                     raise IntegrityError(f"{name}: expert {e} of shape {tuple(part.shape)} on rank {r} does not fit "
                                          f"{(sum(rank_rows), rank_in)}")
@@ -401,7 +401,7 @@ class CheckpointReader:
             self._count(fmt, experts * len(rows))
         return weights, transforms
 
-    def _load_moe(self, p: str, hf_p: str, layer, moe, state: dict, transforms: dict) -> None:
+    def _load_moe(self, p: str, hf_p: str, *, layer, moe, state: dict, transforms: dict) -> None:
         """An MoE layer's router and experts into ``state`` / ``transforms`` (HF names relative to the layer)."""
         import torch
 
@@ -418,9 +418,11 @@ class CheckpointReader:
         gate, up = moe.fused
         inter, hidden = getattr(experts[0], gate).weight.shape
         names = [[f"{moe.experts}.{e}.{up}", f"{moe.experts}.{e}.{gate}"] for e in range(len(experts))]  # up first
-        weights, hooks = self._read_experts(f"{p}.mlp.fc", hf_p, names, [inter, inter], hidden, "column")
+        weights, hooks = self._read_experts(f"{p}.mlp.fc", hf_p, names=names, rows=[inter, inter], shape_in=hidden,
+                                            kind="column")
         downs = [[f"{moe.experts}.{e}.{moe.down}"] for e in range(len(experts))]
-        weights2, hooks2 = self._read_experts(f"{p}.mlp.proj", hf_p, downs, [hidden], inter, "row")
+        weights2, hooks2 = self._read_experts(f"{p}.mlp.proj", hf_p, names=downs, rows=[hidden], shape_in=inter,
+                                              kind="row")
         state.update({f"{n}.weight": w for n, w in {**weights, **weights2}.items()})
         transforms.update({**hooks, **hooks2})
 
@@ -439,7 +441,7 @@ class CheckpointReader:
         linears = [("attention.qkv", [f"self_attn.{m}_proj" for m in "qkv"], "qkv")]
         moe = families.FAMILIES[self.hf_config.model_type].moe
         if moe is not None and _has(layer, moe.experts):  # a family may keep some layers dense (mlp_only_layers)
-            self._load_moe(p, hf_p, layer, moe, state, transforms)
+            self._load_moe(p, hf_p, layer=layer, moe=moe, state=state, transforms=transforms)
             linears += [("attention.dense", [HF_OF["attention.dense"]], "row")]
         else:
             linears += [(trt, [hf], "row" if trt in ROW_PARALLEL else "column") for trt, hf in HF_OF.items()]

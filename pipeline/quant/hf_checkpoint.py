@@ -109,7 +109,7 @@ def check_unquantized(name: str, w, scales) -> None:
                              f"with {sorted(scales)}")
 
 
-def _linear(name: str, algo: str | None, group: int | None, w, present: dict, shape: tuple):
+def _linear(name: str, algo: str | None, *, group: int | None, w, present: dict, shape: tuple):
     """One linear's fp32 weight and its input transform (None where the input goes in as it is)."""
     import torch
 
@@ -117,7 +117,7 @@ def _linear(name: str, algo: str | None, group: int | None, w, present: dict, sh
         check_unquantized(name, w, present)
     if algo in INT4_ALGOS and w.dtype == torch.uint8:
         w = w.view(torch.int8)  # the TensorRT-LLM checkpoint's bytes, stored signed there
-    weight = _dequantize(name, algo, w, present, group, required_scales(algo) if algo else None)
+    weight = _dequantize(name, algo, w=w, s=present, group_size=group, required=required_scales(algo) if algo else None)
     if tuple(weight.shape) != shape:
         raise IntegrityError(f"{name}: weight of shape {tuple(weight.shape)} does not fit the model's {shape}")
     act, pqs = present.get("activation_scaling_factor"), present.get("prequant_scaling_factor")
@@ -168,8 +168,8 @@ def rebuild_hf(hf_dir: Path, kept: set[str] | None = None):
             raise IntegrityError(f"{name}: the plan keeps it in high precision, the checkpoint quantizes it ({algo})")
         present = {trt: get(f"{name}.{hf}") for hf, trt in SCALE_NAMES.items() if f"{name}.{hf}" in where}
         unread -= {f"{name}.{hf}" for hf in SCALE_NAMES} | {f"{name}.weight"}
-        state[f"{name}.weight"], transform = _linear(name, algo, group, get(f"{name}.weight"), present,
-                                                     tuple(module.weight.shape))
+        state[f"{name}.weight"], transform = _linear(name, algo, group=group, w=get(f"{name}.weight"), present=present,
+                                                     shape=tuple(module.weight.shape))
         if transform is not None:
             transforms[name] = transform
         if algo is not None:

@@ -109,16 +109,16 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
             else:
                 choices[layer["name"]] = _choice(layer, base, f"error {e:.3f} <= threshold {sens.threshold}", e, g)
     else:
-        binding = _budget(free, choices, plan, base, err, g)
+        binding = _budget(free, choices, plan=plan, base=base, err=err, g=g)
     _align_fused(choices, table, base, g, widen=plan.mode == "threshold")
     if moe is not None:
-        _align_experts(choices, table, moe, base, g, widen=plan.mode == "threshold")
+        _align_experts(choices, table, moe=moe, base=base, g=g, widen=plan.mode == "threshold")
     if binding is not None:
         binding["used_bytes"] = sum(c.bytes for c in choices.values())
         binding["slack_bytes"] = binding["budget_bytes"] - binding["used_bytes"]
 
     ordered = [choices[l["name"]] for l in layers]
-    return _summarise(ordered, table, plan, sens, quant, col, binding)
+    return _summarise(ordered, table, plan=plan, sens=sens, quant=quant, col=col, binding=binding)
 
 
 def _align_fused(choices: dict, table: dict, base: str, g: int, widen: bool) -> None:
@@ -133,11 +133,12 @@ def _align_fused(choices: dict, table: dict, base: str, g: int, widen: bool) -> 
         for gi, group in enumerate(groups):
             if short in group:
                 by_block.setdefault((prefix, gi), []).append(name)
-    _one_format_each(choices, table, by_block.values(), base, g, widen, lambda m: bits(choices[m].format),
-                     lambda leader, layer: f"fused with {layer['module']} into one GEMM: follows its format")
+    _one_format_each(choices, table, groups=by_block.values(), base=base, g=g, widen=widen,
+                     rank=lambda m: bits(choices[m].format),
+                     why=lambda leader, layer: f"fused with {layer['module']} into one GEMM: follows its format")
 
 
-def _one_format_each(choices: dict, table: dict, groups, base: str, g: int, widen: bool, rank, why) -> None:
+def _one_format_each(choices: dict, table: dict, *, groups, base: str, g: int, widen: bool, rank, why) -> None:
     """Give each group of layers one format: the format of its highest-``rank`` member when ``widen``, else the
     base format where a member has it; the others are rewritten with the reason ``why(leader, leader's layer)``."""
     layers = {l["name"]: l for l in table["layers"]}
@@ -169,7 +170,7 @@ def _check_expert_rules(plan: PlanSection, moe, model_type: str) -> None:
                              f"routers stay in high precision (ModelOpt exports them in fp32). Narrow the pattern.")
 
 
-def _align_experts(choices: dict, table: dict, moe, base: str, g: int, widen: bool) -> None:
+def _align_experts(choices: dict, table: dict, *, moe, base: str, g: int, widen: bool) -> None:
     """All the experts of a layer get one format: the checkpoint stacks them (one tensor per expert type) and
     TensorRT-LLM's fused MoE layer runs them with one quantization method. Threshold mode widens them to the
     widest any expert needs; budget mode narrows them to the base format."""
@@ -177,10 +178,10 @@ def _align_experts(choices: dict, table: dict, moe, base: str, g: int, widen: bo
     for layer in table["layers"]:
         if layer["module"].startswith("experts."):
             by_block.setdefault(layer["block"], []).append(layer["name"])
-    _one_format_each(choices, table, by_block.values(), base, g, widen,
-                     lambda m: (bits(choices[m].format), choices[m].error or 0.0),
-                     lambda leader, layer: f"the experts of layer {layer['block']} share one format in the "
-                                           f"checkpoint: follows {layer['module']}")
+    _one_format_each(choices, table, groups=by_block.values(), base=base, g=g, widen=widen,
+                     rank=lambda m: (bits(choices[m].format), choices[m].error or 0.0),
+                     why=lambda leader, layer: f"the experts of layer {layer['block']} share one format in the "
+                                               f"checkpoint: follows {layer['module']}")
 
 
 def _choice(layer: dict, fmt: str, reason: str, error: float | None, g: int) -> LayerChoice:
@@ -188,7 +189,7 @@ def _choice(layer: dict, fmt: str, reason: str, error: float | None, g: int) -> 
                        layer_bytes(fmt, layer, g))
 
 
-def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, g: int) -> dict:
+def _budget(free: list[dict], choices: dict, *, plan: PlanSection, base: str, err, g: int) -> dict:
     """Choose, per free layer, the base format, a wider format from budget.wider_formats, or high precision,
     to remove the most total error within the budget: a multiple-choice knapsack solved exactly on a 4 KiB
     grid with every option's extra bytes rounded up, so the result never exceeds the budget."""
@@ -267,7 +268,7 @@ def _budget(free: list[dict], choices: dict, plan: PlanSection, base: str, err, 
     return {"budget_bytes": budget, "budget": what, "used_bytes": used, "slack_bytes": slack, "binding": binding}
 
 
-def _summarise(ordered: list[LayerChoice], table: dict, plan: PlanSection, sens: SensitivitySection,
+def _summarise(ordered: list[LayerChoice], table: dict, *, plan: PlanSection, sens: SensitivitySection,
                quant: QuantizationSection, col: str | None, binding: dict | None) -> dict:
     fp16 = sum(layer_bytes(HIGH_PRECISION, l, quant.awq_group_size) for l in table["layers"])
     planned = sum(c.bytes for c in ordered)

@@ -81,7 +81,7 @@ def load_model(model_dir: Path, device: str, dtype_name: str, compute: ComputeSe
                                                 device_map="auto", max_memory=max_memory).eval()
 
 
-def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path, plan_file: Path, table_file: Path,
+def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Path, plan_file: Path, table_file: Path,
                  quant: QuantizationSection, build: BuildSection, out_dir: Path,
                  compute: Optional[ComputeSection] = None, stream: bool = False, memory_bound=None) -> dict:
     """The stage's work, in a child process; returns the summary for the manifest.
@@ -119,8 +119,10 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         from pipeline.quant import streaming
 
         log.info("layer streaming: one decoder layer at a time")
-        res = streaming.quantize_streamed(model_dir, calib, evals, plan_doc, quant, build, model_config, ckpt,
-                                          out_dir / "layer_exports", device, ref_dtype, table_layers, baseline)
+        res = streaming.quantize_streamed(model_dir, calib, evals=evals, plan_doc=plan_doc, quant=quant, build=build,
+                                          model_config=model_config, ckpt=ckpt, scratch=out_dir / "layer_exports",
+                                          device=device, dtype_name=ref_dtype, table_layers=table_layers,
+                                          baseline=baseline)
         shared = share_tied_embedding(ckpt, model_config)
         streamed_export = {**check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size),
                            **_embedding_facts(ckpt, shared)}
@@ -212,8 +214,10 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
         hf_exported = None
     # whichever checkpoint was exported was read back just above
     assert from_ckpt is not None and read_facts is not None
-    return _finish(out_dir, accuracy, from_ckpt, read_facts, exported, hf_exported, generations, plan_doc,
-                   int(calib.numel()), int(evals.numel()), comp.compute_record(device, ref_dtype, bound), t_quant, t0)
+    return _finish(out_dir, accuracy, from_ckpt=from_ckpt, read_facts=read_facts, exported=exported,
+                   hf_exported=hf_exported, generations=generations, plan_doc=plan_doc,
+                   calibration_tokens=int(calib.numel()), evaluation_tokens=int(evals.numel()),
+                   compute_record=comp.compute_record(device, ref_dtype, bound), t_quant=t_quant, t0=t0)
 
 
 def _embedding_facts(ckpt: Path, shared: dict) -> dict:
@@ -250,7 +254,7 @@ def read_back_hf(hf_dir: Path, original, evals, kept: set[str], quant: Quantizat
 READ_BACK_REFERENCE = "read_back_reference.safetensors"  # the streamed pass's original final hidden states
 
 
-def finish_streamed(model_dir: Path, evaluation_file: Path, plan_file: Path, table_file: Path, out_dir: Path,
+def finish_streamed(model_dir: Path, evaluation_file: Path, *, plan_file: Path, table_file: Path, out_dir: Path,
                     partial: dict) -> dict:
     """The read-back of a streamed quantize, in a second child process (a fresh interpreter: the streamed
     pass's heap and libraries do not add to its peak); returns the stage's summary."""
@@ -272,14 +276,16 @@ def finish_streamed(model_dir: Path, evaluation_file: Path, plan_file: Path, tab
     hidden = load_torch(str(reference))["hidden"].to(partial["device"])
     reference.unlink()
     ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
-    from_ckpt, read_facts = streaming.read_back_streamed(ckpt, model_dir, kept, evals, hidden, partial["device"])
+    from_ckpt, read_facts = streaming.read_back_streamed(ckpt, model_dir, kept=kept, evals=evals,
+                                                         reference_final_hidden=hidden, device=partial["device"])
     evaluation_tokens = int(evals.numel())
     del hidden, evals
     comp.trim_heap()
     generations = _streamed_generations(model_dir, ckpt, kept) if partial["greedy_generations"] else []
-    return _finish(out_dir, partial["accuracy"], from_ckpt, read_facts, partial["exported"], None, generations, plan_doc,
-                   partial["calibration_tokens"], evaluation_tokens, partial["compute"], partial["calibrate_s"], t0,
-                   streamed=True)
+    return _finish(out_dir, partial["accuracy"], from_ckpt=from_ckpt, read_facts=read_facts,
+                   exported=partial["exported"], hf_exported=None, generations=generations, plan_doc=plan_doc,
+                   calibration_tokens=partial["calibration_tokens"], evaluation_tokens=evaluation_tokens,
+                   compute_record=partial["compute"], t_quant=partial["calibrate_s"], t0=t0, streamed=True)
 
 
 def _streamed_generations(model_dir: Path, ckpt: Path, kept: set[str]) -> list[dict]:
@@ -298,24 +304,26 @@ def _streamed_generations(model_dir: Path, ckpt: Path, kept: set[str]) -> list[d
     return rows
 
 
-def run_stage(model_dir: Path, calibration_file: Path, evaluation_file: Path, plan_file: Path, table_file: Path,
+def run_stage(model_dir: Path, calibration_file: Path, *, evaluation_file: Path, plan_file: Path, table_file: Path,
               quant: QuantizationSection, build: BuildSection, out_dir: Path, compute: ComputeSection, stream: bool,
               bound, log_path: Path) -> tuple[dict, int]:
     """The stage in child processes: (summary, peak RSS of the largest). A streamed quantize reads its
     checkpoint back in a second child."""
     from pipeline.child import run_in_child
 
-    summary, peak = run_in_child(run_quantize, model_dir, calibration_file, evaluation_file, plan_file, table_file,
-                                 quant, build, out_dir, compute, stream, bound, log_path=log_path, what="quantize",
-                                 bound=bound)
+    summary, peak = run_in_child(run_quantize, model_dir, calibration_file, evaluation_file=evaluation_file,
+                                 plan_file=plan_file, table_file=table_file, quant=quant, build=build, out_dir=out_dir,
+                                 compute=compute, stream=stream, memory_bound=bound, log_path=log_path,
+                                 what="quantize", bound=bound)
     if summary.get("read_back_pending"):
-        summary, second = run_in_child(finish_streamed, model_dir, evaluation_file, plan_file, table_file, out_dir,
-                                       summary, log_path=log_path, what="quantize (read-back)", bound=bound)
+        summary, second = run_in_child(finish_streamed, model_dir, evaluation_file, plan_file=plan_file,
+                                       table_file=table_file, out_dir=out_dir, partial=summary, log_path=log_path,
+                                       what="quantize (read-back)", bound=bound)
         peak = max(peak, second)
     return summary, peak
 
 
-def _finish(out_dir: Path, accuracy: dict, from_ckpt: dict, read_facts: dict, exported: dict, hf_exported,
+def _finish(out_dir: Path, accuracy: dict, *, from_ckpt: dict, read_facts: dict, exported: dict, hf_exported,
             generations: list[dict], plan_doc: dict, calibration_tokens: int, evaluation_tokens: int,
             compute_record: dict, t_quant: float, t0: float,
             streamed: bool = False) -> dict:

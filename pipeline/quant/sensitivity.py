@@ -128,7 +128,7 @@ class Analyser:
         self._cache = {}
 
     # ---------------------------------------------------------- per linear
-    def measure(self, name: str, block: int, short: str, x2, tokens_per_sample: int, weight, ref_rows,
+    def measure(self, name: str, block: int, *, short: str, x2, tokens_per_sample: int, weight, ref_rows,
                 sample_of_row=None, routed_tokens: int | None = None) -> None:
         """x2: [N*T, in], the layer's input over the whole calibration set, sample after sample;
         ref_rows(a, b): rows a..b of its reference output. An expert sees only the rows routed to it:
@@ -154,7 +154,8 @@ class Analyser:
         if sample_of_row is None:
             sample_of_row = torch.arange(x2.shape[0], device=dev) // tokens_per_sample
         chunk = max(16, CHUNK_ELEMENTS // weight.shape[0])
-        preps = {fmt: self._prepare(fmt, name, short, block, x2, ch_amax, weight) for fmt in self.formats}
+        preps = {fmt: self._prepare(fmt, name, short=short, block=block, x2=x2, ch_amax=ch_amax,
+                                    weight=weight) for fmt in self.formats}
         diff2 = {fmt: torch.zeros(self.n, dtype=torch.float64, device=dev) for fmt in self.formats}
         ref2 = torch.zeros(self.n, dtype=torch.float64, device=dev)
         for start in range(0, x2.shape[0], chunk):
@@ -179,7 +180,7 @@ class Analyser:
                 return members
         return (short,)
 
-    def _prepare(self, fmt: str, name: str, short: str, block: int, x2, ch_amax, weight):
+    def _prepare(self, fmt: str, name: str, *, short: str, block: int, x2, ch_amax, weight):
         """A function (row a, row b) -> this layer's quantized output for those calibration rows."""
         import torch
         import torch.nn.functional as F
@@ -304,7 +305,7 @@ def _int8_matmul(x_int, weight, fold, in_amax):
     return run
 
 
-def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant: QuantizationSection,
+def analyse(model_dir: Path, calibration_ids, *, section: SensitivitySection, quant: QuantizationSection,
             fusion_groups: tuple[tuple[str, ...], ...] = TRTLLM_FUSION_GROUPS, device: str = "cpu",
             dtype_name: Optional[str] = None) -> dict:
     """Run the analysis; return {"layers": [...], "embedding": {...}, "timing": {...}, "model": {...},
@@ -368,9 +369,9 @@ def analyse(model_dir: Path, calibration_ids, section: SensitivitySection, quant
             for short, lin in linears.items():  # then every linear over the whole set at once
                 out_buf = stash.output(short)
                 rows, routed = stash.routed_rows(short)
-                analyser.measure(f"{prefix}.{stash.path[short]}", i, short, stash.input(short), t, lin.weight,
-                                 lambda a, b, _o=out_buf: _o[a:b],
-                                 None if rows is None else rows // t, routed)
+                analyser.measure(f"{prefix}.{stash.path[short]}", i, short=short, x2=stash.input(short),
+                                 tokens_per_sample=t, weight=lin.weight, ref_rows=lambda a, b, _o=out_buf: _o[a:b],
+                                 sample_of_row=None if rows is None else rows // t, routed_tokens=routed)
             stash.clear_routed()
             layer.to("meta")
             trim_heap()
@@ -426,7 +427,8 @@ def _measure_lm_head(analyser: Analyser, hidden, head) -> None:
 
     x2 = hidden.reshape(-1, hidden.shape[-1])
     analyser.start_layer({})
-    analyser.measure("lm_head", -1, "lm_head", x2, hidden.shape[1], head, lambda a, b: F.linear(x2[a:b], head))
+    analyser.measure("lm_head", -1, short="lm_head", x2=x2, tokens_per_sample=hidden.shape[1], weight=head,
+                     ref_rows=lambda a, b: F.linear(x2[a:b], head))
 
 
 SAMPLES_PER_FORWARD = 4  # calibration samples per decoder-layer call in the reference pass
@@ -626,7 +628,7 @@ def expert_summary(layers: list[dict], formats: tuple[str, ...]) -> list[dict]:
     return [out[b] for b in sorted(out)]
 
 
-def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySection,
+def run_analysis(model_dir: Path, calibration_file: Path, *, section: SensitivitySection,
                  quant: QuantizationSection, out_dir: Path, decision: str | None, target: str,
                  compute: Optional[ComputeSection] = None, memory_bound=None) -> dict:
     """The stage's work (runs in a child process): table JSON + Markdown + heatmap; returns the summary.
@@ -649,7 +651,8 @@ def run_analysis(model_dir: Path, calibration_file: Path, section: SensitivitySe
         raise InputError("sensitivity.end_to_end (error at the logits, one layer quantized at a time) is not "
                          "built yet; set it to false.")
     ids = load_file(str(calibration_file))[artifacts.TOKENS_KEY]
-    table = analyse(model_dir, ids, section, quant, fusion_groups_for(target), device, dtype)
+    table = analyse(model_dir, ids, section=section, quant=quant, fusion_groups=fusion_groups_for(target),
+                    device=device, dtype_name=dtype)
     table["format_groups"] = format_groups(target, table["fusion_groups"])  # what the plan aligns
     # wall time goes to the manifest's summary, not into the table: an output that differed on every run
     # would change the inputs of every stage after this one

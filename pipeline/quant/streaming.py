@@ -279,7 +279,7 @@ def quantization_section(formats: dict[str, tuple[Optional[str], Optional[int]]]
 # ---------------------------------------------------------------- the stage's work, streamed
 
 
-def export_layer(config, layer, index: int, out_dir: Path, decoder_type: str, dtype, tp: int,
+def export_layer(config, layer, *, index: int, out_dir: Path, decoder_type: str, dtype, tp: int,
                  head: Optional[dict] = None) -> Path:
     """ModelOpt's TensorRT-LLM export of one (quantized) decoder layer, in a one-layer model of ``config``;
     ``head``: {"embed", "norm", "lm_head"} for the export that carries them (else a small vocabulary)."""
@@ -354,7 +354,7 @@ def assemble(exports: list[Path], ckpt: Path, tp: int) -> dict:
     return {"layers": n, "tensors": tensors}
 
 
-def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, build, model_config: dict,
+def quantize_streamed(model_dir: Path, calib, *, evals, plan_doc: dict, quant, build, model_config: dict,
                       ckpt: Path, scratch: Path, device: str, dtype_name: str, table_layers: dict,
                       baseline: bool) -> dict:
     """Calibrate, gate and export layer by layer; returns {"accuracy", "calibrate_s", "assembled",
@@ -425,7 +425,8 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
             ev.hidden = next_ev
             del nxt, next_ev
             if i < config.num_hidden_layers - 1:
-                exports.append(export_layer(config, layer.cpu(), i, scratch, decoder, export_dtype, tp))
+                exports.append(export_layer(config, layer.cpu(), index=i, out_dir=scratch, decoder_type=decoder,
+                                            dtype=export_dtype, tp=tp))
                 model.model.layers[i] = layer.to("meta")
             else:
                 last = layer
@@ -482,8 +483,8 @@ def quantize_streamed(model_dir: Path, calib, evals, plan_doc: dict, quant, buil
         head = {"embed": torch.nn.Parameter(embed.cpu(), requires_grad=False),
                 "norm": torch.nn.Parameter(norm.weight.detach().cpu(), requires_grad=False),
                 "lm_head": quantized_head.cpu()}
-        exports.append(export_layer(config, last.cpu(), config.num_hidden_layers - 1, scratch, decoder,
-                                    export_dtype, tp, head))
+        exports.append(export_layer(config, last.cpu(), index=config.num_hidden_layers - 1, out_dir=scratch,
+                                    decoder_type=decoder, dtype=export_dtype, tp=tp, head=head))
         del last, head, quantized_head, head_holder, embed
     log.info("last layer exported with the embedding and lm_head (peak RSS %s)", _peak())
     assembled = assemble(exports, ckpt, tp)
@@ -521,7 +522,7 @@ def streamed_original(model_dir: Path, config):
     return model
 
 
-def read_back_streamed(ckpt: Path, model_dir: Path, kept: set[str], evals, reference_final_hidden,
+def read_back_streamed(ckpt: Path, model_dir: Path, *, kept: set[str], evals, reference_final_hidden,
                        device: str) -> tuple:
     """The accuracy figures of the checkpoint as written, read back one decoder layer at a time, against the
     original model (its final hidden states from the streamed pass, its head from the model's files); returns

@@ -53,31 +53,36 @@ def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[
     qos = 'max by (namespace, pod) (trtllm_pipeline_model_metrics{{metric_type="{}",' + pods + '}})'
     answered = f"sum by (namespace, pod) (rate(nv_inference_request_success{{{pods}}}[5m]))"
     out = [
-        _rule("TritonQueueBacklog", f"{waiting} > {section.queue_waiting}", hold, "warning",
-              f"More than {section.queue_waiting} requests have waited in {{{{ $labels.pod }}}} for {hold}.",
-              "The autoscaler is not keeping up: check the HPA (at maxReplicas?), pending pods and GPU capacity; "
-              "lower build.max_batch_size only if P99 latency is the problem."),
+        _rule("TritonQueueBacklog", f"{waiting} > {section.queue_waiting}", hold=hold, severity="warning",
+              summary=f"More than {section.queue_waiting} requests have waited in {{{{ $labels.pod }}}} for {hold}.",
+              runbook="The autoscaler is not keeping up: check the HPA (at maxReplicas?), pending pods and GPU "
+                      "capacity; lower build.max_batch_size only if P99 latency is the problem."),
         _rule("TritonKVCacheNearlyFull",
               f"sum by (namespace, pod) ({kv.format('used')}) / sum by (namespace, pod) ({kv.format('max')}) "
-              f"> {section.kv_cache_used_fraction}", hold, "warning",
-              f"{{{{ $labels.pod }}}} has used over {section.kv_cache_used_fraction:.0%} of its KV-cache blocks "
-              f"for {hold}.",
-              "New requests wait for blocks: raise build.kv_cache.free_gpu_memory_fraction, quantize the KV cache "
-              "(quantization.kv_cache: fp8), or add replicas."),
-        _rule("TritonErrorRate", f"{failed} / ({failed} + {answered}) > {section.error_ratio}", hold, "critical",
-              f"Over {section.error_ratio:.0%} of requests to {{{{ $labels.pod }}}} failed for {hold}.",
-              "Read the pod's log (bad client input is a 4xx, not a failure here); a model that fails every "
-              "request is restarted by its watchdog / liveness probe."),
-        _rule("TritonLatencyTail", f"{qos.format('latency_p99_over_p50')} > {section.latency_p99_over_p50}", hold,
-              "warning", f"End-to-end P99 over P50 in {{{{ $labels.pod }}}} has been above "
-              f"{section.latency_p99_over_p50:g} for {hold} (now {{{{ $value }}}}).",
-              "A few requests wait far longer than most: long prompts prefilled whole (set triton.prefill_chunk_tokens), "
-              "a batch limit too high for the SLA (`invoke tune`), or one class starving another (priority_levels)."),
-        _rule("TritonLatencyJitter", f"{qos.format('latency_jitter')} > {section.latency_jitter}", hold, "warning",
-              f"End-to-end latency jitter (std / mean) in {{{{ $labels.pod }}}} has been above "
-              f"{section.latency_jitter:g} for {hold} (now {{{{ $value }}}}).",
-              "Latency is unpredictable: mixed prompt and output lengths under load; see TritonLatencyTail's runbook, "
-              "and compare the token-gap jitter on the dashboard (high: decode steps stall)."),
+              f"> {section.kv_cache_used_fraction}", hold=hold, severity="warning",
+              summary=f"{{{{ $labels.pod }}}} has used over {section.kv_cache_used_fraction:.0%} of its KV-cache "
+                      f"blocks for {hold}.",
+              runbook="New requests wait for blocks: raise build.kv_cache.free_gpu_memory_fraction, quantize the "
+                      "KV cache (quantization.kv_cache: fp8), or add replicas."),
+        _rule("TritonErrorRate", f"{failed} / ({failed} + {answered}) > {section.error_ratio}", hold=hold,
+              severity="critical",
+              summary=f"Over {section.error_ratio:.0%} of requests to {{{{ $labels.pod }}}} failed for {hold}.",
+              runbook="Read the pod's log (bad client input is a 4xx, not a failure here); a model that fails every "
+                      "request is restarted by its watchdog / liveness probe."),
+        _rule("TritonLatencyTail", f"{qos.format('latency_p99_over_p50')} > {section.latency_p99_over_p50}", hold=hold,
+              severity="warning",
+              summary=f"End-to-end P99 over P50 in {{{{ $labels.pod }}}} has been above "
+                      f"{section.latency_p99_over_p50:g} for {hold} (now {{{{ $value }}}}).",
+              runbook="A few requests wait far longer than most: long prompts prefilled whole (set "
+                      "triton.prefill_chunk_tokens), a batch limit too high for the SLA (`invoke tune`), or one class "
+                      "starving another (priority_levels)."),
+        _rule("TritonLatencyJitter", f"{qos.format('latency_jitter')} > {section.latency_jitter}", hold=hold,
+              severity="warning",
+              summary=f"End-to-end latency jitter (std / mean) in {{{{ $labels.pod }}}} has been above "
+                      f"{section.latency_jitter:g} for {hold} (now {{{{ $value }}}}).",
+              runbook="Latency is unpredictable: mixed prompt and output lengths under load; see "
+                      "TritonLatencyTail's runbook, and compare the token-gap jitter on the dashboard (high: decode "
+                      "steps stall)."),
     ]
     return out + _pod_rules(section, name, "Triton") + (_gpu_rules(section) if gpu else [])
 
@@ -91,23 +96,27 @@ def _vllm_rules(section, name: str) -> list[dict]:
     answered = f"sum by (namespace, pod) (rate(http_requests_total{{{api}}}[5m]))"
     return [
         _rule("VllmQueueBacklog", f"sum by (namespace, pod) (vllm:num_requests_waiting{{{pods}}}) > "
-                                  f"{section.queue_waiting}", hold, "warning",
-              f"More than {section.queue_waiting} requests have waited in {{{{ $labels.pod }}}} for {hold}.",
-              "The autoscaler is not keeping up: check the HPA (at maxReplicas?), pending pods and GPU capacity; "
-              "lower build.max_batch_size (max_num_seqs) only if P99 latency is the problem."),
+                                  f"{section.queue_waiting}", hold=hold, severity="warning",
+              summary=f"More than {section.queue_waiting} requests have waited in {{{{ $labels.pod }}}} for {hold}.",
+              runbook="The autoscaler is not keeping up: check the HPA (at maxReplicas?), pending pods and GPU "
+                      "capacity; lower build.max_batch_size (max_num_seqs) only if P99 latency is the problem."),
         _rule("VllmKVCacheNearlyFull", f"max by (namespace, pod) (vllm:kv_cache_usage_perc{{{pods}}}) > "
-                                       f"{section.kv_cache_used_fraction}", hold, "warning",
-              f"{{{{ $labels.pod }}}} has used over {section.kv_cache_used_fraction:.0%} of its KV cache for {hold}.",
-              "vLLM preempts sequences when it runs out: raise vllm.gpu_memory_utilization (vllm.cpu_kv_cache_gib "
-              "on CPUs), keep the KV cache in FP8, add vllm.kv_offloading_gib, or add replicas."),
-        _rule("VllmPreempting", f"sum by (namespace, pod) (rate(vllm:num_preemptions_total{{{pods}}}[5m])) > 0", hold,
-              "warning", f"vLLM in {{{{ $labels.pod }}}} has been preempting sequences for {hold}.",
-              "Preempted sequences are recomputed (time to first token and latency suffer): the KV cache is too "
-              "small for the batch; see VllmKVCacheNearlyFull's runbook."),
-        _rule("VllmErrorRate", f"{failed} / {answered} > {section.error_ratio}", hold, "critical",
-              f"Over {section.error_ratio:.0%} of API requests to {{{{ $labels.pod }}}} answered 5xx for {hold}.",
-              "Read the pod's log (bad client input is a 4xx, not a failure here); an engine that died makes "
-              "/health fail and the liveness probe restart the pod."),
+                                       f"{section.kv_cache_used_fraction}", hold=hold, severity="warning",
+              summary=f"{{{{ $labels.pod }}}} has used over {section.kv_cache_used_fraction:.0%} of its KV cache "
+                      f"for {hold}.",
+              runbook="vLLM preempts sequences when it runs out: raise vllm.gpu_memory_utilization "
+                      "(vllm.cpu_kv_cache_gib on CPUs), keep the KV cache in FP8, add vllm.kv_offloading_gib, or add "
+                      "replicas."),
+        _rule("VllmPreempting", f"sum by (namespace, pod) (rate(vllm:num_preemptions_total{{{pods}}}[5m])) > 0",
+              hold=hold, severity="warning",
+              summary=f"vLLM in {{{{ $labels.pod }}}} has been preempting sequences for {hold}.",
+              runbook="Preempted sequences are recomputed (time to first token and latency suffer): the KV cache "
+                      "is too small for the batch; see VllmKVCacheNearlyFull's runbook."),
+        _rule("VllmErrorRate", f"{failed} / {answered} > {section.error_ratio}", hold=hold, severity="critical",
+              summary=f"Over {section.error_ratio:.0%} of API requests to {{{{ $labels.pod }}}} answered 5xx for "
+                      f"{hold}.",
+              runbook="Read the pod's log (bad client input is a 4xx, not a failure here); an engine that died makes "
+                      "/health fail and the liveness probe restart the pod."),
     ]
 
 
@@ -115,40 +124,41 @@ def _pod_rules(section, name: str, prefix: str) -> list[dict]:
     """A target that stopped answering scrapes, a pod that keeps restarting."""
     pods = f'pod=~"{name}-.*"'
     return [
-        _rule(f"{prefix}TargetDown", f'up{{{pods}}} == 0', _duration(section.missed_scrapes * SCRAPE_INTERVAL_S),
-              "critical",
-              f"{{{{ $labels.pod }}}} missed {section.missed_scrapes} scrapes in a row (no metrics for "
-              f"{section.missed_scrapes * SCRAPE_INTERVAL_S} s).",
-              "The server is down or hung: its liveness probe restarts it; if it keeps happening, see "
-              f"{prefix}PodRestarting."),
+        _rule(f"{prefix}TargetDown", f'up{{{pods}}} == 0', hold=_duration(section.missed_scrapes * SCRAPE_INTERVAL_S),
+              severity="critical",
+              summary=f"{{{{ $labels.pod }}}} missed {section.missed_scrapes} scrapes in a row (no metrics for "
+                      f"{section.missed_scrapes * SCRAPE_INTERVAL_S} s).",
+              runbook="The server is down or hung: its liveness probe restarts it; if it keeps happening, see "
+                      f"{prefix}PodRestarting."),
         _rule(f"{prefix}PodRestarting",
               f"increase(kube_pod_container_status_restarts_total{{{pods}}}[15m]) > {section.restarts_in_15m}",
-              "0s", "critical",
-              f"{{{{ $labels.pod }}}} restarted more than {section.restarts_in_15m} times in 15 minutes.",
-              "kubectl describe pod / logs --previous: OOM kill (raise the memory limit), engine load failure "
-              "(image and engine built for another GPU?), or a watchdog stop."),
+              hold="0s", severity="critical",
+              summary=f"{{{{ $labels.pod }}}} restarted more than {section.restarts_in_15m} times in 15 minutes.",
+              runbook="kubectl describe pod / logs --previous: OOM kill (raise the memory limit), engine load failure "
+                      "(image and engine built for another GPU?), or a watchdog stop."),
     ]
 
 
 def _gpu_rules(section) -> list[dict]:
     """The DCGM exporter's GPU figures."""
     return [
-        _rule("GpuSaturated", f"avg by (Hostname, gpu) (DCGM_FI_DEV_GPU_UTIL) > {section.gpu_util_percent}", "15m",
-              "warning", f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.Hostname }}}} has been over "
-              f"{section.gpu_util_percent}% busy for 15 minutes.",
-              "Expected under load; with a queue backlog too, add GPUs (raise the HPA's maxReplicas)."),
+        _rule("GpuSaturated", f"avg by (Hostname, gpu) (DCGM_FI_DEV_GPU_UTIL) > {section.gpu_util_percent}", hold="15m",
+              severity="warning",
+              summary=f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.Hostname }}}} has been over "
+                      f"{section.gpu_util_percent}% busy for 15 minutes.",
+              runbook="Expected under load; with a queue backlog too, add GPUs (raise the HPA's maxReplicas)."),
         _rule("GpuMemoryCopyBusy", f"avg by (Hostname, gpu) (DCGM_FI_DEV_MEM_COPY_UTIL) > "
-                                   f"{section.mem_copy_util_percent}", "15m", "warning",
-              f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.Hostname }}}} spent over "
-              f"{section.mem_copy_util_percent}% of its time on memory copies for 15 minutes.",
-              "Decode is memory-bound: a quantized KV cache and weights (INT8/FP8/INT4) move fewer bytes."),
-        _rule("GpuXidError", "max by (Hostname, gpu) (DCGM_FI_DEV_XID_ERRORS) > 0", "0s", "critical",
-              "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} reported XID error {{ $value }}.",
-              "Look the XID up in NVIDIA's XID catalogue; drain the node if it repeats."),
+                                   f"{section.mem_copy_util_percent}", hold="15m", severity="warning",
+              summary=f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.Hostname }}}} spent over "
+                      f"{section.mem_copy_util_percent}% of its time on memory copies for 15 minutes.",
+              runbook="Decode is memory-bound: a quantized KV cache and weights (INT8/FP8/INT4) move fewer bytes."),
+        _rule("GpuXidError", "max by (Hostname, gpu) (DCGM_FI_DEV_XID_ERRORS) > 0", hold="0s", severity="critical",
+              summary="GPU {{ $labels.gpu }} on {{ $labels.Hostname }} reported XID error {{ $value }}.",
+              runbook="Look the XID up in NVIDIA's XID catalogue; drain the node if it repeats."),
     ]
 
 
-def _rule(alert: str, expr: str, hold: str, severity: str, summary: str, runbook: str) -> dict:
+def _rule(alert: str, expr: str, *, hold: str, severity: str, summary: str, runbook: str) -> dict:
     return {"alert": alert, "expr": expr, "for": hold, "labels": {"severity": severity},
             "annotations": {"summary": summary, "runbook": runbook}}
 

@@ -33,7 +33,7 @@ SCHEMA_VERSION = 39
 OURS = "trtllm_pipeline_model_metrics"
 
 
-def _panel(title: str, exprs: dict[str, str], unit: str, x: int, y: int, description: str) -> dict:
+def _panel(title: str, exprs: dict[str, str], *, unit: str, x: int, y: int, description: str) -> dict:
     return {"type": "timeseries", "title": title, "description": description,
             "datasource": {"type": "prometheus", "uid": "${datasource}"},
             "gridPos": {"x": x, "y": y, "w": 8, "h": 8},
@@ -175,7 +175,8 @@ def _board(name: str, rows: dict, engine: str) -> dict:
         panels.append(_row(title, y))
         y += 1
         for i, (panel_title, exprs, unit, description) in enumerate(specs):
-            panels.append(_panel(panel_title, exprs, unit, 8 * (i % 3), y + 8 * (i // 3), description))
+            panels.append(_panel(panel_title, exprs, unit=unit, x=8 * (i % 3), y=y + 8 * (i // 3),
+                                 description=description))
         y += 8 * -(-len(specs) // 3)
     return {"title": f"{name}: LLM serving", "uid": f"trtllm-{name}"[:40], "schemaVersion": SCHEMA_VERSION,
             "tags": ["trtllm-pipeline", engine], "timezone": "browser", "refresh": "30s",

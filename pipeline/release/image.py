@@ -333,7 +333,7 @@ def docker_target(cfg: PipelineConfig, build_target: str) -> str:
     return targets.get(build_target).docker_stage(cfg)
 
 
-def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *, push: bool = False,
+def plan_image(cfg: PipelineConfig, pub: PublishedBuild, *, release_files: Path, push: bool = False,
                report_dir: Optional[Path] = None, repo_root: Path = constants.REPO_ROOT,
                revision: Optional[str] = None) -> ImagePlan:
     """Everything `invoke image` will do, computed without Docker; raises on every refusal."""
@@ -386,13 +386,14 @@ def plan_image(cfg: PipelineConfig, pub: PublishedBuild, release_files: Path, *,
         if not secret.is_file():
             raise ConfigError(f"image.pip_config = {str(section.pip_config)!r}: no such file (a pip config, "
                               f"handed to the build as a secret).")
-    build = build_command(target, refs, args, {"model_repository": pub.repository_dir, "release_files": release_files},
-                          cfg.image.platform, secret, repo_root)
+    build = build_command(target, refs, build_args=args,
+                          contexts={"model_repository": pub.repository_dir, "release_files": release_files},
+                          platform=cfg.image.platform, pip_secret=secret, repo_root=repo_root)
     commands = [build] + ([["docker", "push", ref] for ref in refs] if push else [])
     return ImagePlan(target, refs, args, commands, release_files, base, notes, push)
 
 
-def build_command(target: str, refs: Sequence[str], build_args: dict[str, str], contexts: dict[str, Path],
+def build_command(target: str, refs: Sequence[str], *, build_args: dict[str, str], contexts: dict[str, Path],
                   platform: str, pip_secret: Optional[Path], repo_root: Path) -> list[str]:
     cmd = ["docker", "buildx", "build", "--file", str(repo_root / "Dockerfile"), "--target", target,
            "--platform", platform]
@@ -444,7 +445,8 @@ def plan_builder_image(cfg: PipelineConfig, release_files: Path, repo_root: Path
     args = {"IMAGE_TITLE": "trtllm-pipeline engine builder", "IMAGE_VERSION": builder_tag(version, rev),
             "SOURCE_REVISION": rev, "PIPELINE_VERSION": __version__, "TRTLLM_VERSION": version,
             "TRITON_REPOSITORY": base.repository, "TRITON_TAG": base.tag}
-    cmd = build_command(BUILDER_TARGET, [ref], args, {}, cfg.image.platform, None, repo_root)
+    cmd = build_command(BUILDER_TARGET, [ref], build_args=args, contexts={}, platform=cfg.image.platform,
+                        pip_secret=None, repo_root=repo_root)
     return ImagePlan(BUILDER_TARGET, [ref], args, [cmd], release_files, base)
 
 
@@ -528,7 +530,7 @@ def build_image(runner: Runner, *, push: bool = False, dry_run: bool = False, bu
         return _execute(plan, runner.work_dir, dry_run, echo)
     with WorkDirLock(runner.work_dir):  # no publish may swap the repository while it is read and built
         pub = _published(runner, echo)
-        plan = plan_image(cfg, pub, release_files, push=push)
+        plan = plan_image(cfg, pub, release_files=release_files, push=push)
         stage_release_files(plan, pub, None)
         return _execute(plan, runner.work_dir, dry_run, echo)
 
@@ -578,7 +580,7 @@ def release_image(runner: Runner, *, dry_run: bool = False, echo: Callable[[str]
             echo(f"warning: {msg} A real release stops here.")
             report_dir = None
         release_files = runner.work_dir / IMAGE_WORK_DIR / RELEASE_FILES_DIR
-        plan = plan_image(cfg, pub, release_files, push=False, report_dir=report_dir)
+        plan = plan_image(cfg, pub, release_files=release_files, push=False, report_dir=report_dir)
         plan.commands += [["docker", "push", ref] for ref in plan.refs]
         plan.push = True
         stage_release_files(plan, pub, report_dir)

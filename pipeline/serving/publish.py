@@ -44,7 +44,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import yaml
 
@@ -107,7 +107,7 @@ def _pb():
     return model_config_pb2
 
 
-def _tensor(cls, name: str, dtype: str, dims: list[int], optional: bool = False, ragged: bool = False,
+def _tensor(cls, name: str, *, dtype: str, dims: list[int], optional: bool = False, ragged: bool = False,
             reshape: Optional[list[int]] = None):
     pb = _pb()
     t = cls(name=name, data_type=getattr(pb, f"TYPE_{dtype}"), dims=dims)
@@ -120,8 +120,8 @@ def _tensor(cls, name: str, dtype: str, dims: list[int], optional: bool = False,
     return t
 
 
-def _inp(*args, **kwargs):
-    return _tensor(_pb().ModelInput, *args, **kwargs)
+def _inp(name: str, dtype: str, dims: list[int], **flags: Any):
+    return _tensor(_pb().ModelInput, name, dtype=dtype, dims=dims, **flags)
 
 
 def _out(name: str, dtype: str, dims: list[int]):
@@ -202,7 +202,7 @@ def _llm_io(msg, triton, reshape: bool = True, streaming: bool = True) -> None:
     msg.output.extend([_out("output_ids", "INT32", [-1, -1]), _out("sequence_length", "INT32", [-1])])
 
 
-def build_model_configs(triton, settings: dict, names: ModelNames, version: int, serving_root: str,
+def build_model_configs(triton, settings: dict, *, names: ModelNames, version: int, serving_root: str,
                         adaptive_target_ms: Optional[float] = None) -> dict:
     """{model name: ModelConfig message} for the built target (``settings``: build_settings.json)."""
     pb = _pb()
@@ -472,12 +472,13 @@ def _copy_tokenizer(src_dir: Path, dst: Path) -> list[str]:
     return copied
 
 
-def assemble(config, settings: dict, artifact: Path, tokenizer_dir: Path, names: ModelNames, version: int,
+def assemble(config, settings: dict, *, artifact: Path, tokenizer_dir: Path, names: ModelNames, version: int,
              serving_root: str, repo: Path) -> dict:
     """Write one version of every model into ``repo`` (files first, each config.pbtxt last). Returns {model
     name: its ModelConfig}."""
     adaptive = config.sla.p99_itl_ms if config.triton.adaptive_batch else None
-    configs = build_model_configs(config.triton, settings, names, version, serving_root, adaptive)
+    configs = build_model_configs(config.triton, settings, names=names, version=version, serving_root=serving_root,
+                                  adaptive_target_ms=adaptive)
     texts = {name: config_text(msg) for name, msg in configs.items()}
     for name, src in ((names.preprocessing, "preprocessing"), (names.postprocessing, "postprocessing")):
         _copy_sources(src, repo / name / str(version))
@@ -517,7 +518,7 @@ def _write_llm_api_options(triton, built: Path, dest: Path) -> None:
                     f"(changed: {', '.join(changed)}).\n" + yaml.safe_dump(served, sort_keys=False))
 
 
-def _provenance(config, config_name: str, settings: dict, names: ModelNames, version: int, work_dir: Path,
+def _provenance(config, config_name: str, *, settings: dict, names: ModelNames, version: int, work_dir: Path,
                 repo: Path) -> dict:
     files = {rel: sha256_file(repo / rel) for rel in list_files(repo) if rel != artifacts.PROVENANCE_FILE}
     model_manifest = _read_json(work_dir / "model" / artifacts.MANIFEST_FILE)
@@ -562,7 +563,7 @@ def destination(config, work_dir: Path) -> Path:
     return dest
 
 
-def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir: Path, out_dir: Path) -> dict:
+def publish(config, config_name: str, *, work_dir: Path, build_dir: Path, model_dir: Path, out_dir: Path) -> dict:
     """The publish stage: check, write a new version into the live repository, snapshot it into out_dir.
 
     ``model_dir``: the HF model folder (its tokenizer); the cpu target uses the copy inside its bundle."""
@@ -576,8 +577,10 @@ def publish(config, config_name: str, work_dir: Path, build_dir: Path, model_dir
         mine = set(prov.get("models", [])) if prov.get("config_name") == config_name else set()
         version = max([0] + [v for n in names.all() for v in _versions(dest / n)]) + 1
         snapshot = out_dir / artifacts.MODEL_REPOSITORY_DIR
-        configs = assemble(config, settings, artifact, tokenizer_dir, names, version, serving_root, snapshot)
-        provenance = _provenance(config, config_name, settings, names, version, work_dir, snapshot)
+        configs = assemble(config, settings, artifact=artifact, tokenizer_dir=tokenizer_dir, names=names,
+                           version=version, serving_root=serving_root, repo=snapshot)
+        provenance = _provenance(config, config_name, settings=settings, names=names, version=version,
+                                 work_dir=work_dir, repo=snapshot)
         atomic_write_json(snapshot / artifacts.PROVENANCE_FILE, provenance)
 
         staging = dest.parent / f".{dest.name}.publishing"  # a sibling: never a folder inside the repository
@@ -637,13 +640,15 @@ def _sources(config, build_dir: Path, model_dir: Path) -> tuple[ModelNames, dict
             artifact / engine.tokenizer_subdir if engine.tokenizer_subdir else model_dir)
 
 
-def write_repository(config, config_name: str, work_dir: Path, build_dir: Path, model_dir: Path, repo: Path) -> None:
+def write_repository(config, config_name: str, *, work_dir: Path, build_dir: Path, model_dir: Path, repo: Path) -> None:
     """A standalone repository at ``repo`` (version 1, its provenance beside it) of this build with ``config``'s
     serving settings: what `invoke tune` measures a setting on. Not the live repository: no versions, no lock."""
     names, settings, artifact, tokenizer_dir = _sources(config, build_dir, model_dir)
-    assemble(config, settings, artifact, tokenizer_dir, names, 1, str(repo.resolve()), repo)
+    assemble(config, settings, artifact=artifact, tokenizer_dir=tokenizer_dir, names=names, version=1,
+             serving_root=str(repo.resolve()), repo=repo)
     atomic_write_json(repo / artifacts.PROVENANCE_FILE,
-                      _provenance(config, config_name, settings, names, 1, work_dir, repo))
+                      _provenance(config, config_name, settings=settings, names=names, version=1, work_dir=work_dir,
+                                  repo=repo))
 
 
 def reload_models(server_url: str, models: list[str], timeout_s: float = 600) -> dict:

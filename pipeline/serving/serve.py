@@ -61,7 +61,7 @@ STABLE_S = 300.0  # a server that ran this long before it stopped starts the cou
 WATCHDOG_MARK = "trtllm-pipeline watchdog:"  # triton_repo/common/llm_watchdog.py MARK: the line that says why
 
 
-def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+def serve_published(work_dir: Path, *, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                     host: str = LOOPBACK, echo=print, frontend: Optional[str] = None, supervise: bool = False,
                     max_restarts: int = SUPERVISE_RESTARTS) -> None:
     """Run a server on the work dir's published repository in the foreground until Ctrl-C (or SIGTERM).
@@ -97,8 +97,8 @@ def serve_published(work_dir: Path, http_port: int = 8000, grpc_port: int = 8001
                         kind = targets.get(target).server(frontend)
                         echo(serving_line(server, kind, names.ensemble, prov))
                         echo(serve_banner(server, names.ensemble,
-                                          names.stream if (repo / names.stream).is_dir() else None, prov, repo,
-                                          log_path))
+                                          stream=names.stream if (repo / names.stream).is_dir() else None, prov=prov,
+                                          repo=repo, log_path=log_path))
                     else:
                         echo(f"serve: restarted (pid {server.pid}); ready again")
                     while server.is_alive():
@@ -161,7 +161,7 @@ def serving_line(server, kind: str, ensemble: str, prov: dict) -> str:
             f"target) at {urls} (server pid {server.pid})")
 
 
-def serve_banner(server, ensemble: str, stream: Optional[str], prov: dict, repo: Path, log_path: Path) -> str:
+def serve_banner(server, ensemble: str, *, stream: Optional[str], prov: dict, repo: Path, log_path: Path) -> str:
     http = f"http://{server.http_url}"
     if hasattr(server, "base_url"):  # vLLM's OpenAI server
         body = json.dumps({"model": server.model_name, "prompt": "The capital of France is", "max_tokens": 32})

@@ -225,8 +225,9 @@ class _Servers:
         label = label_of(settings)
         folder = self.root / "settings" / label.replace(", ", "_").replace("=", "-")
         repo = folder / artifacts.MODEL_REPOSITORY_DIR
-        write_repository(with_triton(self.config, settings), self.config_name, self.work_dir, self.build_dir,
-                         artifacts.stage_dir(self.work_dir, "model") / artifacts.MODEL_DIR, repo)
+        write_repository(with_triton(self.config, settings), self.config_name, work_dir=self.work_dir,
+                         build_dir=self.build_dir,
+                         model_dir=artifacts.stage_dir(self.work_dir, "model") / artifacts.MODEL_DIR, repo=repo)
         repo, prov = read_repository(repo)
         server = server_for_target(self.settings["target"], repo, log_path=folder / artifacts.SERVER_LOG_FILE,
                                    extra_args=METRICS_ARGS)
@@ -262,7 +263,7 @@ def _measure_fn(servers: _Servers, warm: list[Prompt], measured: list[Prompt], c
     return measure
 
 
-def _ab(servers: _Servers, chosen: dict, warm: list[Prompt], measured: list[Prompt], concurrency: int,
+def _ab(servers: _Servers, chosen: dict, *, warm: list[Prompt], measured: list[Prompt], concurrency: int,
         sla: dict[str, float], rounds: int) -> list[dict]:
     """Default and chosen, both up, ``rounds`` rounds alternating which goes first."""
     sides = {"default": servers.start({}, warm, concurrency), "tuned": servers.start(chosen["settings"], warm,
@@ -310,7 +311,8 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
         else:  # the plan's points, each measured: a GPU server's start is minutes, so no step-by-step search
             points = [{"settings": st, "label": label_of(st), "level": measure(st)} for st in gpu_plan(config)]
         chosen, why = choose(points, cfg.min_gain)
-        rounds = (_ab(servers, chosen, warm, measured, concurrency, sla, cfg.ab_rounds)
+        rounds = (_ab(servers, chosen, warm=warm, measured=measured, concurrency=concurrency, sla=sla,
+                      rounds=cfg.ab_rounds)
                   if chosen is not None and chosen["settings"] else [])
     except Exception:
         servers.stop_all()

@@ -131,8 +131,8 @@ class Expected:
             self._ref = reference.load_reference(self._bundle_dir())  # compute() ran: there is one
         if i not in self._ref_greedy:
             model, algo, scales = self._ref
-            self._ref_greedy[i] = reference.greedy(model, self.prompt_ids[i], self.max_tokens, algo, scales,
-                                                   end_id=self.end_id)
+            self._ref_greedy[i] = reference.greedy(model, self.prompt_ids[i], max_new_tokens=self.max_tokens,
+                                                   kv_quant_algo=algo, kv_scales=scales, end_id=self.end_id)
         verdict = reference.compare(got, self._ref_greedy[i])
         return {**verdict, "ok": bool(verdict["ok"]), "equal": False, "runtime_tokens": want, "got_tokens": got}
 
@@ -206,7 +206,7 @@ def grpc_stream(url: str, model: str, text: str, max_tokens: int) -> tuple[list[
 
 
 class Verifier:
-    def __init__(self, server: TritonServer, names, tokenizer, prompts: list[str], expected: Expected,
+    def __init__(self, server: TritonServer, names, *, tokenizer, prompts: list[str], expected: Expected,
                  max_tokens: int):
         self.server, self.names, self.tok = server, names, tokenizer
         self.prompts, self.expected, self.max_tokens = prompts, expected, max_tokens
@@ -365,13 +365,13 @@ def _bundle_in(repo: Path, names, version: int) -> Optional[Path]:
     return b if b.is_dir() else None
 
 
-def triton_checks(server: TritonServer, repo: Path, names, tokenizer, prompts: list[str], expected, max_tokens: int,
+def triton_checks(server: TritonServer, repo: Path, *, names, tokenizer, prompts: list[str], expected, max_tokens: int,
                   concurrent: int, target: str) -> tuple[Verifier, Optional[int]]:
     """Start ``server``, run every Triton check, stop it: (the verifier with its checks, the server's exit code
     if it died during them). ``expected.judge(i, tokens)`` judges each answer to prompt ``i``; ``target``: the
     build's, for the metrics it must export."""
     with server:
-        v = Verifier(server, names, tokenizer, prompts, expected, max_tokens)
+        v = Verifier(server, names, tokenizer=tokenizer, prompts=prompts, expected=expected, max_tokens=max_tokens)
         v._guard("http_infer_ensemble", v.http_infer)
         v._guard("grpc_infer_ensemble", v.grpc_infer)
         v._guard("http_generate_ensemble", v.http_generate)
@@ -394,7 +394,7 @@ def latency_summary(latency_ms: dict[str, list[float]]) -> dict:
             for k, x in latency_ms.items() if x}
 
 
-def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
+def verify(publish_dir: Path, out_dir: Path, *, prompts: tuple[str, ...] = PROMPTS,
            max_tokens: int = MAX_TOKENS, concurrent: int = CONCURRENT_REQUESTS,
            vllm_frontends: tuple[str, ...] = ("openai", "triton")) -> dict:
     """The verify stage. Raises StageFailed (after logging every check) when any check fails."""
@@ -421,7 +421,8 @@ def verify(publish_dir: Path, out_dir: Path, prompts: tuple[str, ...] = PROMPTS,
     reference_s = time.perf_counter() - t0
 
     server = server_for_target(target, repo, log_path=out_dir / artifacts.SERVER_LOG_FILE)
-    v, died = triton_checks(server, repo, names, tokenizer, list(prompts), expected, max_tokens, concurrent, target)
+    v, died = triton_checks(server, repo, names=names, tokenizer=tokenizer, prompts=list(prompts), expected=expected,
+                            max_tokens=max_tokens, concurrent=concurrent, target=target)
     startup_s = server.startup_s
     failed = [c.name for c in v.checks if not c.ok]
     latency = latency_summary(v.latency_ms)

@@ -206,7 +206,7 @@ class VllmVerifier:
         return {"ok": all(found.values()), "found": found}
 
 
-def verify_vllm(repo: Path, prov: dict, out_dir: Path, prompts: tuple[str, ...], max_tokens: int,
+def verify_vllm(repo: Path, prov: dict, *, out_dir: Path, prompts: tuple[str, ...], max_tokens: int,
                 concurrent: int, frontends: tuple[str, ...] = ("openai", "triton")) -> dict:
     """The verify stage on a published vllm repository, each frontend in turn; StageFailed (after every check
     ran) when one fails."""
@@ -237,8 +237,8 @@ def verify_vllm(repo: Path, prov: dict, out_dir: Path, prompts: tuple[str, ...],
     # the OpenAI server first wherever it serves: its answers and log-probabilities judge Triton's near-ties
     for frontend in sorted(frontends, key=lambda f: f != "openai"):
         if frontend == "openai":
-            v = _openai_checks(repo, out_dir / logs[frontend], tokenizer, list(prompts), expected, max_tokens,
-                               concurrent)
+            v = _openai_checks(repo, out_dir / logs[frontend], tokenizer=tokenizer, prompts=list(prompts),
+                               expected=expected, max_tokens=max_tokens, concurrent=concurrent)
             rows = [v.top_logprobs.get((p, tuple(solo))) or [] for p, solo in zip(prompts, v.solo)]
             served = list(v.solo)
             checks += [{**c, "frontend": "openai"} for c in v.checks]
@@ -246,10 +246,9 @@ def verify_vllm(repo: Path, prov: dict, out_dir: Path, prompts: tuple[str, ...],
             servers["openai"] = {"startup_s": v.server.startup_s, "log": logs[frontend],
                                  "binary": f"vLLM OpenAI server ({check.get('vllm_version')})"}
         else:
-            startup_s, t_checks, t_latency, died = _triton_checks(repo, prov, out_dir / logs[frontend], tokenizer,
-                                                                  list(prompts), OfflineTokens(expected, rows,
-                                                                                               served),
-                                                                  max_tokens, concurrent)
+            startup_s, t_checks, t_latency, died = _triton_checks(
+                repo, prov, log_path=out_dir / logs[frontend], tokenizer=tokenizer, prompts=list(prompts),
+                expected=OfflineTokens(expected, rows, served), max_tokens=max_tokens, concurrent=concurrent)
             checks += [{**c, "name": f"triton_{c['name']}", "frontend": "triton"} for c in t_checks]
             latency_ms.update({f"triton_{k}": x for k, x in t_latency.items()})
             servers["triton"] = {"startup_s": startup_s, "log": logs[frontend], "died_with_exit_code": died,
@@ -272,7 +271,7 @@ def verify_vllm(repo: Path, prov: dict, out_dir: Path, prompts: tuple[str, ...],
             "server_startup_s": {f: servers[f]["startup_s"] for f in frontends}, "latency": latency}
 
 
-def _openai_checks(repo: Path, log_path: Path, tokenizer, prompts: list[str], expected: list[list[int]],
+def _openai_checks(repo: Path, log_path: Path, *, tokenizer, prompts: list[str], expected: list[list[int]],
                    max_tokens: int, concurrent: int) -> VllmVerifier:
     from pipeline.serving.vllm_server import VllmServer
 
@@ -287,7 +286,7 @@ def _openai_checks(repo: Path, log_path: Path, tokenizer, prompts: list[str], ex
     return v
 
 
-def _triton_checks(repo: Path, prov: dict, log_path: Path, tokenizer, prompts: list[str], expected: OfflineTokens,
+def _triton_checks(repo: Path, prov: dict, *, log_path: Path, tokenizer, prompts: list[str], expected: OfflineTokens,
                    max_tokens: int, concurrent: int) -> tuple[Optional[float], list[dict], dict, Optional[int]]:
     """Triton's checks (pipeline.serving.verify) on the vllm repository: (startup s, checks, latencies, the
     server's exit code if it died during them)."""
@@ -296,6 +295,6 @@ def _triton_checks(repo: Path, prov: dict, log_path: Path, tokenizer, prompts: l
     from pipeline.serving.verify import triton_checks
 
     server = server_for_target("vllm", repo, frontend="triton", log_path=log_path)
-    v, died = triton_checks(server, repo, model_names(prov["model_name"]), tokenizer, prompts, expected, max_tokens,
-                            concurrent, "vllm")
+    v, died = triton_checks(server, repo, names=model_names(prov["model_name"]), tokenizer=tokenizer, prompts=prompts,
+                            expected=expected, max_tokens=max_tokens, concurrent=concurrent, target="vllm")
     return server.startup_s, [c.as_dict() for c in v.checks], v.latency_ms, died

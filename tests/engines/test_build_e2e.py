@@ -53,7 +53,7 @@ def test_unquantized_cache_runtime_equals_the_rebuilt_checkpoint_model(built, pr
     with CpuRuntime.load(built / "cpu_bundle", quantize_kv_cache=False) as rt:
         for ids in prompt_ids[:4]:
             got = rt.generate(ids, SamplingParams(max_new_tokens=NEW_TOKENS))
-            want = reference.greedy(model, ids, NEW_TOKENS, end_id=rt.eos_token_id)
+            want = reference.greedy(model, ids, max_new_tokens=NEW_TOKENS, end_id=rt.eos_token_id)
             assert reference.compare(got, want)["ok"], (got, want.tokens)
 
 
@@ -71,7 +71,7 @@ def test_int8_cache_runtime_solo_and_eight_at_once(built, prompt_ids):
         assert steps["decode_sequences"] > 4 * steps["decode"]  # the 8 really ran batched (~8 per step)
     report = []
     for ids, s, t in zip(prompt_ids, solo, together):
-        want = reference.greedy(model, ids, NEW_TOKENS, algo, scales, end_id=eos)
+        want = reference.greedy(model, ids, max_new_tokens=NEW_TOKENS, kv_quant_algo=algo, kv_scales=scales, end_id=eos)
         solo_check, together_check = reference.compare(s, want), reference.compare(t, want)
         report.append((solo_check, together_check))
         # one sequence alone: the same arithmetic as the reference, token for token

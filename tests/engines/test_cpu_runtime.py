@@ -75,8 +75,9 @@ def test_an_hf_unified_checkpoints_kv_scale_is_the_larger_of_k_and_v_per_layer(t
 
 
 def test_pool_sizes_allocation_and_release():
-    fp32 = KVBlockPool(3, 2, 8, 4, 10, None)
-    int8 = KVBlockPool(3, 2, 8, 4, 10, "INT8", [0.1] * 3)
+    fp32 = KVBlockPool(3, kv_heads=2, head_dim=8, tokens_per_block=4, num_blocks=10, quant_algo=None)
+    int8 = KVBlockPool(3, kv_heads=2, head_dim=8, tokens_per_block=4, num_blocks=10, quant_algo="INT8",
+                       scales=[0.1] * 3)
     assert fp32.bytes == 4 * int8.bytes == 2 * 3 * 10 * 4 * 2 * 8 * 4
     a = int8.allocate(6)
     assert int8.free_blocks == 4
@@ -90,7 +91,7 @@ def test_pool_refuses_missing_scales():
     from pipeline.errors import IntegrityError
 
     with pytest.raises(IntegrityError, match="one scaling factor per layer"):
-        KVBlockPool(3, 2, 8, 4, 10, "INT8", [0.1])
+        KVBlockPool(3, kv_heads=2, head_dim=8, tokens_per_block=4, num_blocks=10, quant_algo="INT8", scales=[0.1])
 
 
 # ---------------------------------------------------------------- a real bundle of the tiny model
@@ -145,7 +146,7 @@ def test_greedy_equals_the_reference_solo_and_batched(runtime, ref):
     solo = [runtime.generate(p, params) for p in PROMPTS]
     batched = [r.result(timeout=120) for r in [runtime.submit(p, params) for p in PROMPTS]]
     for p, s, b in zip(PROMPTS, solo, batched):
-        want = reference.greedy(model, p, 12, algo, scales)
+        want = reference.greedy(model, p, max_new_tokens=12, kv_quant_algo=algo, kv_scales=scales)
         assert reference.compare(s, want)["equal"], (p, s, want.tokens)  # batch of one: same arithmetic
         check = reference.compare(b, want)
         assert check["ok"], (p, b, want.tokens, check)
@@ -162,8 +163,9 @@ def test_the_runtime_stores_int8_codes_with_the_checkpoint_scales(bundle, runtim
                                                                                     len(scales)))
     with CpuRuntime.load(bundle / "cpu_bundle", quantize_kv_cache=False) as fp32:
         assert fp32.pool.k[0].dtype == torch.float32 and runtime.pool.bytes * 4 == fp32.pool.bytes
-    with_q = [reference.greedy(model, p, 12, algo, scales).logits for p in PROMPTS[:3]]
-    without = [reference.greedy(model, p, 12).logits for p in PROMPTS[:3]]
+    with_q = [reference.greedy(model, p, max_new_tokens=12, kv_quant_algo=algo,
+                               kv_scales=scales).logits for p in PROMPTS[:3]]
+    without = [reference.greedy(model, p, max_new_tokens=12).logits for p in PROMPTS[:3]]
     diff = max(float((a[-1] - b[-1]).abs().max()) for a, b in zip(with_q, without))
     assert diff > 1e-4
 
@@ -319,7 +321,8 @@ def test_chunked_prefill_gives_the_whole_prompts_tokens_and_interleaves_with_dec
         assert whole.steps["packed"] == 0 and whole.steps["prefill_chunks"] == 0
     with CpuRuntime.load(bundle / "cpu_bundle", prefill_chunk=3) as rt:
         for p in PROMPTS:
-            check = reference.compare(rt.generate(p, params), reference.greedy(model, p, 8, algo, scales))
+            check = reference.compare(rt.generate(p, params), reference.greedy(model, p, max_new_tokens=8,
+                                                                               kv_quant_algo=algo, kv_scales=scales))
             assert check["ok"], (p, check)
         long = rt.submit(PROMPTS[0], SamplingParams(max_new_tokens=100, end_id=-1))
         stream = long.stream()

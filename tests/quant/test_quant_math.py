@@ -116,8 +116,8 @@ def test_sensitivity_table_equals_errors_of_a_modelopt_quantized_model(tiny_mode
 
     ids = torch.randint(3, 512, (4, 64), generator=torch.Generator().manual_seed(1))
     alpha = 0.5
-    table = analyse(tiny_model_dir, ids.numpy(), SensitivitySection(formats=(fmt,)),
-                    QuantizationSection(smoothquant_alpha=alpha), fusion_groups_for(target))
+    table = analyse(tiny_model_dir, ids.numpy(), section=SensitivitySection(formats=(fmt,)),
+                    quant=QuantizationSection(smoothquant_alpha=alpha), fusion_groups=fusion_groups_for(target))
     ours = {l["name"]: l["errors"][fmt]["error"] for l in table["layers"]}
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -21,7 +21,7 @@ IDS = torch.randint(3, 512, (4, 64), generator=torch.Generator().manual_seed(2))
 def _errors(model_dir, fmt):
     from pipeline.quant.sensitivity import analyse
 
-    table = analyse(model_dir, IDS.numpy(), SensitivitySection(formats=(fmt,)), QuantizationSection())
+    table = analyse(model_dir, IDS.numpy(), section=SensitivitySection(formats=(fmt,)), quant=QuantizationSection())
     return {l["name"]: l["errors"][fmt]["error"] for l in table["layers"]}, table
 
 
@@ -55,7 +55,8 @@ def test_layerwise_pass_reproduces_the_full_forward(tiny_model_dir):
 
     S._measure_lm_head = spy
     try:
-        S.analyse(tiny_model_dir, IDS.numpy(), SensitivitySection(formats=("int8_wo",)), QuantizationSection())
+        S.analyse(tiny_model_dir, IDS.numpy(), section=SensitivitySection(formats=("int8_wo",)),
+                  quant=QuantizationSection())
     finally:
         S._measure_lm_head = original
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
@@ -68,8 +69,8 @@ def test_awq_group_size_that_does_not_divide_is_a_clear_error(tiny_model_dir):
     from pipeline.quant.sensitivity import analyse
 
     with pytest.raises(InputError, match="does not divide"):
-        analyse(tiny_model_dir, IDS.numpy(), SensitivitySection(formats=("int4_awq",)),
-                QuantizationSection(awq_group_size=128))  # tiny model width 64
+        analyse(tiny_model_dir, IDS.numpy(), section=SensitivitySection(formats=("int4_awq",)),
+                quant=QuantizationSection(awq_group_size=128))  # tiny model width 64
 
 
 def test_stages_write_table_plan_and_plots_and_take_a_hand_edit(tmp_path, outlier_model_dir):
@@ -160,8 +161,8 @@ def test_the_table_records_what_the_target_runs_as_one_gemm(tiny_model_dir, tmp_
 
     calibration = tmp_path / artifacts.CALIBRATION_TOKENS_FILE
     save_file({artifacts.TOKENS_KEY: IDS}, str(calibration))
-    run_analysis(tiny_model_dir, calibration, SensitivitySection(formats=("int8_sq",)), QuantizationSection(),
-                 tmp_path, None, target)
+    run_analysis(tiny_model_dir, calibration, section=SensitivitySection(formats=("int8_sq",)),
+                 quant=QuantizationSection(), out_dir=tmp_path, decision=None, target=target)
     table = json.loads((tmp_path / artifacts.SENSITIVITY_TABLE_JSON).read_text())
     assert table["fusion_groups"] == [["q_proj", "k_proj", "v_proj"]]
     assert table["format_groups"] == groups

@@ -166,8 +166,10 @@ def test_the_read_back_takes_the_reference_in_a_gpus_bfloat16(tmp_path, tiny_mod
     names = [l["name"] for l in json.loads((work / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON).read_text())["layers"]]
     kept = kept_layers(read_plan(work / "plan" / artifacts.PLAN_FILE, names))
     ckpt = out / artifacts.TRTLLM_CHECKPOINT_DIR
-    fp32, _ = streaming.read_back_streamed(ckpt, tiny_model_dir, kept, evals, hidden, "cpu")
-    bf16, _ = streaming.read_back_streamed(ckpt, tiny_model_dir, kept, evals, hidden.to(torch.bfloat16), "cpu")
+    fp32, _ = streaming.read_back_streamed(ckpt, tiny_model_dir, kept=kept, evals=evals, reference_final_hidden=hidden,
+                                           device="cpu")
+    bf16, _ = streaming.read_back_streamed(ckpt, tiny_model_dir, kept=kept, evals=evals,
+                                           reference_final_hidden=hidden.to(torch.bfloat16), device="cpu")
     whole = json.loads((out / "manifest.json").read_text())["summary"]["accuracy"]["from_checkpoint"]
     assert fp32["perplexity_quantized"] == bf16["perplexity_quantized"] == whole["perplexity_quantized"]
     assert fp32["perplexity_original"] == pytest.approx(bf16["perplexity_original"], rel=0.01)

@@ -329,19 +329,20 @@ def test_refuses_base_images_whose_trtllm_differs_from_the_engines(tmp_path):
     pub = img.read_published(make_published(tmp_path, target="tensorrt"))
     rel = tmp_path / "rel"
     with pytest.raises(ConfigError, match="image.base_repository is not set"):
-        img.plan_image(_cfg(), pub, rel)
+        img.plan_image(_cfg(), pub, release_files=rel)
     with pytest.raises(ConfigError, match=r"TensorRT-LLM 1\.2\.1, but the base image tag 25\.12-trtllm-python-py3 "
                                           r"carries TensorRT-LLM 1\.1\.0"):
-        img.plan_image(_cfg(f"image.base_repository={MIRROR}", "image.base_tag=25.12-trtllm-python-py3"), pub, rel)
+        img.plan_image(_cfg(f"image.base_repository={MIRROR}", "image.base_tag=25.12-trtllm-python-py3"), pub,
+                       release_files=rel)
     with pytest.raises(ConfigError, match="not in pipeline.serving.image_tags.TRITON_TRTLLM_TAGS"):
-        img.plan_image(_cfg(f"image.base_repository={MIRROR}", "image.base_tag=my-own-build"), pub, rel)
+        img.plan_image(_cfg(f"image.base_repository={MIRROR}", "image.base_tag=my-own-build"), pub, release_files=rel)
     # a custom base, with its TensorRT-LLM stated, is accepted when it matches
     plan = img.plan_image(_cfg(f"image.base_repository={MIRROR}", "image.base_tag=my-own-build",
-                               "image.base_trtllm_version=1.2.1"), pub, rel)
+                               "image.base_trtllm_version=1.2.1"), pub, release_files=rel)
     assert plan.base.ref == f"{MIRROR}:my-own-build"
     old = img.read_published(make_published(tmp_path / "old", target="tensorrt", trtllm_version="0.9.0"))
     with pytest.raises(ConfigError, match="no Triton tag in"):
-        img.plan_image(_cfg(f"image.base_repository={MIRROR}"), old, rel)
+        img.plan_image(_cfg(f"image.base_repository={MIRROR}"), old, release_files=rel)
 
 
 def test_refuses_repositories_that_cannot_be_served_from_an_image(tmp_path):
@@ -349,22 +350,22 @@ def test_refuses_repositories_that_cannot_be_served_from_an_image(tmp_path):
     gpu = [f"image.base_repository={MIRROR}"]
     bad = make_published(tmp_path / "a", target="tensorrt", parameters={"gpt_model_path": "/home/someone/engine"})
     with pytest.raises(InputError, match="triton.serving_repository_path=/models"):
-        img.plan_image(_cfg(*gpu), img.read_published(bad), rel)
+        img.plan_image(_cfg(*gpu), img.read_published(bad), release_files=rel)
     ok = make_published(tmp_path / "b", target="tensorrt")  # /models/... and empty parameters
-    img.plan_image(_cfg(*gpu), img.read_published(ok), rel)
+    img.plan_image(_cfg(*gpu), img.read_published(ok), release_files=rel)
     missing = make_published(tmp_path / "b2", target="tensorrt",
                              parameters={"gpt_model_path": f"{img.IMAGE_MODEL_REPOSITORY}/smollm2_tensorrt_llm/2/engine"})
     with pytest.raises(InputError, match="does not have"):
-        img.plan_image(_cfg(*gpu), img.read_published(missing), rel)
+        img.plan_image(_cfg(*gpu), img.read_published(missing), release_files=rel)
     leftover = make_published(tmp_path / "c")
     cfg_file = leftover / "smollm2_tensorrt_llm" / "config.pbtxt"
     cfg_file.write_text(cfg_file.read_text().replace("cpu_bundle", "${engine_dir}"))
     with pytest.raises(InputError, match="unfilled"):
-        img.plan_image(_cfg(), img.read_published(leftover), rel)
+        img.plan_image(_cfg(), img.read_published(leftover), release_files=rel)
     linked = make_published(tmp_path / "d")
     (linked / "smollm2_tensorrt_llm" / "1" / "weights").symlink_to(tmp_path)
     with pytest.raises(InputError, match="symlink"):
-        img.plan_image(_cfg(), img.read_published(linked), rel)
+        img.plan_image(_cfg(), img.read_published(linked), release_files=rel)
     broken = make_published(tmp_path / "e", repository_digest="not-a-digest")
     with pytest.raises(InputError, match="not a sha256"):
         img.read_published(broken)

@@ -113,7 +113,8 @@ def setup(tmp_path, tiny_model_dir, tiny_tokenizer_dir):
     def run(config, name="tiny"):
         out = work / ".staging" / f"publish-{next(counter)}"
         out.mkdir(parents=True)
-        summary = pub.publish(config, name, work, work / "build", work / "model" / "hf_model", out)
+        summary = pub.publish(config, name, work_dir=work, build_dir=work / "build",
+                              model_dir=work / "model" / "hf_model", out_dir=out)
         return summary, out / artifacts.MODEL_REPOSITORY_DIR
 
     return load, work, run
@@ -196,8 +197,8 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
     configs = _configs(snap)
     llm = configs[names.tensorrt_llm]
     params = _params(llm)
-    cpu_io = _io(pub.build_model_configs(config.triton, {**settings, "target": "cpu"}, names, 1,
-                                         "/models")[names.tensorrt_llm])
+    cpu_io = _io(pub.build_model_configs(config.triton, {**settings, "target": "cpu"}, names=names, version=1,
+                                         serving_root="/models")[names.tensorrt_llm])
     assert _io(llm) == cpu_io  # one I/O for every target: everything around tensorrt_llm is shared
     assert llm.max_batch_size == settings["max_batch_size"]
     assert llm.model_transaction_policy.decoupled
@@ -267,8 +268,8 @@ def test_a_vllm_repository_serves_one_export_to_triton_and_to_vllms_server(setup
     assert set(configs) == set(names.all())
     llm = configs[names.tensorrt_llm]
     settings = json.loads((work / "build" / artifacts.BUILD_SETTINGS_FILE).read_text())
-    cpu_io = _io(pub.build_model_configs(config.triton, {**settings, "target": "cpu"}, names, 1,
-                                         "/models")[names.tensorrt_llm])
+    cpu_io = _io(pub.build_model_configs(config.triton, {**settings, "target": "cpu"}, names=names, version=1,
+                                         serving_root="/models")[names.tensorrt_llm])
     assert _io(llm) == cpu_io and llm.backend == "python"
     assert _params(llm) == {"model_dir": artifacts.VLLM_MODEL_DIR, "priority_levels": "0", "default_priority_level": "0",
                             **WATCHDOG_DEFAULTS}
@@ -348,7 +349,8 @@ KILL_AT = textwrap.dedent("""
     out = work / ".staging" / "publish-killed"
     out.mkdir(parents=True)
     config = load_config(sys.argv[2], sys.argv[4:]).config
-    pub.publish(config, "tiny", work, work / "build", work / "model" / "hf_model", out)
+    pub.publish(config, "tiny", work_dir=work, build_dir=work / "build", model_dir=work / "model" / "hf_model",
+                out_dir=out)
     """)
 
 

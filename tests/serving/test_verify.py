@@ -129,7 +129,8 @@ def test_a_wrong_token_is_caught_and_a_near_tie_is_not(tiny):
     good = expected.tokens[0]
     assert expected.judge(0, good) == {"ok": True, "equal": True}
     model, algo, scales = reference.load_reference(bundle)
-    ref = reference.greedy(model, expected.prompt_ids[0], 8, algo, scales, end_id=expected.end_id)
+    ref = reference.greedy(model, expected.prompt_ids[0], max_new_tokens=8, kv_quant_algo=algo, kv_scales=scales,
+                           end_id=expected.end_id)
     row = ref.logits[2]
     runner_up = int(row.topk(2).indices[1])
     worst = int(row.argmin())
@@ -166,7 +167,8 @@ work = Path(sys.argv[2])
 out = work / ".staging" / "publish-killed"
 out.mkdir(parents=True, exist_ok=True)
 config = load_config(sys.argv[1], sys.argv[3:]).config
-pub.publish(config, "tiny", work, work / "build", work / "model" / "hf_model", out)
+pub.publish(config, "tiny", work_dir=work, build_dir=work / "build", model_dir=work / "model" / "hf_model",
+            out_dir=out)
 """
 
 

@@ -48,7 +48,7 @@ class Watchdog:
     """Counts failed requests and samples memory; calls ``on_trip(cause)`` once, the first time a limit is
     passed. ``clock`` and ``rss`` are injectable for tests."""
 
-    def __init__(self, errors_per_minute: int = 0, memory_mb_per_s: float = 0.0, memory_window_s: float = 300.0,
+    def __init__(self, *, errors_per_minute: int = 0, memory_mb_per_s: float = 0.0, memory_window_s: float = 300.0,
                  on_trip: Optional[Callable[[str], None]] = None, clock: Callable[[], float] = time.monotonic,
                  rss: Callable[[], int] = resident_bytes):
         self.errors_per_minute, self.memory_mb_per_s = int(errors_per_minute), float(memory_mb_per_s)

@@ -71,7 +71,7 @@ def timing_cache_path(cfg, gpu: GPU) -> Path:
     return Path(base) / f"{label}-sm{gpu.sm}-trtllm{cfg.build.trtllm_version}.cache"
 
 
-def trtllm_build_argv(ckpt_dir: Path, engine_dir: Path, cfg, gpu: Optional[GPU], facts: QuantFacts,
+def trtllm_build_argv(ckpt_dir: Path, engine_dir: Path, *, cfg, gpu: Optional[GPU], facts: QuantFacts,
                       input_timing_cache: Optional[Path] = None, output_timing_cache: Optional[Path] = None,
                       gpu_count: int = 1) -> list[str]:
     """The trtllm-build arguments (without the program name) for the config, checkpoint and GPU."""
@@ -208,19 +208,22 @@ def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     cache.parent.mkdir(parents=True, exist_ok=True)
     reused = cache.is_file()
     cache_out = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")  # moved into place only after a good build
-    args = trtllm_build_argv(ckpt_dir, engine_dir, cfg, gpu, facts, cache if reused else None, cache_out,
+    args = trtllm_build_argv(ckpt_dir, engine_dir, cfg=cfg, gpu=gpu, facts=facts,
+                             input_timing_cache=cache if reused else None, output_timing_cache=cache_out,
                              gpu_count=len(env.gpus))
     log.info("trtllm-build on %s (SM %d), %d rank(s); timing cache %s (%s)", gpu.name, gpu.sm, facts.world_size,
              cache, "reused" if reused else "new")
-    engine = _run_trtllm_build(env, args, facts, out_dir, engine_dir, cache, cache_out)
+    engine = _run_trtllm_build(env, args, facts=facts, out_dir=out_dir, engine_dir=engine_dir, cache=cache,
+                               cache_out=cache_out)
     build_s = round(time.perf_counter() - t0, 1)
     shown = [{str(ckpt_dir): "{checkpoint_dir}", str(engine_dir): "{output_dir}"}.get(a, a) for a in args]
     provenance = _provenance(env, gpu, ckpt_hash, {"engine_version": engine["engine_version"],
                                                   "trtllm_build_argv": shown,
                                                   "timing_cache": {"file": cache.name, "reused": reused}})
     atomic_write_json(engine_dir / artifacts.BUILD_PROVENANCE_FILE, provenance)
-    settings = build_settings(cfg, "tensorrt", artifacts.ENGINE_DIR, facts.kv_cache_quant_algo,
-                              cuda_graph_settings(cfg.build), env.trtllm_version, provenance, ckpt_hash,
+    settings = build_settings(cfg, "tensorrt", artifact_dir=artifacts.ENGINE_DIR, kv_algo=facts.kv_cache_quant_algo,
+                              cuda_graphs=cuda_graph_settings(cfg.build), trtllm_version=env.trtllm_version,
+                              provenance=provenance, ckpt_hash=ckpt_hash,
                               enable_chunked_context=chunked_context(cfg.build, facts, gpu.sm))
     atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
     return {"target": "tensorrt", "checkpoint_sha256": ckpt_hash, "quant_algo": facts.quant_algo,
@@ -230,7 +233,7 @@ def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
             "cuda_graphs": settings["cuda_graphs"], "timing_cache_reused": reused, "timing_s": build_s}
 
 
-def _run_trtllm_build(env: Environment, args: list[str], facts: QuantFacts, out_dir: Path, engine_dir: Path,
+def _run_trtllm_build(env: Environment, args: list[str], *, facts: QuantFacts, out_dir: Path, engine_dir: Path,
                       cache: Path, cache_out: Path) -> dict:
     """trtllm-build with its log in out_dir, the engine directory checked, and the timing cache it wrote
     (cache_out) moved into place only after a good build; returns check_engine_dir's summary."""
@@ -323,8 +326,9 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
               f"{artifacts.LLM_API_CHECKPOINT_DIR} --extra_llm_api_options {artifacts.LLM_API_OPTIONS_FILE}\n")
     atomic_write_text(dest / artifacts.LLM_API_OPTIONS_FILE, header + yaml.safe_dump(opts, sort_keys=False))
     provenance = _provenance(env, gpu, ckpt_hash, {"llm_api_options": opts})
-    settings = build_settings(cfg, "pytorch", artifacts.LLM_API_DIR, facts.kv_cache_quant_algo,
-                              cuda_graph_settings(cfg.build), env.trtllm_version, provenance, ckpt_hash)
+    settings = build_settings(cfg, "pytorch", artifact_dir=artifacts.LLM_API_DIR, kv_algo=facts.kv_cache_quant_algo,
+                              cuda_graphs=cuda_graph_settings(cfg.build), trtllm_version=env.trtllm_version,
+                              provenance=provenance, ckpt_hash=ckpt_hash)
     atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
     return {"target": "pytorch", "checkpoint_sha256": ckpt_hash, "quant_algo": facts.quant_algo,
             "kv_cache_quant_algo": facts.kv_cache_quant_algo, "gpu": gpu.name, "gpu_sm": gpu.sm,

@@ -284,7 +284,7 @@ class _Ranks:
         return sorted(set().union(*self.keys) - self.read_keys)
 
 
-def _read_linear(ranks: _Ranks, name: str, fmt: tuple, kind: str, split: Optional[list[int]] = None,
+def _read_linear(ranks: _Ranks, name: str, *, fmt: tuple, kind: str, split: Optional[list[int]] = None,
                  expert: Optional[int] = None) -> list[Linear]:
     """The checkpoint linear ``name`` (``fmt``: its quant_algo and group size) joined across ranks: kind column
     (split on outputs) or row (on inputs); ``split``: the per-rank output widths to cut it into (fused q/k/v,
@@ -444,16 +444,18 @@ def _moe_shape(hf) -> tuple[Any, int, int]:
             getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
 
 
-def _attention(ranks: _Ranks, p: str, h: str, layer_format, qkv_split: list[int], heads: tuple,
+def _attention(ranks: _Ranks, p: str, *, h: str, layer_format, qkv_split: list[int], heads: tuple,
                facts: ExportFacts) -> tuple[Any, dict[str, Linear]]:
     """A layer's q/k/v and o_proj (HF name -> Linear) with q/k/v's smoothing folded into the input norm (returned)
     and o_proj's into v_proj's rows where ``heads`` (query heads, KV heads, head dim) allow it."""
-    q, k, v = _read_linear(ranks, f"{p}.attention.qkv", layer_format(f"{p}.attention.qkv"), "qkv", qkv_split)
-    o, = _read_linear(ranks, f"{p}.attention.dense", layer_format(f"{p}.attention.dense"), "row")
+    q, k, v = _read_linear(ranks, f"{p}.attention.qkv", fmt=layer_format(f"{p}.attention.qkv"), kind="qkv",
+                           split=qkv_split)
+    o, = _read_linear(ranks, f"{p}.attention.dense", fmt=layer_format(f"{p}.attention.dense"), kind="row")
     qkv = {f"{h}.self_attn.{m}_proj": l for m, l in zip("qkv", (q, k, v))}
     one_format(qkv, facts)
     ln_in = _fold_into_norm(ranks.one(f"{p}.input_layernorm.weight").float(), qkv, "input_layernorm", facts)
-    _fold_into_rows(v, o, f"{h}.self_attn.o_proj", "v_proj rows", facts, heads=heads if heads[0] != heads[1] else None)
+    _fold_into_rows(v, o, name=f"{h}.self_attn.o_proj", where="v_proj rows", facts=facts,
+                    heads=heads if heads[0] != heads[1] else None)
     if len({l.algo for l in (q, k, v)}) != 1:
         raise IntegrityError(f"{h}: vLLM fuses q/k/v, which must share one format ({[l.algo for l in (q, k, v)]})")
     return ln_in, {**qkv, f"{h}.self_attn.o_proj": o}
@@ -475,17 +477,17 @@ def _kv_scales(ranks: _Ranks, p: str) -> Optional[tuple[float, float]]:
 def _dense_mlp(ranks: _Ranks, p: str, h: str, layer_format, facts: ExportFacts) -> dict[str, Linear]:
     """A dense MLP's gate/up/down (HF name -> Linear) with down_proj's smoothing folded into up_proj's rows;
     gate/up's is left for the norm."""
-    gate, = _read_linear(ranks, f"{p}.mlp.fc", layer_format(f"{p}.mlp.fc"), "column")
-    up, = _read_linear(ranks, f"{p}.mlp.gate", layer_format(f"{p}.mlp.gate"), "column")
-    down, = _read_linear(ranks, f"{p}.mlp.proj", layer_format(f"{p}.mlp.proj"), "row")
+    gate, = _read_linear(ranks, f"{p}.mlp.fc", fmt=layer_format(f"{p}.mlp.fc"), kind="column")
+    up, = _read_linear(ranks, f"{p}.mlp.gate", fmt=layer_format(f"{p}.mlp.gate"), kind="column")
+    down, = _read_linear(ranks, f"{p}.mlp.proj", fmt=layer_format(f"{p}.mlp.proj"), kind="row")
     one_format({f"{h}.mlp.gate_proj": gate, f"{h}.mlp.up_proj": up}, facts)
-    _fold_into_rows(up, down, f"{h}.mlp.down_proj", "up_proj rows", facts)
+    _fold_into_rows(up, down, name=f"{h}.mlp.down_proj", where="up_proj rows", facts=facts)
     if gate.algo != up.algo:
         raise IntegrityError(f"{h}: vLLM fuses gate/up, which must share one format ({[gate.algo, up.algo]})")
     return {f"{h}.mlp.gate_proj": gate, f"{h}.mlp.up_proj": up, f"{h}.mlp.down_proj": down}
 
 
-def _moe_mlp(ranks: _Ranks, p: str, block: str, moe, inter: int, layer_format, norm,
+def _moe_mlp(ranks: _Ranks, p: str, *, block: str, moe, inter: int, layer_format, norm,
              facts: ExportFacts) -> tuple[Any, dict[str, Linear], dict[str, Linear]]:
     """An MoE layer (``block``: its HF path, e.g. model.layers.3.block_sparse_moe): the router, kept in high
     precision (it is in the config's ignore list), and every expert's gate/up/down read one at a time from the
@@ -503,15 +505,15 @@ def _moe_mlp(ranks: _Ranks, p: str, block: str, moe, inter: int, layer_format, n
     ups, gates, downs = {}, {}, {}
     for e in range(ranks.experts):
         x = f"{block}.{leaf}.{e}"
-        ups[f"{x}.{up_name}"], gates[f"{x}.{gate_name}"] = _read_linear(
-            ranks, f"{p}.mlp.fc", fc_fmt, "column", [inter, inter], expert=e)  # each rank: up rows, then gate rows
-        downs[f"{x}.{moe.down}"], = _read_linear(ranks, f"{p}.mlp.proj", proj_fmt, "row", expert=e)
+        ups[f"{x}.{up_name}"], gates[f"{x}.{gate_name}"] = _read_linear(  # each rank: up rows, then gate rows
+            ranks, f"{p}.mlp.fc", fmt=fc_fmt, kind="column", split=[inter, inter], expert=e)
+        downs[f"{x}.{moe.down}"], = _read_linear(ranks, f"{p}.mlp.proj", fmt=proj_fmt, kind="row", expert=e)
     one_format({**gates, **ups}, facts)
     one_format(downs, facts)
     if fc_fmt[0] != proj_fmt[0]:
         one_format({**gates, **ups, **downs}, facts)  # formats differ: everything quantized goes high precision
     for up, (down_name, down) in zip(ups.values(), downs.items()):
-        _fold_into_rows(up, down, down_name, "expert up rows", facts)
+        _fold_into_rows(up, down, name=down_name, where="expert up rows", facts=facts)
     router_name = f"{block}.{moe.router.rsplit('.', 1)[-1]}"
     norm = _fold_into_norm(norm, {router_name: router, **gates, **ups}, "post_attention_layernorm", facts)
     every = {**gates, **ups, **downs}
@@ -521,7 +523,7 @@ def _moe_mlp(ranks: _Ranks, p: str, block: str, moe, inter: int, layer_format, n
     return norm, {router_name: router}, experts
 
 
-def _fold_into_rows(target: Linear, lin: Linear, name: str, where: str, facts: ExportFacts,
+def _fold_into_rows(target: Linear, lin: Linear, *, name: str, where: str, facts: ExportFacts,
                     heads: Optional[tuple] = None, rows=None):
     """``lin``'s (HF ``name``) pre-quant scale into the output rows of ``target`` (which produces its input):
     all of them, or ``rows`` (an index tensor, in the order of ``lin``'s inputs: a part of a linear fused on
@@ -650,14 +652,15 @@ def _write_linear(writer: ShardWriter, hf_name: str, lin: Linear, dtype, per_ten
         writer.add(f"{hf_name}.bias", lin.bias.to(dtype).clone())
 
 
-def export_for_vllm(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bfloat16",
+def export_for_vllm(ckpt_dir: Path, model_dir: Path, *, out_dir: Path, dtype: str = "bfloat16",
                     max_shard_bytes: int = MAX_SHARD_BYTES, kv_scales: bool = False) -> dict:
     """Write ``out_dir`` (a new folder): the weights (one file or shards and an index), config.json with the
     quantization_config, the tokenizer files. ``kv_scales``: vLLM serves an FP8 E4M3 KV cache, so the
     checkpoint's calibrated KV-cache scales are written for it (see the module's docstring). Returns the
     export's facts."""
-    return into_new_folder(Path(out_dir), lambda folder: _export(Path(ckpt_dir), Path(model_dir), folder, dtype,
-                                                                 max_shard_bytes, kv_scales))
+    return into_new_folder(Path(out_dir), lambda folder: _export(Path(ckpt_dir), Path(model_dir), out_dir=folder,
+                                                                 dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                                                 kv_scales=kv_scales))
 
 
 def into_new_folder(out_dir: Path, write) -> dict:
@@ -740,7 +743,7 @@ class Written:
                 "kv_cache_scales": {a: list(kv) for a, kv in self.kv_scales.items()}}
 
 
-def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_bytes: int,
+def _export(ckpt_dir: Path, model_dir: Path, *, out_dir: Path, dtype: str, max_shard_bytes: int,
             kv_scales: bool) -> dict:
     from transformers import AutoConfig
 
@@ -767,7 +770,8 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
     final_norm = ranks.one("transformer.ln_f.weight").float()  # written last: lm_head's smoothing may fold into it
     for i in range(hf.num_hidden_layers):
         p, h = f"transformer.layers.{i}", f"model.layers.{i}"
-        ln_in, attention = _attention(ranks, p, h, layer_format, qkv_split, (n_heads, n_kv, head_dim), facts)
+        ln_in, attention = _attention(ranks, p, h=h, layer_format=layer_format, qkv_split=qkv_split,
+                                      heads=(n_heads, n_kv, head_dim), facts=facts)
         kv = _kv_scales(ranks, p)
         if kv_scales and kv_algo:
             if kv is None:
@@ -775,8 +779,9 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
             out.put_kv_scales(f"{h}.self_attn", *(fp8_kv_scale(x, kv_algo) for x in kv))
         ln_post = ranks.one(f"{p}.post_layernorm.weight").float()
         if moe is not None and ranks.has(f"{p}.mlp.router.weight"):  # a family may keep some layers dense
-            ln_post, mlp, experts = _moe_mlp(ranks, p, f"{h}.{moe.experts.rsplit('.', 1)[0]}", moe,
-                                             expert_inter // tp, layer_format, ln_post, facts)
+            ln_post, mlp, experts = _moe_mlp(ranks, p, block=f"{h}.{moe.experts.rsplit('.', 1)[0]}", moe=moe,
+                                             inter=expert_inter // tp, layer_format=layer_format, norm=ln_post,
+                                             facts=facts)
         else:
             mlp, experts = _dense_mlp(ranks, p, h, layer_format, facts), {}
             ln_post = _fold_into_norm(ln_post, {n: mlp[n] for n in (f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj")},
@@ -792,7 +797,7 @@ def _export(ckpt_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shar
             out.put(name, lin, expert=True)
     tied = getattr(hf, "tie_word_embeddings", False)
     if ranks.has("lm_head.weight"):
-        head, = _read_linear(ranks, "lm_head", layer_format("lm_head"), "column")
+        head, = _read_linear(ranks, "lm_head", fmt=layer_format("lm_head"), kind="column")
         final_norm = fold_head(final_norm, head, hf.vocab_size, facts)
         out.put("lm_head", head)
         tied = False

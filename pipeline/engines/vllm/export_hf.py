@@ -54,13 +54,14 @@ SKIPPED = ("weight_scale_2",)  # W4A8's second scale (refused by its algo)
 KV_SCALES = ("k_scale", "v_scale")
 
 
-def export_hf_for_vllm(hf_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bfloat16",
+def export_hf_for_vllm(hf_dir: Path, model_dir: Path, *, out_dir: Path, dtype: str = "bfloat16",
                        max_shard_bytes: int = MAX_SHARD_BYTES, kv_scales: bool = False) -> dict:
     """Write ``out_dir`` (a new folder) from the HF unified checkpoint ``hf_dir``: the weights, config.json with
     the quantization_config, the tokenizer files; ``kv_scales``: the KV-cache scales for vLLM's FP8 KV cache.
     Returns the export's facts."""
-    return into_new_folder(Path(out_dir), lambda folder: _export(Path(hf_dir), Path(model_dir), folder, dtype,
-                                                                 max_shard_bytes, kv_scales))
+    return into_new_folder(Path(out_dir), lambda folder: _export(Path(hf_dir), Path(model_dir), out_dir=folder,
+                                                                 dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                                                 kv_scales=kv_scales))
 
 
 class _Checkpoint:
@@ -161,7 +162,8 @@ def _attention(ckpt: _Checkpoint, h: str, hf, layout, facts: ExportFacts) -> tup
     one_format(qkv, facts)
     v = list(qkv.values())[-1]  # v_proj, or a fused qkv_proj whose last rows are v's
     start = 0 if len(qkv) == 3 else (n_heads + n_kv) * head_dim
-    _fold_into_rows(v, o, o_name, "v_proj rows", facts, heads=(n_heads, n_kv, head_dim) if n_heads != n_kv else None,
+    _fold_into_rows(v, o, name=o_name, where="v_proj rows", facts=facts,
+                    heads=(n_heads, n_kv, head_dim) if n_heads != n_kv else None,
                     rows=None if len(qkv) == 3 else torch.arange(start, start + n_kv * head_dim))
     return [(layout.attn_norm, qkv)], {**qkv, o_name: o}
 
@@ -195,7 +197,7 @@ def _mla_attention(ckpt: _Checkpoint, h: str, hf, facts: ExportFacts) -> tuple[l
         facts.mla_kv_b_dequantized.append(f"{a}.kv_b_proj")
     nope, v = hf.qk_nope_head_dim, hf.v_head_dim
     value_rows = (torch.arange(hf.num_attention_heads)[:, None] * (nope + v) + nope + torch.arange(v)).reshape(-1)
-    _fold_into_rows(kv_b, o, f"{a}.o_proj", "kv_b_proj value rows", facts, rows=value_rows)
+    _fold_into_rows(kv_b, o, name=f"{a}.o_proj", where="kv_b_proj value rows", facts=facts, rows=value_rows)
     groups.append(("self_attn.kv_a_layernorm", {f"{a}.kv_b_proj": kv_b}))
     return groups, {**linears, f"{a}.kv_b_proj": kv_b, f"{a}.o_proj": o}
 
@@ -209,7 +211,7 @@ def _gated_mlp(ckpt: _Checkpoint, gate_up: list[str], down_name: str, inter: int
     pair = {n: ckpt.linear(n) for n in gate_up}
     down = ckpt.linear(down_name)
     one_format(pair, facts)
-    _fold_into_rows(list(pair.values())[-1], down, down_name, "up_proj rows", facts,
+    _fold_into_rows(list(pair.values())[-1], down, name=down_name, where="up_proj rows", facts=facts,
                     rows=None if len(pair) == 2 else torch.arange(inter, 2 * inter))
     return pair, {down_name: down}
 
@@ -249,7 +251,7 @@ def _moe(ckpt: _Checkpoint, h: str, hf, moe, facts: ExportFacts) -> tuple[list, 
     return [("post_attention_layernorm", members)], linears
 
 
-def _export(hf_dir: Path, model_dir: Path, out_dir: Path, dtype: str, max_shard_bytes: int, kv_scales: bool) -> dict:
+def _export(hf_dir: Path, model_dir: Path, *, out_dir: Path, dtype: str, max_shard_bytes: int, kv_scales: bool) -> dict:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(model_dir)

@@ -40,7 +40,7 @@ FP8_E4M3_KV = ("fp8", "fp8_e4m3")  # vLLM's KV-cache dtypes the export writes sc
 REFERENCE_HEADROOM_BYTES = 1 << 30  # activations and logits of a 256-token forward, besides the fp32 weights
 
 
-def reference_figures(ckpt_dir: Path, model_dir: Path, prompt_ids: list[list[int]], evaluation: list[list[int]],
+def reference_figures(ckpt_dir: Path, model_dir: Path, *, prompt_ids: list[list[int]], evaluation: list[list[int]],
                       max_tokens: int, end_id, streamed: bool = False, hf_checkpoint: bool = False) -> dict:
     """(child process) The simulated model's greedy tokens and logits per prompt, and the simulated and the
     original model's top-1 token at each evaluation position. ``streamed``: both models hold one decoder layer
@@ -60,7 +60,7 @@ def reference_figures(ckpt_dir: Path, model_dir: Path, prompt_ids: list[list[int
             return [model(torch.tensor([seq])).logits[0, :-1].argmax(-1).tolist() for seq in evaluation]
 
     sim, _ = rebuild_hf(ckpt_dir) if hf_checkpoint else rebuild(ckpt_dir, model_dir, streamed=streamed)
-    greedy = [reference.greedy(sim, p, max_tokens, end_id=end_id) for p in prompt_ids]
+    greedy = [reference.greedy(sim, p, max_new_tokens=max_tokens, end_id=end_id) for p in prompt_ids]
     out = {"greedy": [(g.tokens, [row.tolist() for row in g.logits]) for g in greedy], "sim_top1": top1(sim)}
     del sim
     hf = AutoConfig.from_pretrained(model_dir)
@@ -90,7 +90,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file: Path, cfg, out_dir: Path,
+def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_file: Path, cfg, out_dir: Path,
                hf_checkpoint: bool = False) -> dict:
     """Export, write the engine arguments, check the export in vLLM, write build_settings.json. ``hf_checkpoint``:
     ``ckpt_dir`` is the HF unified checkpoint (a family with no TensorRT-LLM checkpoint here), exported by
@@ -118,8 +118,9 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     runtime.check_cpu_experts(cfg, ckpt_dir)
     args, env = ea.engine_args(cfg), ea.engine_env(cfg)
     exported, _ = run_in_child(export_hf_for_vllm if hf_checkpoint else export_for_vllm, ckpt_dir, model_dir,
-                               export_dir, cfg.vllm.dtype, MAX_SHARD_BYTES, args["kv_cache_dtype"] in FP8_E4M3_KV,
-                               log_path=log_path, what="the vLLM export")
+                               out_dir=export_dir, dtype=cfg.vllm.dtype, max_shard_bytes=MAX_SHARD_BYTES,
+                               kv_scales=args["kv_cache_dtype"] in FP8_E4M3_KV, log_path=log_path,
+                               what="the vLLM export")
     atomic_write_json(export_dir / artifacts.VLLM_ENGINE_FILE, {
         "vllm_version": version, "server_module": ea.SERVER_MODULE, "server_flags": ea.server_flags(args),
         "engine_args": args, "env": env})
@@ -138,8 +139,9 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
             f"the vLLM check's reference, the HF unified checkpoint rebuilt in fp32, is held whole, and "
             f"{fp32_bytes / 2**30:.1f} GiB and its forward's do not fit this machine's "
             f"memory bound {bound}: run the build on a machine with more memory")
-    ref, _ = run_in_child(reference_figures, ckpt_dir, model_dir, prompt_ids, evaluation, CHECK_TOKENS,
-                          tok.eos_token_id, streamed, hf_checkpoint, log_path=log_path, bound=bound,
+    ref, _ = run_in_child(reference_figures, ckpt_dir, model_dir, prompt_ids=prompt_ids, evaluation=evaluation,
+                          max_tokens=CHECK_TOKENS, end_id=tok.eos_token_id, streamed=streamed,
+                          hf_checkpoint=hf_checkpoint, log_path=log_path, bound=bound,
                           what="the simulated model's reference figures")
     kv_problem = served_kv_problem(exported.get("kv_cache_scales") or {}, got["kv_cache"], args["kv_cache_dtype"])
     if kv_problem:
@@ -193,7 +195,8 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, eval_tokens: Path, accuracy_file
     graphs = {"enabled": not args["enforce_eager"], "batch_sizes": [], "enable_padding": False,
               "cuda_graph_mode": False, "cuda_graph_cache_size": 0}
     provenance = {"runtime": f"vLLM {version} ({cfg.vllm.device})", "vllm": version, "export": exported}
-    settings = build_settings(cfg, "vllm", EXPORT_DIR, args["kv_cache_dtype"], graphs, None, provenance, ckpt_hash,
+    settings = build_settings(cfg, "vllm", artifact_dir=EXPORT_DIR, kv_algo=args["kv_cache_dtype"], cuda_graphs=graphs,
+                              trtllm_version=None, provenance=provenance, ckpt_hash=ckpt_hash,
                               enable_chunked_context=True)
     atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
     return {"target": "vllm", "vllm": version, "checkpoint_sha256": ckpt_hash, "export": exported,
@@ -206,6 +209,6 @@ def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
     """The vllm target's build (pipeline.targets.vllm): export ``ckpt_dir`` and check it in vLLM against the
     quantize stage's accuracy figures."""
     return build_vllm(ckpt_dir, ctx.upstream("model") / artifacts.MODEL_DIR,
-                      ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
-                      ctx.upstream("quantize") / artifacts.ACCURACY_FILE, ctx.config, ctx.out_dir,
-                      hf_checkpoint=hf_checkpoint)
+                      eval_tokens=ctx.upstream("text") / artifacts.EVALUATION_TOKENS_FILE,
+                      accuracy_file=ctx.upstream("quantize") / artifacts.ACCURACY_FILE, cfg=ctx.config,
+                      out_dir=ctx.out_dir, hf_checkpoint=hf_checkpoint)

@@ -38,7 +38,7 @@ IMG_DIR = "img"
 TOP_LAYERS = 15  # rows of the sensitivity table on the page (the full table is linked)
 
 
-def add_sections(doc: Doc, work_dir: Path, out_dir: Path, manifests: dict[str, Optional[dict]], summary: dict,
+def add_sections(doc: Doc, work_dir: Path, *, out_dir: Path, manifests: dict[str, Optional[dict]], summary: dict,
                  chain: list[dict], alerts: Optional[AlertsSection] = None) -> None:
     """Every section, in page order; plots and the full sensitivity table are copied into out_dir. ``alerts``:
     the config's alert thresholds (their defaults if None)."""

@@ -31,7 +31,7 @@ def render(work_dir: Path, out_dir: Path, description: str = "", alerts=None) ->
         doc.p(description)
     if summary.get("reference_runtime"):
         doc.p("Served by the **CPU reference runtime**: correctness and wiring, not TensorRT speed.")
-    add_sections(doc, work_dir, out_dir, manifests, summary, chain, alerts)
+    add_sections(doc, work_dir, out_dir=out_dir, manifests=manifests, summary=summary, chain=chain, alerts=alerts)
     (out_dir / artifacts.REPORT_MD).write_text(doc.markdown(), encoding="utf-8")
     (out_dir / artifacts.REPORT_HTML).write_text(doc.html(title), encoding="utf-8")
     summary["hash_chain"] = chain

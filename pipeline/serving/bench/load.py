@@ -140,7 +140,7 @@ def _stream_inputs(text: str, max_tokens: int, end_id: Optional[int], priority: 
     return out
 
 
-async def one_request(client, model: str, prompt: Prompt, max_tokens: int, end_id: Optional[int],
+async def one_request(client, model: str, *, prompt: Prompt, max_tokens: int, end_id: Optional[int],
                       timeout_s: float, priority: Optional[int] = None) -> RequestRecord:
     """One request on its own gRPC stream (``client``: tritonclient's asyncio gRPC client); the stream ends
     after the request's final response. ``priority``: its class, where the repository has request classes."""
@@ -179,22 +179,24 @@ async def _closed_loop(send, prompts: list[Prompt], concurrency: int) -> tuple[l
     return records, time.perf_counter() - t0
 
 
-async def _drive(grpc_url: str, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
+async def _drive(grpc_url: str, model: str, *, prompts: list[Prompt], concurrency: int, max_tokens: int,
                  end_id: Optional[int], timeout_s: float) -> tuple[list[RequestRecord], float]:
     import tritonclient.grpc.aio as grpcaio  # optional and heavy (gRPC stubs): only when a load is driven
 
     client = grpcaio.InferenceServerClient(grpc_url)
     try:
-        return await _closed_loop(lambda p: one_request(client, model, p, max_tokens, end_id, timeout_s),
+        return await _closed_loop(lambda p: one_request(client, model, prompt=p, max_tokens=max_tokens, end_id=end_id,
+                                                        timeout_s=timeout_s),
                                   prompts, concurrency)
     finally:
         await client.close()
 
 
-def drive(grpc_url: str, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
+def drive(grpc_url: str, model: str, *, prompts: list[Prompt], concurrency: int, max_tokens: int,
           end_id: Optional[int] = -1, timeout_s: float = 300.0) -> tuple[list[RequestRecord], float]:
     """Send every prompt with ``concurrency`` requests in flight; (records in completion order, wall seconds)."""
-    return asyncio.run(_drive(grpc_url, model, prompts, concurrency, max_tokens, end_id, timeout_s))
+    return asyncio.run(_drive(grpc_url, model, prompts=prompts, concurrency=concurrency, max_tokens=max_tokens,
+                              end_id=end_id, timeout_s=timeout_s))
 
 
 async def _openai_request(client, model: str, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> RequestRecord:
@@ -215,7 +217,7 @@ async def _openai_request(client, model: str, prompt: Prompt, max_tokens: int, i
     return _ended(rec)
 
 
-async def _drive_openai(base_url: str, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
+async def _drive_openai(base_url: str, model: str, *, prompts: list[Prompt], concurrency: int, max_tokens: int,
                         ignore_eos: bool, timeout_s: float) -> tuple[list[RequestRecord], float]:
     from openai import AsyncOpenAI
 
@@ -227,10 +229,11 @@ async def _drive_openai(base_url: str, model: str, prompts: list[Prompt], concur
         await client.close()
 
 
-def drive_openai(base_url: str, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
+def drive_openai(base_url: str, model: str, *, prompts: list[Prompt], concurrency: int, max_tokens: int,
                  ignore_eos: bool = True, timeout_s: float = 300.0) -> tuple[list[RequestRecord], float]:
     """The same closed loop as ``drive``, against an OpenAI-compatible server (vLLM's): streamed completions."""
-    return asyncio.run(_drive_openai(base_url, model, prompts, concurrency, max_tokens, ignore_eos, timeout_s))
+    return asyncio.run(_drive_openai(base_url, model, prompts=prompts, concurrency=concurrency, max_tokens=max_tokens,
+                                     ignore_eos=ignore_eos, timeout_s=timeout_s))
 
 
 def level_figures(records: list[RequestRecord], wall_s: float, concurrency: int,

@@ -101,7 +101,7 @@ def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, bui
     sustained = {t.label: sustainable_rate(t.rates, sla) for t in targets if t.rates}
     for label, rate in sustained.items():
         log.info("%s: %s", label, rate["sentence"])
-    results = _results(cfg, sla, targets, knees, choices, sustained, bench_s)
+    results = _results(cfg, sla, targets=targets, knees=knees, choices=choices, sustained=sustained, bench_s=bench_s)
     if checked:
         results["cross_check"] = checked
     (out_dir / artifacts.BENCH_RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
@@ -268,7 +268,7 @@ def _write_plots(targets: list[Target], knees: dict[str, dict], out_dir: Path) -
     plot_latency(levels_by_label, out_dir / LATENCY_PNG)
 
 
-def _results(cfg: BenchSection, sla: dict[str, float], targets: list[Target], knees: dict[str, dict],
+def _results(cfg: BenchSection, sla: dict[str, float], *, targets: list[Target], knees: dict[str, dict],
              choices: dict[str, dict], sustained: dict[str, dict], bench_s: float) -> dict:
     """bench_results.json: the settings, what each figure means, and every target's levels and knee."""
     results = {

@@ -133,10 +133,10 @@ def _send(target: Target, prompts: list[Prompt], concurrency: int,
     (records, wall seconds)."""
     if target.openai:
         server: Any = target.server  # a VllmServer: bench starts one for a vllm target
-        return drive_openai(server.base_url, server.model_name, prompts, concurrency, cfg.output_tokens,
-                            cfg.ignore_eos, cfg.request_timeout_s)
-    return drive(target.grpc_url, target.names.stream, prompts, concurrency, cfg.output_tokens,
-                 -1 if cfg.ignore_eos else None, cfg.request_timeout_s)
+        return drive_openai(server.base_url, server.model_name, prompts=prompts, concurrency=concurrency,
+                            max_tokens=cfg.output_tokens, ignore_eos=cfg.ignore_eos, timeout_s=cfg.request_timeout_s)
+    return drive(target.grpc_url, target.names.stream, prompts=prompts, concurrency=concurrency,
+                 max_tokens=cfg.output_tokens, end_id=-1 if cfg.ignore_eos else None, timeout_s=cfg.request_timeout_s)
 
 
 def _raise_on_errors(target: Target, records: list[RequestRecord], what: str) -> None:

@@ -179,7 +179,8 @@ def test_shipped_config_contract(path):
     facts = rules.facts_from_config(cfg)
     gpu = GPU(b.target_gpu, b.target_sm, "570.00")
     gpus = b.tensor_parallel_size * b.pipeline_parallel_size
-    args = targets.trtllm_build_argv(Path("ckpt"), Path("engine"), cfg, gpu, facts, Path("in.cache"), Path("out.cache"),
+    args = targets.trtllm_build_argv(Path("ckpt"), Path("engine"), cfg=cfg, gpu=gpu, facts=facts,
+                                     input_timing_cache=Path("in.cache"), output_timing_cache=Path("out.cache"),
                                      gpu_count=gpus)
     assert options.check_trtllm_build_argv(args) == []
     opts = dict(zip(args[::2], args[1::2]))
@@ -476,7 +477,7 @@ def test_build_tensorrt_checks_the_checkpoint_before_running(standins, tmp_path)
 def test_engine_dir_check_catches_a_wrong_engine(tmp_path):
     facts = QuantFacts("FP8", "FP8", frozenset({"FP8"}))
     cfg = _cfg("llama-3.1-8b-h100-fp8.yaml")
-    args = targets.trtllm_build_argv(Path("c"), tmp_path, cfg, GPU("H100", 90, "x"), facts)
+    args = targets.trtllm_build_argv(Path("c"), tmp_path, cfg=cfg, gpu=GPU("H100", 90, "x"), facts=facts)
     good = {"version": "1.2.1",
             "pretrained_config": {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"},
                                   "mapping": {"world_size": 1}},

@@ -56,8 +56,9 @@ def profile_argv(path: Path) -> tuple[list[str], object, rules.QuantFacts]:
     b = cfg.build
     facts = profile_facts(cfg)
     gpu = GPU(b.target_gpu, b.target_sm, "570.00")
-    args = targets.trtllm_build_argv(Path("ckpt"), Path("engine"), cfg, gpu, facts, Path("in.cache"),
-                                     Path("out.cache"), gpu_count=facts.world_size)
+    args = targets.trtllm_build_argv(Path("ckpt"), Path("engine"), cfg=cfg, gpu=gpu, facts=facts,
+                                     input_timing_cache=Path("in.cache"), output_timing_cache=Path("out.cache"),
+                                     gpu_count=facts.world_size)
     return args, cfg, facts
 
 
@@ -99,8 +100,9 @@ def test_the_fp8_swiglu_fusion_runs_only_where_a_profile_opts_in_and_tp_llama_ge
     assert opts["--gemm_plugin"] == "disable" and opts["--workers"] == "4"
     cfg = load_config(large, ["build.fp8_swiglu_fusion=true"]).config
     facts = profile_facts(cfg)
-    args = targets.trtllm_build_argv(Path("ckpt"), Path("engine"), cfg, GPU(cfg.build.target_gpu, 90, "570.00"),
-                                     facts, Path("in.cache"), Path("out.cache"), gpu_count=facts.world_size)
+    args = targets.trtllm_build_argv(Path("ckpt"), Path("engine"), cfg=cfg, gpu=GPU(cfg.build.target_gpu, 90, "570.00"),
+                                     facts=facts, input_timing_cache=Path("in.cache"),
+                                     output_timing_cache=Path("out.cache"), gpu_count=facts.world_size)
     v, problems = parse_trtllm_build_argv(args)
     assert problems == [] and v["gemm_swiglu_plugin"] == "fp8" and v["use_fused_mlp"] == "enable"
     args, _, _ = profile_argv(REPO_ROOT / "engine_configs" / "llama-3.1-8b-a100-int8sq.yaml")
@@ -155,11 +157,13 @@ def tensorrt_configs(path: Path, *overrides: str) -> tuple[dict, pub.ModelNames,
     """The Triton configs publish writes for a profile's tensorrt build (settings as the build writes them)."""
     cfg = load_config(path, ["triton.serving_repository_path=/models", *overrides]).config
     facts = profile_facts(cfg)
-    settings = build_settings(cfg, "tensorrt", "engine", facts.kv_cache_quant_algo,
-                              rules.cuda_graph_settings(cfg.build), cfg.build.trtllm_version, {}, "ab" * 32,
+    settings = build_settings(cfg, "tensorrt", artifact_dir="engine", kv_algo=facts.kv_cache_quant_algo,
+                              cuda_graphs=rules.cuda_graph_settings(cfg.build), trtllm_version=cfg.build.trtllm_version,
+                              provenance={}, ckpt_hash="ab" * 32,
                               enable_chunked_context=rules.chunked_context(cfg.build, facts, cfg.build.target_sm))
     names = pub.model_names(cfg.triton.model_name)
-    return pub.build_model_configs(cfg.triton, settings, names, 1, "/models"), names, settings
+    return pub.build_model_configs(cfg.triton, settings, names=names, version=1,
+                                   serving_root="/models"), names, settings
 
 
 def _backend_parses(kind: str, value: str) -> bool:
@@ -371,11 +375,12 @@ def test_the_serving_keys_reach_the_llm_api_and_the_backend_as_upstream_names_an
     # the tensorrt target: the same keys as the backend's parameters, values it parses
     cfg = load_config(fp8, keys).config
     facts = rules.facts_from_config(cfg)
-    settings = build_settings(cfg, "tensorrt", "engine", facts.kv_cache_quant_algo,
-                              rules.cuda_graph_settings(cfg.build), cfg.build.trtllm_version, {}, "ab" * 32,
-                              enable_chunked_context=True)
+    settings = build_settings(cfg, "tensorrt", artifact_dir="engine", kv_algo=facts.kv_cache_quant_algo,
+                              cuda_graphs=rules.cuda_graph_settings(cfg.build), trtllm_version=cfg.build.trtllm_version,
+                              provenance={}, ckpt_hash="ab" * 32, enable_chunked_context=True)
     names = pub.model_names(cfg.triton.model_name)
-    params = pub.build_model_configs(cfg.triton, settings, names, 1, "/models")[names.tensorrt_llm].parameters
+    params = pub.build_model_configs(cfg.triton, settings, names=names, version=1,
+                                     serving_root="/models")[names.tensorrt_llm].parameters
     backend = {p["key"]: p for p in upstream("tensorrtllm_backend_parameters.json")["parameters"]}
     assert params["batch_scheduler_policy"].string_value == "max_utilization"
     assert "max_utilization" in backend["batch_scheduler_policy"]["note"]  # accepted: max_utilization | ...

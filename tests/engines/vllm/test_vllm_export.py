@@ -138,7 +138,7 @@ def test_export_computes_what_the_checkpoint_computes(exported, tiny_model_dir, 
 
     e = exported("int8_sq")
     ckpt = e["ckpt"][tp]
-    facts = export_for_vllm(ckpt, tiny_model_dir, tmp_path / "vllm", dtype="float32")
+    facts = export_for_vllm(ckpt, tiny_model_dir, out_dir=tmp_path / "vllm", dtype="float32")
     # 2 layers x 7 linears + lm_head = 15; the plan keeps lm_head and layer 0's down_proj; both o_proj are
     # written in high precision (4 heads share 2 KV heads with different smoothing)
     assert facts["quantized_linears"] == 11 and facts["high_precision_linears"] == 4
@@ -173,7 +173,7 @@ def test_kept_layers_and_norms_are_written_in_the_serving_dtype(exported, tiny_m
     from pipeline.engines.vllm.export import export_for_vllm
 
     e = exported("int8_sq")
-    facts = export_for_vllm(e["ckpt"][1], tiny_model_dir, tmp_path / "bf16", dtype="bfloat16")
+    facts = export_for_vllm(e["ckpt"][1], tiny_model_dir, out_dir=tmp_path / "bf16", dtype="bfloat16")
     state = load_file(str(tmp_path / "bf16" / "model.safetensors"))
     for name in ("lm_head.weight", "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",
                  "model.embed_tokens.weight"):
@@ -191,7 +191,7 @@ def test_a_format_vllm_cannot_run_is_refused_before_export(exported, tiny_model_
 
     e = exported("w4a8_awq")
     with pytest.raises(InputError, match="W4A8_AWQ cannot be exported for vLLM"):
-        export_for_vllm(e["ckpt"][1], tiny_model_dir, tmp_path / "out")
+        export_for_vllm(e["ckpt"][1], tiny_model_dir, out_dir=tmp_path / "out")
     assert list(tmp_path.iterdir()) == []  # neither the folder nor its .partial sibling
 
 
@@ -201,8 +201,9 @@ def test_a_large_export_is_written_in_shards_with_an_index(exported, tiny_model_
     from pipeline.engines.vllm.export import INDEX_FILE, export_for_vllm
 
     e = exported("int8_sq")
-    one = export_for_vllm(e["ckpt"][1], tiny_model_dir, tmp_path / "one", dtype="float32")
-    many = export_for_vllm(e["ckpt"][1], tiny_model_dir, tmp_path / "many", dtype="float32", max_shard_bytes=64 * 1024)
+    one = export_for_vllm(e["ckpt"][1], tiny_model_dir, out_dir=tmp_path / "one", dtype="float32")
+    many = export_for_vllm(e["ckpt"][1], tiny_model_dir, out_dir=tmp_path / "many", dtype="float32",
+                           max_shard_bytes=64 * 1024)
     assert one["weight_files"] == 1 and many["weight_files"] > 3
     index = json.loads((tmp_path / "many" / INDEX_FILE).read_text())
     shards = sorted(p.name for p in (tmp_path / "many").glob("model-*.safetensors"))
@@ -223,8 +224,10 @@ def test_the_build_checks_reference_figures_are_the_same_streamed(exported, tiny
 
     e = exported("int8_sq")
     prompts, evaluation = [[5, 17, 99, 3], [300, 12, 8]], tokens[1].tolist()
-    whole = reference_figures(e["ckpt"][1], tiny_model_dir, prompts, evaluation, 6, 2, streamed=False)
-    streamed = reference_figures(e["ckpt"][1], tiny_model_dir, prompts, evaluation, 6, 2, streamed=True)
+    whole = reference_figures(e["ckpt"][1], tiny_model_dir, prompt_ids=prompts, evaluation=evaluation, max_tokens=6,
+                              end_id=2, streamed=False)
+    streamed = reference_figures(e["ckpt"][1], tiny_model_dir, prompt_ids=prompts, evaluation=evaluation, max_tokens=6,
+                                 end_id=2, streamed=True)
     assert streamed == whole
     assert [len(r) for r in whole["sim_top1"]] == [len(s) - 1 for s in evaluation] == [len(r) for r in whole["original_top1"]]
     assert [len(tokens) for tokens, _ in whole["greedy"]] == [6, 6] or any(2 in t for t, _ in whole["greedy"])
@@ -241,7 +244,7 @@ def test_int4_awq_exports_as_packed_w4a16_computing_what_the_checkpoint_computes
     from pipeline.engines.vllm.export import export_for_vllm
 
     e = exported(case)
-    facts = export_for_vllm(e["ckpt"][tp], tiny_model_dir, tmp_path / "vllm", dtype="float32")
+    facts = export_for_vllm(e["ckpt"][tp], tiny_model_dir, out_dir=tmp_path / "vllm", dtype="float32")
     state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
     packed = state["model.layers.0.mlp.gate_proj.weight_packed"]
     assert packed.dtype == torch.int32 and tuple(packed.shape) == (128, 64 // 8)
@@ -314,7 +317,7 @@ def test_fp8_and_int8_weight_only_export_computing_what_the_checkpoint_computes(
     from pipeline.engines.vllm.export import export_for_vllm
 
     e = exported(case)
-    facts = export_for_vllm(e["ckpt"][tp], tiny_model_dir, tmp_path / "vllm", dtype="float32")
+    facts = export_for_vllm(e["ckpt"][tp], tiny_model_dir, out_dir=tmp_path / "vllm", dtype="float32")
     state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
     q = json.loads((tmp_path / "vllm" / "config.json").read_text())["quantization_config"]
     # INT4 o_proj under grouped-query attention: AWQ's smoothing not foldable, written in high precision (exact)
@@ -395,7 +398,7 @@ def test_vllm_reads_each_export_as_written(exported, tiny_model_dir, tmp_path, c
     except EnvironmentProblem as e:
         pytest.skip(f"vLLM's serving environment is not installed here ({e})")
     e = exported(case)
-    export_for_vllm(e["ckpt"][1], tiny_model_dir, tmp_path / "vllm", dtype="bfloat16")
+    export_for_vllm(e["ckpt"][1], tiny_model_dir, out_dir=tmp_path / "vllm", dtype="bfloat16")
     proc = subprocess.run([python, str(REPO / "tests" / "bin" / "vllm-scheme-probe"), str(tmp_path / "vllm"),
                            str(tmp_path / "probe.json")], env=runtime.child_env({}), capture_output=True, text=True,
                           timeout=600)
@@ -449,7 +452,7 @@ def test_qwen_exports_carry_their_biases_and_qk_norms(tiny_tokenizer_dir, tokens
     original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     calib, evals = tokens
     e = quantize_and_export(original, "int8_sq", calib, evals, {n: tmp_path / f"ckpt{n}" for n in {1, tp}})
-    facts = export_for_vllm(e["ckpt"][tp], model_dir, tmp_path / "vllm", dtype="float32")
+    facts = export_for_vllm(e["ckpt"][tp], model_dir, out_dir=tmp_path / "vllm", dtype="float32")
     state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
     if family.startswith("qwen2"):
         for m in "qkv":
@@ -513,7 +516,7 @@ def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_pat
                       *(a for s in sets for a in ("--set", s)), timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ckpt = work / "tiny" / "quantize" / artifacts.TRTLLM_CHECKPOINT_DIR
-    facts = export_for_vllm(ckpt, model_dir, tmp_path / "vllm", dtype="float32")
+    facts = export_for_vllm(ckpt, model_dir, out_dir=tmp_path / "vllm", dtype="float32")
     state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
     q = json.loads((tmp_path / "vllm" / "config.json").read_text())["quantization_config"]
     block, names, n_experts, moe_layers = MOE_LAYOUT[family]
@@ -659,7 +662,7 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
     with torch.no_grad():
         mtq.quantize(model, preset, lambda m: m(ids))
         export_hf_checkpoint(model, torch.float16, export_dir=tmp_path / "hf")
-    facts = export_hf_for_vllm(tmp_path / "hf", model_dir, tmp_path / "vllm", dtype="float32")
+    facts = export_hf_for_vllm(tmp_path / "hf", model_dir, out_dir=tmp_path / "vllm", dtype="float32")
     state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
     source = load_file(str(tmp_path / "hf" / "model.safetensors"))
     config = json.loads((tmp_path / "vllm" / "config.json").read_text())
@@ -759,7 +762,7 @@ def test_the_calibrated_kv_cache_scales_are_the_ones_vllm_serves_with(tiny_token
                       for kv in "kv"] for i in range(2)}
     assert all(abs(s - 1.0) > 1e-3 for kv in calibrated.values() for s in kv), calibrated  # not the fallback
 
-    facts = export_for_vllm(e["ckpt"][1], model_dir, tmp_path / "vllm", dtype="bfloat16", kv_scales=True)
+    facts = export_for_vllm(e["ckpt"][1], model_dir, out_dir=tmp_path / "vllm", dtype="bfloat16", kv_scales=True)
     qc = json.loads((tmp_path / "vllm" / "config.json").read_text())["quantization_config"]
     assert qc["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
                                      "dynamic": False}
@@ -776,7 +779,7 @@ def test_the_calibrated_kv_cache_scales_are_the_ones_vllm_serves_with(tiny_token
     for i in range(2):  # vLLM keeps them in fp32: exact
         assert served[f"model.layers.{i}.self_attn.attn"] == pytest.approx(calibrated[i], rel=1e-6), served
     # without the scales (the export before this fix) vLLM runs the same cache at 1.0
-    export_for_vllm(e["ckpt"][1], model_dir, tmp_path / "vllm_without", dtype="bfloat16")
+    export_for_vllm(e["ckpt"][1], model_dir, out_dir=tmp_path / "vllm_without", dtype="bfloat16")
     got = runtime.run_worker(python, {"model": str(tmp_path / "vllm_without"), "engine_args": args,
                                       "prompts": [[1, 5, 9]], "max_tokens": 2, "evaluation": []},
                              {"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path / "worker_without.log", timeout_s=900)

@@ -472,8 +472,8 @@ def test_client_agrees_with_perf_analyzer(published_tiny):
     tok = AutoTokenizer.from_pretrained(str(repo / f"tiny_preprocessing/{prov['version']}/tokenizer"))
     prompts = make_prompts(runner.work_dir / "text" / "evaluation_samples.jsonl", tok, 16, 8)
     with TritonServer(repo) as server, tempfile.TemporaryDirectory() as tmp:
-        drive(server.grpc_url, "tiny_stream", prompts[:2], 1, 8)  # warm-up
-        records, wall = drive(server.grpc_url, "tiny_stream", prompts, 2, 8)
+        drive(server.grpc_url, "tiny_stream", prompts=prompts[:2], concurrency=1, max_tokens=8)  # warm-up
+        records, wall = drive(server.grpc_url, "tiny_stream", prompts=prompts, concurrency=2, max_tokens=8)
         ours = level_figures(records, wall, 2)
         data = {"data": [{"text_input": [p.text], "max_tokens": [8], "end_id": [-1]} for p in prompts]}
         Path(tmp, "input.json").write_text(json.dumps(data))
