@@ -178,7 +178,7 @@ def deploy_manifests(c, config=None, set=None, work_root=str(WORK_ROOT), gpu_typ
             "unit": "only the unit tier: the tests marked unit (no model run, no server start; minutes on 2 cores)",
             "k": "pytest -k expression",
             "no_lint": "skip the house rules (ruff, import layers, mypy, the docs build) and run only the tests"})
-def test(c, quick=False, heavy=False, unit=False, k=None, no_lint=False):
+def test(c, *, quick=False, heavy=False, unit=False, k=None, no_lint=False):
     """The house rules (ruff, the import-layer contract, mypy, the docs built strict), then the test suite:
     everything but the heavy tests (--heavy adds them; --quick also skips e2e; --unit runs the unit tier only)."""
     if not no_lint:
