@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from pipeline import artifacts, constants, targets
+from pipeline import artifacts, console, constants, targets
 from pipeline.config import LoadedConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.fsutil import remove_tree
@@ -43,9 +42,8 @@ def user_errors() -> Iterator[None]:
 
 
 def setup_logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pipeline").setLevel(logging.INFO)
+    """The console (pipeline/console.py): quiet, or with ``verbose`` everything the stages and their libraries say."""
+    console.configure(verbose)
     # progress bars from the Hub client and transformers' loaders would flood CI logs
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
