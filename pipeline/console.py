@@ -4,8 +4,9 @@ Quiet (the default, once ``configure`` ran): while a stage runs, this process's 
 descriptors 1 and 2, so ``print``, Python warnings, C libraries and child processes alike) write into the stage's
 log, and the console writes to copies of them taken before. On a terminal a running stage is one live line (a
 spinner, its elapsed time) with a bar per long step under it (layers, calibration batches, bench levels, with an
-ETA), replaced by the stage's outcome; elsewhere (CI, a pipe, a test) the lines are printed as they come and a
-long step adds one line a minute at most. Errors still reach the console in full.
+ETA), replaced by the stage's outcome; elsewhere (CI, a pipe, a test) the lines are printed as they come, and
+a long step adds a line for each quarter of its total it passes, a minute apart at the earliest (three at most).
+Errors still reach the console in full.
 
 Verbose (``--verbose``, or ``PIPELINE_VERBOSE=1`` in the environment, which child processes inherit): nothing is
 redirected and every log record at INFO and above is shown too.
@@ -48,6 +49,16 @@ class _Step:
     completed: int = 0
     started: float = field(default_factory=time.monotonic)
     said: float = field(default_factory=time.monotonic)  # when its last progress line was printed
+    quarter_said: int = 0  # the quarter of the total that line had reached
+
+    def worth_a_line(self) -> bool:
+        """Off a terminal: a line when the step has passed another quarter of its total, a minute after the last
+        one at the earliest (a step of any length prints three at most)."""
+        quarter = 4 * self.completed // self.total if self.total else 0
+        if quarter <= self.quarter_said or quarter >= 4 or time.monotonic() - self.said < LINE_EVERY_S:
+            return False
+        self.said, self.quarter_said = time.monotonic(), quarter
+        return True
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.started
@@ -119,8 +130,7 @@ class _Display:
         if key in self._bar_ids:
             assert self._bars is not None
             self._bars.update(self._bar_ids[key], completed=completed, description=step.what)
-        elif time.monotonic() - step.said >= LINE_EVERY_S:
-            step.said = time.monotonic()
+        elif step.worth_a_line():
             self.out.print(step.line(), markup=False)
 
     def stop_step(self, key: str) -> None:
