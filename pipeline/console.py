@@ -90,13 +90,15 @@ class _Display:
         self._bar_ids: dict[str, TaskID] = {}
 
     # -- printed lines
-    def echo(self, text: str, err: bool = False) -> None:
+    def echo(self, text: str) -> None:
+        """A stage's outcome (it replaces the running stage's live line), or any line of the task's own."""
         self.clear_status()
-        if self._live is not None:  # above the live lines
-            self.out.print(text, markup=False)
-        else:
-            (self.err if err else self.out).print(text, markup=False)
+        self.out.print(text, markup=False)
         self._stop_if_idle()
+
+    def note(self, text: str) -> None:
+        """A log record: on stderr, or above the live lines while they are drawn (which it leaves as they are)."""
+        (self.out if self._live is not None else self.err).print(text, markup=False)
 
     # -- the live part (a terminal) or plain lines
     def status(self, text: str) -> None:
@@ -203,7 +205,7 @@ class _ConsoleHandler(logging.Handler):
             self.handleError(record)
             return
         if _display is not None:
-            _display.echo(text, err=True)
+            _display.note(text)
 
 
 def configure(verbose_flag: bool = False) -> None:
