@@ -34,9 +34,11 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except PipelineError as e:
+        console.finish()
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
     except KeyboardInterrupt:
+        console.finish()
         print("interrupted.", file=sys.stderr)
         raise SystemExit(130) from None
 

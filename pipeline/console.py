@@ -237,6 +237,12 @@ def configure(verbose_flag: bool = False) -> None:
     logging.captureWarnings(True)  # Python warnings are log records: into the stage's log, or the console
 
 
+def finish() -> None:
+    """Take the live lines down (before an error is printed on a terminal)."""
+    if _display is not None:
+        _display.close()
+
+
 def echo(text: str) -> None:
     """A line on the console (a stage's outcome, the summary); plain print where ``configure`` never ran."""
     if _display is None:
