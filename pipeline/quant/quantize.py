@@ -144,7 +144,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, evaluation_file: Path,
     def forward_loop(m):
         nonlocal passes
         passes += 1  # each calibration algorithm runs its own passes over the batches
-        for b in console.track(range(0, calib.shape[0], EVAL_BATCH), f"calibration pass {passes}: batches"):
+        for b in console.track(range(0, calib.shape[0], EVAL_BATCH), f"quantize: calibration pass {passes}, batches"):
             m(calib[b:b + EVAL_BATCH])
 
     if not baseline:
