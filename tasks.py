@@ -25,7 +25,8 @@ CONFIG_HELP = {
 RUN_HELP = {
     **CONFIG_HELP,
     "force": "rerun the task's stages even if up to date",
-    "verbose": "show INFO logs of the libraries too",
+    "verbose": "show everything on the console: the libraries' warnings and output, every INFO line (quiet "
+               "by default: they go to each stage's log)",
 }
 
 

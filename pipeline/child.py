@@ -1,5 +1,7 @@
 """Run heavy work (analysis, quantization, builds) in a child process, with its log kept beside the artifact.
 
+The child writes where the parent's stdout and stderr point (the stage's log while a quiet console runs,
+pipeline.console) and sends its progress events over the pipe that carries its result, for the parent to show.
 A crash in the child (segfault, out-of-memory kill) becomes a StageFailed carrying the log's tail instead
 of taking the pipeline down or hanging; a PipelineError raised in the child is re-raised in the parent as
 the same class with the same message. The child is a fresh interpreter (spawn), and its peak RSS is read
@@ -20,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pipeline import errors
+from pipeline import console, errors
 from pipeline.errors import PipelineError, StageFailed
 
 LOG_TAIL_LINES = 30
@@ -75,6 +77,13 @@ def _child_main(fn: Callable, args: tuple, *, kwargs: dict, log_path: str, conn,
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
     logging.getLogger("pipeline").setLevel(logging.INFO)
+    logging.captureWarnings(True)  # a library's warnings are log records: into the stage log with the rest
+    if console.verbose():  # --verbose: on the console too, with the libraries' INFO lines
+        shown = logging.StreamHandler()
+        shown.setFormatter(logging.Formatter(console.LOG_FORMAT))
+        root.addHandler(shown)
+        root.setLevel(logging.INFO)
+    console.report_to(lambda event: conn.send(("progress", event, 0)))  # its bars are shown by the parent
     try:
         result = fn(*args, **kwargs)
         peak = own_peak_rss()
@@ -114,14 +123,19 @@ def run_in_child(fn: Callable, *args: Any, log_path: Path, what: str = "the stag
     sender.close()
     watched = 0
     try:
-        while not receiver.poll(WATCH_S):  # the child's peak so far, known even if it is killed
-            watched = max(watched, _peak_of(proc.pid) or 0)
-        message = receiver.recv()
+        while True:
+            while not receiver.poll(WATCH_S):  # the child's peak so far, known even if it is killed
+                watched = max(watched, _peak_of(proc.pid) or 0)
+            message = receiver.recv()
+            if message[0] != "progress":
+                break
+            console.relay(message[1])
     except EOFError:
         message = None
     finally:
         proc.join()
         receiver.close()
+        console.end_relayed(proc.pid)
     if message is None:
         memory = f"; its peak memory was at least {watched / 2**30:.2f} GiB" if watched else ""
         if bound is not None:

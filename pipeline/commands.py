@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from pipeline import artifacts, constants, targets
+from pipeline import artifacts, console, constants, targets
 from pipeline.config import LoadedConfig, load_config
 from pipeline.doctor import Report, examine, render
 from pipeline.errors import EnvironmentProblem, PipelineError
@@ -36,17 +35,18 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except PipelineError as e:
+        console.finish()
         print(f"error: {e}\n  (causes and fixes: {e.docs_link()})", file=sys.stderr)
         raise SystemExit(e.exit_code) from None
     except KeyboardInterrupt:
+        console.finish()
         print("interrupted.", file=sys.stderr)
         raise SystemExit(130) from None
 
 
 def setup_logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pipeline").setLevel(logging.INFO)
+    """The console (pipeline/console.py): quiet, or with ``verbose`` everything the stages and their libraries say."""
+    console.configure(verbose)
     # progress bars from the Hub client and transformers' loaders would flood CI logs
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")

@@ -10,6 +10,8 @@ DEFAULT_CONFIG = ENGINE_CONFIGS_DIR / "smollm2-135m-vllm.yaml"
 # The default where vLLM cannot run (no serving environment, or a CPU without AVX-512 or AMX): the same model
 # and plan on the cpu target (commands.open_runner says so when it falls back)
 CPU_DEFAULT_CONFIG = ENGINE_CONFIGS_DIR / "smollm2-135m-cpu.yaml"
+# 1: the whole output on the console (`--verbose` sets it; child processes inherit it): pipeline/console.py
+VERBOSE_ENV = "PIPELINE_VERBOSE"
 DEFAULT_WORK_ROOT = Path("build")  # relative to the current directory; <work_root>/<config name>/
 
 # Hub

@@ -31,7 +31,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pipeline import __version__, artifacts
+from pipeline import __version__, artifacts, console
 from pipeline.child import StageLogHandler
 from pipeline.config import LoadedConfig
 from pipeline.errors import (
@@ -276,7 +276,9 @@ class Runner:
     # ------------------------------------------------------------ running
 
     def run(self, targets: list[str], force: bool | list[str] = False,
-            echo: Callable[[str], None] = print) -> list[dict]:
+            echo: Optional[Callable[[str], None]] = None) -> list[dict]:
+        """Run the targets and what they need, in order. Each stage's lines go to ``echo``; without one, to the
+        console (pipeline.console), where a running stage's line is live on a terminal until its outcome."""
         names = self.closure(targets)
         for name in names:
             preflight = self.stages[name].preflight
@@ -287,7 +289,8 @@ class Runner:
         with WorkDirLock(self.work_dir):
             self._clear_leftovers()
             for name in names:
-                results.append(self._run_one(self.stages[name], name in forced, echo))
+                results.append(self._run_one(self.stages[name], name in forced, echo or console.echo,
+                                             echo or console.status))
             self.hash_cache.save()
         return results
 
@@ -300,7 +303,8 @@ class Runner:
                     log.info("removing leftover %s from an interrupted run", child.relative_to(self.work_dir))
                     remove_tree(child)
 
-    def _run_one(self, stage: StageDef, force: bool, echo: Callable[[str], None]) -> dict:
+    def _run_one(self, stage: StageDef, force: bool, echo: Callable[[str], None],
+                 status: Callable[[str], None]) -> dict:
         t0 = time.monotonic()
         inputs = self.compute_inputs(stage)  # hashed before the stage runs
         input_hash = hash_json(inputs)
@@ -311,7 +315,7 @@ class Runner:
         if st.edited and not force:
             return self._accept_edit(stage, st, echo)
         why = "forced (--force)" if force else "; ".join(st.reasons)
-        echo(f"{stage.name}: running ({why})")
+        status(f"{stage.name}: running ({why})")
 
         staging = self.work_dir / artifacts.STAGING_DIR / f"{stage.name}-{uuid.uuid4().hex[:8]}"
         try:
@@ -331,9 +335,11 @@ class Runner:
             log.setLevel(logging.INFO)  # the stage log keeps the pipeline's INFO lines whatever the console shows
         started = datetime.now(timezone.utc)
         try:
-            ctx = StageContext(self.loaded, self.work_dir, staging, {d: self.stage_dir(d) for d in stage.needs},
-                               self.hash_cache)
-            summary = stage.run(ctx) or {}
+            # quiet console: what the stage and its libraries print goes to its log, beside the records
+            with console.stage_output(staging / artifacts.STAGE_LOG_FILE):
+                ctx = StageContext(self.loaded, self.work_dir, staging,
+                                   {d: self.stage_dir(d) for d in stage.needs}, self.hash_cache)
+                summary = stage.run(ctx) or {}
             after = self.compute_inputs(stage)
             if hash_json(after) != input_hash:
                 changed = "; ".join(_describe_changes(inputs, after)) or "inputs changed"

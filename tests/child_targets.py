@@ -55,3 +55,14 @@ def report_pid_and_wait(pid_file: str) -> None:
 
     Path(pid_file).write_text(str(os.getpid()))
     time.sleep(600)
+
+
+def warn_print_and_count(n: int) -> int:
+    """A stage's work as the console sees it: a library's warning, a print, and a step of ``n`` units."""
+    import warnings
+
+    from pipeline import console
+
+    warnings.warn("a library's warning", UserWarning, stacklevel=1)
+    print("a library's print")
+    return sum(1 for _ in console.track(range(n), "counting"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from pipeline import console
 from pipeline.config import QuantizationSection
 from pipeline.errors import StageFailed
 from pipeline.formats import HIGH_PRECISION
@@ -61,7 +62,7 @@ def accuracy_figures(original, quantized, eval_ids) -> dict:
 
     score = Score()
     with torch.no_grad():
-        for b in range(0, eval_ids.shape[0], EVAL_BATCH):
+        for b in console.track(range(0, eval_ids.shape[0], EVAL_BATCH), "accuracy gate: evaluation batches"):
             ids = eval_ids[b:b + EVAL_BATCH]
             score.add(ids, original(ids.to(input_device(original))).logits,
                       quantized(ids.to(input_device(quantized))).logits)

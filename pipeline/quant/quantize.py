@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline import artifacts, families
+from pipeline import artifacts, console, families
 from pipeline.config import BuildSection, ComputeSection, QuantizationSection
 from pipeline.errors import StageFailed
 from pipeline.formats import (
@@ -133,6 +133,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
                 "calibrate_s": res["calibrate_s"], "elapsed_s": time.perf_counter() - t0, "device": device,
                 "calibration_tokens": int(calib.numel()), "greedy_generations": quant.greedy_generations,
                 "compute": comp.compute_record(device, ref_dtype, bound)}
+    steps = console.Step("quantize: calibrate", total=4)  # the stage's steps; a bar of their own under it
     original = load_model(model_dir, device, ref_dtype, compute)
     # the model ModelOpt quantizes in place; on GPUs a second load (a deep copy of a dispatched model would
     # share accelerate's hooks)
@@ -144,8 +145,12 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
 
     cfg = None if baseline else modelopt_config(plan_doc, quant)
 
+    passes = 0
+
     def forward_loop(m):
-        for b in range(0, calib.shape[0], EVAL_BATCH):
+        nonlocal passes
+        passes += 1  # each calibration algorithm runs its own passes over the batches
+        for b in console.track(range(0, calib.shape[0], EVAL_BATCH), f"quantize: calibration pass {passes}, batches"):
             m(calib[b:b + EVAL_BATCH])
 
     if not baseline:
@@ -156,6 +161,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
                 calibrate_phase(model, algorithm, layers, forward_loop)
     t_quant = time.perf_counter() - t0
     log.info("calibrated in %.1f s", t_quant)
+    steps.advance(what="quantize: accuracy gate")
 
     accuracy = accuracy_figures(original, model, evals)
     generations = greedy_generations(original, model, tokenizer) if quant.greedy_generations else []
@@ -163,6 +169,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     if not baseline:
         check_gate(accuracy, quant, plan_doc, table_layers)
 
+    steps.advance(what="quantize: export")
     from modelopt.torch.export import (
         export_hf_checkpoint,
         export_tensorrt_llm_checkpoint,
@@ -195,6 +202,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, hf_dir / name)
         hf_exported = check_hf_export(hf_dir, plan_doc, quant, model_config, build.target)
+    steps.advance(what="quantize: read back")
     from_ckpt = read_facts = None
     if exported is not None:
         # the model as the checkpoint says, read back by our own reader: the figure closest to the engine's
@@ -214,6 +222,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
         hf_exported = None
     # whichever checkpoint was exported was read back just above
     assert from_ckpt is not None and read_facts is not None
+    steps.stop()
     return _finish(out_dir, accuracy, from_ckpt=from_ckpt, read_facts=read_facts, exported=exported,
                    hf_exported=hf_exported, generations=generations, plan_doc=plan_doc,
                    calibration_tokens=int(calib.numel()), evaluation_tokens=int(evals.numel()),

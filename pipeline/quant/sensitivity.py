@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline import families, targets
+from pipeline import console, families, targets
 from pipeline.config import ComputeSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
 
@@ -351,7 +351,8 @@ def analyse(model_dir: Path, calibration_ids, *, section: SensitivitySection, qu
         masks = _window_masks(config, t, hidden)
 
         stash = _Stash(n * t)
-        for i, layer in enumerate(model.model.layers):
+        layers = console.track(model.model.layers, "sensitivity: decoder layers")
+        for i, layer in enumerate(layers):
             prefix = f"model.layers.{i}"
             store.load_module(layer, prefix, dtype, device)
             linears = _record_linears(layer, stash, moe, config)

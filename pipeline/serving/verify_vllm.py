@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pipeline import artifacts
+from pipeline import artifacts, console
 from pipeline.engines.vllm.engine_args import METRIC_SERIES
 from pipeline.engines.vllm.target import CHECK_FILE
 from pipeline.errors import InputError, StageFailed
@@ -235,7 +235,8 @@ def verify_vllm(repo: Path, prov: dict, *, out_dir: Path, prompts: tuple[str, ..
     served: list[list[int]] = []
     logs = {f: artifacts.SERVER_LOG_FILE if i == 0 else f"server_{f}.log" for i, f in enumerate(frontends)}
     # the OpenAI server first wherever it serves: its answers and log-probabilities judge Triton's near-ties
-    for frontend in sorted(frontends, key=lambda f: f != "openai"):
+    order = sorted(frontends, key=lambda f: f != "openai")
+    for frontend in console.track(order, "verify: servers (start, check, stop)"):
         if frontend == "openai":
             v = _openai_checks(repo, out_dir / logs[frontend], tokenizer=tokenizer, prompts=list(prompts),
                                expected=expected, max_tokens=max_tokens, concurrent=concurrent)

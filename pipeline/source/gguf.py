@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from pipeline import console
 from pipeline.errors import InputError, StageFailed
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
     meta = read_gguf_metadata(gguf_path)
     log.info("GGUF %s: architecture %s, tensor types %s", gguf_path.name, meta["architecture"], meta["tensor_types"])
     folder, name = str(gguf_path.parent), gguf_path.name
+    steps = console.Step("model: load the GGUF", total=3)
     try:
         gguf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -119,6 +121,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
     gguf_model.eval()
 
     # A clean model from a clean config: no GGUF quantization leftovers, no source path baked in.
+    steps.advance(what="model: write the HF folder")
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -139,7 +142,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
     tokenizer.save_pretrained(out_dir)
     del model
 
+    steps.advance(what="model: check the conversion (tensors, tokenizer, greedy outputs)")
     checks = verify_conversion(out_dir, gguf_model, gguf_tok, meta)
+    steps.stop()
     return {"gguf": {k: v for k, v in meta.items() if k != "tokens"} | {"vocab_size": len(meta["tokens"])},
             "checks": checks}
 
@@ -175,7 +180,7 @@ def verify_conversion(out_dir: Path, gguf_model, gguf_tok, meta: dict) -> dict:
 
     generations = {}
     with torch.no_grad():
-        for prompt in GREEDY_PROMPTS:
+        for prompt in console.track(GREEDY_PROMPTS, "model: greedy outputs, GGUF against HF"):
             ids = torch.tensor([tok(prompt).input_ids])
             args = dict(max_new_tokens=GREEDY_NEW_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids),
                         pad_token_id=meta["pad_token_id"])

@@ -27,7 +27,7 @@ import math
 import time
 from pathlib import Path
 
-from pipeline import artifacts
+from pipeline import artifacts, console
 from pipeline.constants import CHECK_PROMPTS as PROMPTS
 from pipeline.errors import InputError, StageFailed
 
@@ -117,6 +117,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_f
     runtime.check_cpu_attention(cfg, model_dir)
     runtime.check_cpu_experts(cfg, ckpt_dir)
     args, env = ea.engine_args(cfg), ea.engine_env(cfg)
+    steps = console.Step("build: export for vLLM", total=3)
     exported, _ = run_in_child(export_hf_for_vllm if hf_checkpoint else export_for_vllm, ckpt_dir, model_dir,
                                out_dir=export_dir, dtype=cfg.vllm.dtype, max_shard_bytes=MAX_SHARD_BYTES,
                                kv_scales=args["kv_cache_dtype"] in FP8_E4M3_KV, log_path=log_path,
@@ -125,6 +126,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_f
         "vllm_version": version, "server_module": ea.SERVER_MODULE, "server_flags": ea.server_flags(args),
         "engine_args": args, "env": env})
 
+    steps.advance(what="build: the export checked in vLLM")
     tok = AutoTokenizer.from_pretrained(export_dir)
     prompt_ids = [tok(p).input_ids for p in PROMPTS]
     evaluation = load_file(str(eval_tokens))[artifacts.TOKENS_KEY].tolist()
@@ -139,10 +141,12 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_f
             f"the vLLM check's reference, the HF unified checkpoint rebuilt in fp32, is held whole, and "
             f"{fp32_bytes / 2**30:.1f} GiB and its forward's do not fit this machine's "
             f"memory bound {bound}: run the build on a machine with more memory")
+    steps.advance(what="build: the simulated model's reference figures")
     ref, _ = run_in_child(reference_figures, ckpt_dir, model_dir, prompt_ids=prompt_ids, evaluation=evaluation,
                           max_tokens=CHECK_TOKENS, end_id=tok.eos_token_id, streamed=streamed,
                           hf_checkpoint=hf_checkpoint, log_path=log_path, bound=bound,
                           what="the simulated model's reference figures")
+    steps.stop()
     kv_problem = served_kv_problem(exported.get("kv_cache_scales") or {}, got["kv_cache"], args["kv_cache_dtype"])
     if kv_problem:
         raise StageFailed(f"vLLM does not serve the KV cache the export wrote: {kv_problem}")

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from pipeline import artifacts
+from pipeline import artifacts, console
 from pipeline import targets as registry
 from pipeline.config import BenchSection, PipelineConfig
 from pipeline.errors import InputError, StageFailed
@@ -206,12 +206,14 @@ def _sweep(targets: list[Target], warm: list[Prompt], measured: list[Prompt], cf
     for t in targets:
         warm_up(t, warm, min(len(warm), levels[-1]), cfg)
     rounds: dict[str, list[list[dict]]] = {t.label: [[] for _ in levels] for t in targets}
-    for r in range(cfg.repeats):
-        for k, c in enumerate(levels):
-            i = r * len(levels) + k
-            order = targets if (k + r) % 2 == 0 else list(reversed(targets))  # alternate who goes first
-            for t in order:
-                rounds[t.label][k].append(run_level(t, measured[i * n:(i + 1) * n], c, cfg, sla))
+    with console.step("bench: concurrency levels", total=cfg.repeats * len(levels) * len(targets)) as progress:
+        for r in range(cfg.repeats):
+            for k, c in enumerate(levels):
+                i = r * len(levels) + k
+                order = targets if (k + r) % 2 == 0 else list(reversed(targets))  # alternate who goes first
+                for t in order:
+                    rounds[t.label][k].append(run_level(t, measured[i * n:(i + 1) * n], c, cfg, sla))
+                    progress.advance()
     for t in targets:
         t.levels = [median_rounds(per_level, sla) for per_level in rounds[t.label]]
         if cfg.repeats > 1:
