@@ -138,3 +138,14 @@ def test_a_plan_for_other_layers_is_refused(tmp_path):
     with pytest.raises(InputError, match=r"do not match the model's: missing \['c'\], unknown \['model.layers.0.mlp"
                                          r".*invoke sensitivity --force"):
         records.read_plan(path, ["c", "model.layers.0.mlp.up_proj"])
+
+
+def test_the_launcher_reads_what_the_provenance_record_holds(tmp_path):
+    """serving/launch.py runs in the Triton base image with the standard library only, so it reads
+    provenance.json itself: it must find there what the record says."""
+    from pipeline.serving import launch
+
+    prov = records.Provenance.model_validate({**PROVENANCE, "build": {**PROVENANCE["build"], "server_ranks": 4}})
+    records.write_provenance(tmp_path, prov)
+    assert launch.read_serving_needs(tmp_path) == (prov.build.server_ranks, prov.build.tensorrt_llm_model) \
+        == (4, "llm_tensorrt_llm")
