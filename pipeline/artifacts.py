@@ -1,21 +1,14 @@
-"""The artifact contract: every file and folder one stage writes and another reads, and typed readers for them.
+"""The artifact contract: every file and folder one stage writes and another reads.
 
 A work dir (``<work_root>/<config name>/``) holds one folder per stage, named after the stage; the runner
 writes each folder's ``manifest.json`` and ``stage.log``. Anything a stage reads from another stage's folder
-is named here, so a rename is one edit and a reader never guesses a path. ``provenance.json`` (publish)
-and ``build_settings.json`` (build) are read through the pydantic models below, which check them once and
-say what to rerun when they are missing or from another pipeline version.
+is named here, so a rename is one edit and a reader never guesses a path. What the hand-off files hold
+(build settings, provenance, the plan, accuracy, verify and bench results) is typed in ``pipeline.records``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Optional
-
-from pydantic import BaseModel, ConfigDict, ValidationError
-
-from pipeline.errors import InputError
 
 # ------------------------------------------------------------------ the work dir and its stages
 
@@ -113,107 +106,3 @@ def stage_dir(work_dir: Path, stage: str) -> Path:
 def published_repository(work_dir: Path) -> Path:
     """The snapshot publish wrote of the version it just published."""
     return work_dir / "publish" / MODEL_REPOSITORY_DIR
-
-
-# ------------------------------------------------------------------ typed readers
-
-
-class _Record(BaseModel):
-    # Readers accept fields they do not know (a newer pipeline may add some) and check the ones they use.
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
-
-
-class KVCacheSettings(_Record):
-    quant_algo: Optional[str]
-    tokens_per_block: int
-    free_gpu_memory_fraction: float
-    enable_block_reuse: bool
-
-
-class CudaGraphSettings(_Record):
-    enabled: bool
-    batch_sizes: list[int]
-    enable_padding: bool
-    cuda_graph_mode: bool
-    cuda_graph_cache_size: int
-
-
-class BuildSettings(_Record):
-    """build_settings.json: what the build decided, the same shape for every target."""
-
-    target: str
-    artifact_dir: str
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    enable_chunked_context: bool = False  # tensorrt: the Triton backend chunks long contexts
-    max_batch_size: int
-    max_input_len: int
-    max_seq_len: int
-    max_num_tokens: Optional[int] = None
-    kv_cache: KVCacheSettings
-    cuda_graphs: CudaGraphSettings
-    trtllm_version: Optional[str]
-    provenance: dict
-    checkpoint_sha256: str
-
-
-class PublishedQuantization(_Record):
-    weight_format: str
-    kv_cache: Optional[str]
-
-
-class PublishedBuildInfo(_Record):
-    target: str
-    trtllm_version: Optional[str]
-    world_size: int = 1  # GPUs (tensor x pipeline parallel ranks) one server of it needs
-    server_ranks: int = 1  # tritonserver processes that serve it: world_size for an engine per rank, else 1
-    tensorrt_llm_model: str = ""  # the engine model: the one every rank loads (serving/launch.py)
-
-
-class Provenance(_Record):
-    """provenance.json: what publish served, from what, at which repository digest."""
-
-    config_name: str
-    model_name: str
-    version: int
-    repository_digest: str
-    models: list[str] = []
-    quantization: PublishedQuantization
-    build: PublishedBuildInfo
-
-
-def _read_json(path: Path, rerun: str) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{path} is missing; run `invoke {rerun}` first") from None
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path} is unreadable ({e}); run `invoke {rerun} --force`") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path} is not a JSON object; run `invoke {rerun} --force`")
-    return data
-
-
-def _problems(e: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-
-
-def read_build_settings(build_dir: Path) -> BuildSettings:
-    path = build_dir / BUILD_SETTINGS_FILE
-    try:
-        return BuildSettings.model_validate(_read_json(path, "build"))
-    except ValidationError as e:
-        raise InputError(f"{path}: {_problems(e)}. It was written by another pipeline version; "
-                         f"run `invoke build --force`") from None
-
-
-def read_provenance(repository_dir: Path) -> Provenance:
-    path = repository_dir / PROVENANCE_FILE
-    if not path.is_file():
-        raise InputError(f"No published build at {repository_dir} (no {PROVENANCE_FILE}). Run `invoke publish` "
-                         f"(or `invoke all`) for this config first.")
-    try:
-        return Provenance.model_validate(_read_json(path, "publish"))
-    except ValidationError as e:
-        raise InputError(f"{path}: missing or mistyped field(s): {_problems(e)}. It was not written by this "
-                         f"pipeline's publish stage, or by an older one: publish again.") from None

@@ -173,12 +173,10 @@ def _run_report(ctx: StageContext) -> dict:
 def _check_edited_plan(stage_dir) -> dict:
     import json
 
-    from pipeline import artifacts
-    from pipeline.quant.plan import read_plan
+    from pipeline import artifacts, records
 
     layers = [l["name"] for l in json.loads((stage_dir.parent / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON).read_text())["layers"]]
-    doc = read_plan(stage_dir / artifacts.PLAN_FILE, layers)
-    kept = [n for n, e in doc["layers"].items() if e["format"] == "high_precision"]
+    kept = records.read_plan(stage_dir / artifacts.PLAN_FILE, layers).kept_high_precision()
     return {"kept_high_precision": len(kept), "kept_high_precision_layers": kept}
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import artifacts  # noqa: E402
+from pipeline import records  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
 from pipeline.serving import publish as pub  # noqa: E402
 from pipeline.serving.bench.load import Prompt, RequestRecord, one_request  # noqa: E402
@@ -93,7 +93,7 @@ async def main_async(args) -> None:
     from transformers import AutoTokenizer
 
     try:
-        target = artifacts.read_provenance(args.repository).build.target  # says what to run when there is none
+        target = records.read_provenance(args.repository).build.target  # says what to run when there is none
     except InputError as e:
         sys.exit(str(e))
     names = pub.model_names(args.model_name)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline import artifacts
+from pipeline import artifacts, records
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
 
 log = logging.getLogger(__name__)
@@ -40,19 +40,20 @@ def checkpoint_sha256(ckpt_dir: Path) -> str:
 
 def build_settings(cfg, target: str, *, artifact_dir: str, kv_algo: Optional[str], cuda_graphs: dict,
                    trtllm_version: Optional[str], provenance: dict, ckpt_hash: str,
-                   enable_chunked_context: bool = False) -> dict:
+                   enable_chunked_context: bool = False) -> records.BuildSettings:
     """build_settings.json, the same shape for every target (publish and the report read it)."""
     b = cfg.build
-    return {"target": target, "artifact_dir": artifact_dir,
-            "tensor_parallel_size": b.tensor_parallel_size, "pipeline_parallel_size": b.pipeline_parallel_size,
-            "enable_chunked_context": enable_chunked_context,
-            "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
-            "max_num_tokens": b.max_num_tokens,
-            "kv_cache": {"quant_algo": kv_algo, "tokens_per_block": b.kv_cache.tokens_per_block,
-                         "free_gpu_memory_fraction": b.kv_cache.free_gpu_memory_fraction,
-                         "enable_block_reuse": b.kv_cache.enable_block_reuse},
-            "cuda_graphs": cuda_graphs, "trtllm_version": trtllm_version, "provenance": provenance,
-            "checkpoint_sha256": ckpt_hash}
+    return records.BuildSettings.model_validate({
+        "target": target, "artifact_dir": artifact_dir,
+        "tensor_parallel_size": b.tensor_parallel_size, "pipeline_parallel_size": b.pipeline_parallel_size,
+        "enable_chunked_context": enable_chunked_context,
+        "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
+        "max_num_tokens": b.max_num_tokens,
+        "kv_cache": {"quant_algo": kv_algo, "tokens_per_block": b.kv_cache.tokens_per_block,
+                     "free_gpu_memory_fraction": b.kv_cache.free_gpu_memory_fraction,
+                     "enable_block_reuse": b.kv_cache.enable_block_reuse},
+        "cuda_graphs": cuda_graphs, "trtllm_version": trtllm_version, "provenance": provenance,
+        "checkpoint_sha256": ckpt_hash})
 
 
 def copy_model_files(model_dir: Path, dest: Path) -> list[str]:
@@ -87,7 +88,7 @@ def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> dict:
     settings = build_settings(cfg, "cpu", artifact_dir=artifacts.CPU_BUNDLE_DIR, kv_algo=kv_algo,
                               cuda_graphs=no_cuda_graphs, trtllm_version=None, provenance=provenance,
                               ckpt_hash=ckpt_hash)
-    (out_dir / artifacts.BUILD_SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    records.write_build_settings(out_dir, settings)
     return {"target": "cpu", "checkpoint_sha256": ckpt_hash, "kv_cache_quant_algo": kv_algo,
             "kv_blocks": runtime["num_blocks"], "tokens_per_block": runtime["tokens_per_block"],
             "smoke_test": smoke, "peak_rss_bytes": peak_rss, "timing_s": round(time.perf_counter() - t0, 1)}

@@ -24,9 +24,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from pipeline import artifacts, families
+from pipeline import artifacts, families, records
 from pipeline.config import PlanSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
 from pipeline.formats import (
@@ -37,7 +35,7 @@ from pipeline.formats import (
     weight_bytes,
 )
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = records.PLAN_FORMAT_VERSION
 BUDGET_GRID_BYTES = 4096
 
 
@@ -306,30 +304,7 @@ def write_plan(plan_doc: dict, out_dir: Path, config_name: str) -> None:
         f"# Each linear layer: its format (high_precision = kept in FP16/BF16) and why. You may edit `format`\n"
         f"# (one of: {', '.join(LAYER_FORMATS)}); the next stages use the edited file as it is.\n"
     )
-    (out_dir / artifacts.PLAN_FILE).write_text(header + yaml.safe_dump(plan_doc, sort_keys=False, width=120))
-
-
-def read_plan(path: Path, table_layers: list[str] | None = None) -> dict:
-    """Load and validate a plan file (generated or edited); errors name the layer and the fix."""
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise InputError(f"{path}: cannot read the plan: {e}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("layers"), dict):
-        raise InputError(f"{path}: a plan needs a `layers:` mapping of layer name -> {{format: ...}}")
-    if doc.get("format_version") != PLAN_FORMAT_VERSION:
-        raise InputError(f"{path}: format_version must be {PLAN_FORMAT_VERSION}")
-    for name, entry in doc["layers"].items():
-        fmt = entry.get("format") if isinstance(entry, dict) else None
-        if fmt not in LAYER_FORMATS:
-            raise InputError(f"{path}: layer {name}: format {fmt!r} is not one of {', '.join(LAYER_FORMATS)}")
-    if table_layers is not None:
-        missing = sorted(set(table_layers) - set(doc["layers"]))
-        unknown = sorted(set(doc["layers"]) - set(table_layers))
-        if missing or unknown:
-            raise InputError(f"{path}: the plan's layers do not match the model's: missing {missing[:3]}, "
-                             f"unknown {unknown[:3]}")
-    return doc
+    records.write_plan(out_dir / artifacts.PLAN_FILE, records.Plan.model_validate(plan_doc), header)
 
 
 def plan_markdown(doc: dict) -> str:

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline import artifacts, console, families
+from pipeline import artifacts, console, families, records
 from pipeline.config import BuildSection, ComputeSection, QuantizationSection
 from pipeline.errors import StageFailed
 from pipeline.formats import (
@@ -93,7 +93,6 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     from transformers import AutoTokenizer
 
     from pipeline import compute as comp
-    from pipeline.quant.plan import read_plan
 
     compute = compute or ComputeSection()
     bound = memory_bound or comp.host_memory_bound(compute)
@@ -104,7 +103,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     t0 = time.perf_counter()
     table = json.loads(table_file.read_text())
     table_layers = {l["name"]: l for l in table["layers"]}
-    plan_doc = read_plan(plan_file, list(table_layers))
+    plan_doc = records.read_plan(plan_file, list(table_layers)).as_doc()
     model_config = json.loads((model_dir / "config.json").read_text())
     baseline = quant.weight_format == "none"  # the unquantized baseline: exported as it is, nothing to gate
     check_rules(plan_doc, quant, build, model_config, table_layers)
@@ -273,12 +272,11 @@ def finish_streamed(model_dir: Path, evaluation_file: Path, *, plan_file: Path, 
 
     from pipeline import compute as comp
     from pipeline.quant import streaming
-    from pipeline.quant.plan import read_plan
 
     t0 = time.perf_counter() - partial["elapsed_s"]
     comp.return_freed_memory_to_the_os()
     table_layers = {l["name"]: l for l in json.loads(table_file.read_text())["layers"]}
-    plan_doc = read_plan(plan_file, list(table_layers))
+    plan_doc = records.read_plan(plan_file, list(table_layers)).as_doc()
     kept = kept_layers(plan_doc)
     evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
     reference = out_dir / READ_BACK_REFERENCE
@@ -345,7 +343,7 @@ def _finish(out_dir: Path, accuracy: dict, *, from_ckpt: dict, read_facts: dict,
     accuracy["from_checkpoint"]["kv_cache_quantized"] = False  # the CPU runtime (build stage) adds it
     if hf_exported and hf_exported.get("accuracy"):
         accuracy["from_hf_checkpoint"] = {**hf_exported["accuracy"], "kv_cache_quantized": False}
-    (out_dir / artifacts.ACCURACY_FILE).write_text(json.dumps({"accuracy": accuracy, "generations": generations}, indent=2))
+    records.write_accuracy(out_dir, records.Accuracy.model_validate({"accuracy": accuracy, "generations": generations}))
     (out_dir / artifacts.GENERATIONS_FILE).write_text(generations_markdown(generations, accuracy, streamed))
     return {"accuracy": accuracy, "checkpoint": {**exported, "read_back": read_facts},
             "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from pipeline import __version__, artifacts, constants, targets
+from pipeline import __version__, artifacts, constants, records, targets
 from pipeline.config import ImageSection, PipelineConfig
 from pipeline.errors import (
     ConfigError,
@@ -98,7 +98,7 @@ class PublishedBuild:
 
 def read_published(repository_dir: Path) -> PublishedBuild:
     """Read and check ``<repository_dir>/provenance.json``; raise InputError saying what to run when absent."""
-    prov = artifacts.read_provenance(repository_dir)
+    prov = records.read_provenance(repository_dir)
     path = repository_dir / artifacts.PROVENANCE_FILE
     hexdigest = prov.repository_digest.removeprefix("sha256:")
     if not re.fullmatch(r"[0-9a-f]{64}", hexdigest):

@@ -48,11 +48,10 @@ from typing import Any, Optional
 
 import yaml
 
-from pipeline import __version__, artifacts, constants, targets
+from pipeline import __version__, artifacts, constants, records, targets
 from pipeline.engines.trtllm.targets import serving_llm_api_options
 from pipeline.errors import EnvironmentProblem, InputError, StageFailed, UserError
 from pipeline.fsutil import (
-    atomic_write_json,
     digest_of_files,
     fsync_dir,
     fsync_tree,
@@ -202,12 +201,12 @@ def _llm_io(msg, triton, reshape: bool = True, streaming: bool = True) -> None:
     msg.output.extend([_out("output_ids", "INT32", [-1, -1]), _out("sequence_length", "INT32", [-1])])
 
 
-def build_model_configs(triton, settings: dict, *, names: ModelNames, version: int, serving_root: str,
+def build_model_configs(triton, settings: records.BuildSettings, *, names: ModelNames, version: int, serving_root: str,
                         adaptive_target_ms: Optional[float] = None) -> dict:
     """{model name: ModelConfig message} for the built target (``settings``: build_settings.json)."""
     pb = _pb()
-    target = settings["target"]
-    bs = int(settings["max_batch_size"])
+    target = settings.target
+    bs = settings.max_batch_size
     out = {}
 
     pre = _base(names.preprocessing, bs, backend="python")
@@ -222,8 +221,8 @@ def build_model_configs(triton, settings: dict, *, names: ModelNames, version: i
                        _out("request_output_len", "INT32", [1]), _out("end_id", "INT32", [1]),
                        _out("pad_id", "INT32", [1]), _out("stop_words_list", "INT32", [2, -1])])
     _params(pre, {"tokenizer_dir": artifacts.TOKENIZER_DIR, "add_special_tokens": True,
-                  "apply_chat_template": triton.apply_chat_template, "max_input_len": settings["max_input_len"],
-                  "max_seq_len": settings["max_seq_len"]})
+                  "apply_chat_template": triton.apply_chat_template, "max_input_len": settings.max_input_len,
+                  "max_seq_len": settings.max_seq_len})
     _instances(pre, triton.instance_count)
     _batching(pre, triton)
     out[pre.name] = pre
@@ -314,11 +313,6 @@ def read_config(path: Path):
 # ---------------------------------------------------------------- checks before anything is written
 
 
-def read_build_settings(build_dir: Path) -> dict:
-    """build_settings.json, checked by its typed reader; the config builders below take it as a dict."""
-    return artifacts.read_build_settings(build_dir).model_dump()
-
-
 def runtime_trtllm_version(config) -> tuple[str, str]:
     """The TensorRT-LLM of the image that will serve, and where that figure comes from."""
     image = config.image
@@ -329,26 +323,26 @@ def runtime_trtllm_version(config) -> tuple[str, str]:
     return config.build.trtllm_version, "build.trtllm_version"
 
 
-def check_build(config, settings: dict, build_dir: Path) -> Path:
+def check_build(config, settings: records.BuildSettings, build_dir: Path) -> Path:
     """Refuse a build the configured target cannot serve; returns the artifact folder."""
     target = config.build.target
-    if settings["target"] != target:
+    if settings.target != target:
         raise InputError(
             f"target/engine mismatch: build.target is {target!r} but {build_dir / artifacts.BUILD_SETTINGS_FILE} is a "
-            f"{settings['target']!r} build. Run `invoke build --force` for the {target} target."
+            f"{settings.target!r} build. Run `invoke build --force` for the {target} target."
         )
-    artifact = build_dir / settings["artifact_dir"]
+    artifact = build_dir / settings.artifact_dir
     engine = targets.get(target)
-    if settings["artifact_dir"] != engine.artifact_dir or not artifact.is_dir():
+    if settings.artifact_dir != engine.artifact_dir or not artifact.is_dir():
         raise InputError(f"target/engine mismatch: a {target} build is {engine.artifact_dir}/ in {build_dir}, "
-                         f"found {settings['artifact_dir']!r}{'' if artifact.is_dir() else ' (missing)'}")
+                         f"found {settings.artifact_dir!r}{'' if artifact.is_dir() else ' (missing)'}")
     lacking = engine.missing_artifacts(artifact)
     if lacking:
         raise InputError(f"target/engine mismatch: {artifact} is not a {target} build (no {', '.join(lacking)}); "
                          f"run `invoke build --force`")
     if engine.engine_per_rank:  # an engine loads only under the release that built it
         engine_cfg = json.loads((artifact / "config.json").read_text())
-        recorded = settings.get("trtllm_version") or engine_cfg.get("version")
+        recorded = settings.trtllm_version or engine_cfg.get("version")
         want, source = runtime_trtllm_version(config)
         if not recorded:
             raise InputError(f"{artifact} records no TensorRT-LLM version; an engine only loads under the release "
@@ -362,14 +356,14 @@ def check_build(config, settings: dict, build_dir: Path) -> Path:
     return artifact
 
 
-def _owned(dest: Path) -> tuple[dict, list[str]]:
-    """(the destination's provenance, its model folders)."""
-    prov = {}
+def _owned(dest: Path) -> tuple[Optional[records.Provenance], list[str]]:
+    """(the destination's provenance, None where it has none of this pipeline's; its model folders)."""
+    prov = None
     if (dest / artifacts.PROVENANCE_FILE).is_file():
         try:
-            prov = json.loads((dest / artifacts.PROVENANCE_FILE).read_text())
-        except ValueError:
-            prov = {}
+            prov = records.read_provenance(dest)
+        except InputError:  # not written by this pipeline's publish: its models count as someone else's
+            prov = None
     models = sorted(p.name for p in dest.iterdir() if p.is_dir()) if dest.is_dir() else []
     return prov, models
 
@@ -379,10 +373,10 @@ def check_destination(dest: Path, config_name: str, names: ModelNames, overwrite
     if dest.exists() and not dest.is_dir():
         raise InputError(f"triton.repository_dir {dest} exists and is not a folder")
     prov, models = _owned(dest)
-    mine = set(prov.get("models", [])) if prov.get("config_name") == config_name else set()
+    mine = set(prov.models) if prov and prov.config_name == config_name else set()
     foreign = [m for m in models if m not in mine]
     if foreign and not overwrite:
-        who = (f"config {prov.get('config_name')!r}" if prov.get("config_name")
+        who = (f"config {prov.config_name!r}" if prov
                else "someone else (no provenance.json of this pipeline)")
         raise UserError(
             f"{dest} holds models this pipeline did not write: {', '.join(foreign)} (written by {who}). "
@@ -472,7 +466,7 @@ def _copy_tokenizer(src_dir: Path, dst: Path) -> list[str]:
     return copied
 
 
-def assemble(config, settings: dict, *, artifact: Path, tokenizer_dir: Path, names: ModelNames, version: int,
+def assemble(config, settings: records.BuildSettings, *, artifact: Path, tokenizer_dir: Path, names: ModelNames, version: int,
              serving_root: str, repo: Path) -> dict:
     """Write one version of every model into ``repo`` (files first, each config.pbtxt last). Returns {model
     name: its ModelConfig}."""
@@ -485,7 +479,7 @@ def assemble(config, settings: dict, *, artifact: Path, tokenizer_dir: Path, nam
         _copy_tokenizer(tokenizer_dir, repo / name / str(version) / artifacts.TOKENIZER_DIR)
     llm_dir = repo / names.tensorrt_llm / str(version)
     llm_dir.mkdir(parents=True)
-    engine = targets.get(settings["target"])
+    engine = targets.get(settings.target)
     if engine.model_code is not None:  # a Python-backend model runs it (a C++ backend needs no code)
         _copy_sources(engine.model_code, llm_dir)
     if engine.serves_hf_checkpoint:  # the LLM API's options (the triton section's settings applied) and checkpoint
@@ -518,13 +512,13 @@ def _write_llm_api_options(triton, built: Path, dest: Path) -> None:
                     f"(changed: {', '.join(changed)}).\n" + yaml.safe_dump(served, sort_keys=False))
 
 
-def _provenance(config, config_name: str, *, settings: dict, names: ModelNames, version: int, work_dir: Path,
-                repo: Path) -> dict:
+def _provenance(config, config_name: str, *, settings: records.BuildSettings, names: ModelNames, version: int, work_dir: Path,
+                repo: Path) -> records.Provenance:
     files = {rel: sha256_file(repo / rel) for rel in list_files(repo) if rel != artifacts.PROVENANCE_FILE}
     model_manifest = _read_json(work_dir / "model" / artifacts.MANIFEST_FILE)
     plan_file = work_dir / "plan" / "plan.yaml"
-    world_size = settings["tensor_parallel_size"] * settings["pipeline_parallel_size"]
-    return {
+    world_size = settings.tensor_parallel_size * settings.pipeline_parallel_size
+    return records.Provenance.model_validate({
         "pipeline_version": __version__,
         "config_name": config_name,
         "model_name": names.ensemble,
@@ -534,14 +528,14 @@ def _provenance(config, config_name: str, *, settings: dict, names: ModelNames, 
         "plan_sha256": sha256_file(plan_file) if plan_file.is_file() else None,
         "quantization": {"weight_format": config.quantization.weight_format,
                          "kv_cache": config.quantization.kv_cache},
-        "checkpoint_sha256": settings["checkpoint_sha256"],
-        "build": {"target": settings["target"], "trtllm_version": settings["trtllm_version"],
+        "checkpoint_sha256": settings.checkpoint_sha256,
+        "build": {"target": settings.target, "trtllm_version": settings.trtllm_version,
                   "world_size": world_size,
-                  "server_ranks": world_size if targets.get(settings["target"]).engine_per_rank else 1,
+                  "server_ranks": world_size if targets.get(settings.target).engine_per_rank else 1,
                   "tensorrt_llm_model": names.tensorrt_llm,
-                  "provenance": settings.get("provenance", {})},
+                  "provenance": settings.provenance},
         "repository_digest": digest_of_files(files),
-    }
+    })
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -574,14 +568,14 @@ def publish(config, config_name: str, *, work_dir: Path, build_dir: Path, model_
     with _DestinationLock(dest):
         foreign = check_destination(dest, config_name, names, triton.overwrite)
         prov, _ = _owned(dest)
-        mine = set(prov.get("models", [])) if prov.get("config_name") == config_name else set()
+        mine = set(prov.models) if prov and prov.config_name == config_name else set()
         version = max([0] + [v for n in names.all() for v in _versions(dest / n)]) + 1
         snapshot = out_dir / artifacts.MODEL_REPOSITORY_DIR
         configs = assemble(config, settings, artifact=artifact, tokenizer_dir=tokenizer_dir, names=names,
                            version=version, serving_root=serving_root, repo=snapshot)
         provenance = _provenance(config, config_name, settings=settings, names=names, version=version,
                                  work_dir=work_dir, repo=snapshot)
-        atomic_write_json(snapshot / artifacts.PROVENANCE_FILE, provenance)
+        records.write_provenance(snapshot, provenance)
 
         staging = dest.parent / f".{dest.name}.publishing"  # a sibling: never a folder inside the repository
         remove_tree(staging)  # left by a publish that was killed
@@ -607,12 +601,13 @@ def publish(config, config_name: str, *, work_dir: Path, build_dir: Path, model_
             kept[name] = old + [version]
         for name in configs:
             shutil.copy2(snapshot / name / artifacts.MODEL_CONFIG_FILE, new / name / artifacts.MODEL_CONFIG_FILE)
-        history = [h for h in prov.get("history", []) if h.get("version") in set(kept[names.ensemble])]
-        atomic_write_json(new / artifacts.PROVENANCE_FILE, {
-            **provenance, "versions": kept[names.ensemble],
-            "history": history + [{"version": version, "repository_digest": provenance["repository_digest"],
-                                   "checkpoint_sha256": provenance["checkpoint_sha256"]}],
-        })
+        history = [h.model_dump(exclude_unset=True) for h in (prov.history if prov else [])
+                   if h.version in set(kept[names.ensemble])]
+        records.write_provenance(new, records.Provenance.model_validate({
+            **provenance.model_dump(exclude_unset=True), "versions": kept[names.ensemble],
+            "history": history + [{"version": version, "repository_digest": provenance.repository_digest,
+                                   "checkpoint_sha256": provenance.checkpoint_sha256}],
+        }))
         fsync_tree(new)
         if dest.is_dir():
             exchange_dirs(new, dest)
@@ -626,16 +621,16 @@ def publish(config, config_name: str, *, work_dir: Path, build_dir: Path, model_
     reload = reload_models(triton.server_url, [n for n in names.all() if n in configs]) \
         if triton.server_url else None
     return {"model_name": names.ensemble, "version": version, "models": sorted(configs),
-            "repository_dir": str(dest), "versions_kept": kept[names.ensemble], "target": settings["target"],
-            "repository_digest": provenance["repository_digest"], "foreign_models_kept": foreign,
+            "repository_dir": str(dest), "versions_kept": kept[names.ensemble], "target": settings.target,
+            "repository_digest": provenance.repository_digest, "foreign_models_kept": foreign,
             "reloaded": reload}
 
 
-def _sources(config, build_dir: Path, model_dir: Path) -> tuple[ModelNames, dict, Path, Path]:
+def _sources(config, build_dir: Path, model_dir: Path) -> tuple[ModelNames, records.BuildSettings, Path, Path]:
     """(model names, build settings, the checked build artifact, the tokenizer folder) of what is published."""
-    settings = read_build_settings(build_dir)
+    settings = records.read_build_settings(build_dir)
     artifact = check_build(config, settings, build_dir)
-    engine = targets.get(settings["target"])
+    engine = targets.get(settings.target)
     return (model_names(config.triton.model_name), settings, artifact,
             artifact / engine.tokenizer_subdir if engine.tokenizer_subdir else model_dir)
 
@@ -646,9 +641,8 @@ def write_repository(config, config_name: str, *, work_dir: Path, build_dir: Pat
     names, settings, artifact, tokenizer_dir = _sources(config, build_dir, model_dir)
     assemble(config, settings, artifact=artifact, tokenizer_dir=tokenizer_dir, names=names, version=1,
              serving_root=str(repo.resolve()), repo=repo)
-    atomic_write_json(repo / artifacts.PROVENANCE_FILE,
-                      _provenance(config, config_name, settings=settings, names=names, version=1, work_dir=work_dir,
-                                  repo=repo))
+    records.write_provenance(repo, _provenance(config, config_name, settings=settings, names=names, version=1,
+                                               work_dir=work_dir, repo=repo))
 
 
 def reload_models(server_url: str, models: list[str], timeout_s: float = 600) -> dict:

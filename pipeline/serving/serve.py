@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline import artifacts, targets
-from pipeline.errors import EnvironmentProblem, InputError, StageFailed
+from pipeline import artifacts, records, targets
+from pipeline.errors import EnvironmentProblem, StageFailed
 from pipeline.serving.ports import LOOPBACK
 from pipeline.serving.server import VLLM_READY_TIMEOUT_S, TritonServer, log_tail
 
@@ -47,7 +47,7 @@ def server_for_target(target: str, repository: Path, frontend: Optional[str] = N
             f"serving the {target} target needs the Triton TensorRT-LLM image's tritonserver and a GPU: run this "
             f"inside that image on a GPU machine (there is no tritonserver on PATH here)"
         )
-    build = artifacts.read_provenance(repository).build
+    build = records.read_provenance(repository).build
     return TritonServer(repository, binary=Path(binary), world_size=build.server_ranks,
                         tensorrt_llm_model=build.tensorrt_llm_model, **{"ready_timeout_s": 1800.0, **kwargs})
 
@@ -73,13 +73,9 @@ def serve_published(work_dir: Path, *, http_port: int = 8000, grpc_port: int = 8
     from pipeline.serving.publish import model_names
 
     repo = artifacts.published_repository(work_dir)
-    try:
-        prov = json.loads((repo / artifacts.PROVENANCE_FILE).read_text())
-    except (OSError, ValueError):
-        raise InputError(f"nothing published at {repo}: run `invoke publish` (or `invoke all`) for this config "
-                         f"first") from None
-    names = model_names(prov["model_name"])
-    target = prov["build"]["target"]
+    prov = records.read_provenance(repo)
+    names = model_names(prov.model_name)
+    target = prov.build.target
     openai = targets.get(target).server(frontend) == targets.SERVER_VLLM_OPENAI
     log_path = work_dir / "logs" / ("vllm-serve.log" if openai else "tritonserver-serve.log")
     # Ctrl-C stops it even where it was started with SIGINT ignored (a script's background job gets SIG_IGN,
@@ -150,25 +146,25 @@ SERVER_KINDS = {  # targets.SERVER_* -> what a user reads
 }
 
 
-def serving_line(server, kind: str, ensemble: str, prov: dict) -> str:
+def serving_line(server, kind: str, ensemble: str, prov: records.Provenance) -> str:
     """One line: which server, which model, where."""
     if kind == targets.SERVER_VLLM_OPENAI:
         model, urls = server.model_name, f"OpenAI {server.base_url}, metrics {server.metrics_url}"
     else:
         model = ensemble
         urls = f"HTTP http://{server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}"
-    return (f"serve: {SERVER_KINDS[kind]} serving model {model} v{prov['version']} ({prov['build']['target']} "
+    return (f"serve: {SERVER_KINDS[kind]} serving model {model} v{prov.version} ({prov.build.target} "
             f"target) at {urls} (server pid {server.pid})")
 
 
-def serve_banner(server, ensemble: str, *, stream: Optional[str], prov: dict, repo: Path, log_path: Path) -> str:
+def serve_banner(server, ensemble: str, *, stream: Optional[str], prov: records.Provenance, repo: Path, log_path: Path) -> str:
     http = f"http://{server.http_url}"
     if hasattr(server, "base_url"):  # vLLM's OpenAI server
         body = json.dumps({"model": server.model_name, "prompt": "The capital of France is", "max_tokens": 32})
         chat = json.dumps({"model": server.model_name, "max_tokens": 32,
                            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         return "\n".join([
-            f"serving {server.model_name} version {prov['version']} (vllm target, vLLM's OpenAI server) from {repo}",
+            f"serving {server.model_name} version {prov.version} (vllm target, vLLM's OpenAI server) from {repo}",
             f"  OpenAI   {server.base_url}   (/completions, /chat/completions, stream: true)",
             f"  metrics  {server.metrics_url}",
             f"  log      {log_path}",
@@ -179,7 +175,7 @@ def serve_banner(server, ensemble: str, *, stream: Optional[str], prov: dict, re
             "", "Ctrl-C stops the server."])
     body = json.dumps({"text_input": "The capital of France is", "max_tokens": 32})
     lines = [
-        f"serving {ensemble} version {prov['version']} ({prov['build']['target']} target) from {repo}",
+        f"serving {ensemble} version {prov.version} ({prov.build.target} target) from {repo}",
         f"  HTTP     {http}   (KServe v2: /v2/models/{ensemble}/infer, /generate)",
         f"  gRPC     {server.grpc_url}",
         f"  metrics  {server.metrics_url}",

@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import yaml
 from pydantic import ValidationError
 
-from pipeline import artifacts, targets
+from pipeline import artifacts, records, targets
 from pipeline.config import PipelineConfig
 from pipeline.errors import InputError, StageFailed
 from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
@@ -218,7 +218,7 @@ class _Servers:
         settings = build_settings(self.build_dir)
         if settings is None:
             raise InputError(f"{self.build_dir} has no build settings: run `invoke build` first")
-        self.settings: dict = settings
+        self.settings: records.BuildSettings = settings
         self.running: dict[str, tuple] = {}
 
     def start(self, settings: dict, warm: list[Prompt], concurrency: int) -> Target:
@@ -229,7 +229,7 @@ class _Servers:
                          build_dir=self.build_dir,
                          model_dir=artifacts.stage_dir(self.work_dir, "model") / artifacts.MODEL_DIR, repo=repo)
         repo, prov = read_repository(repo)
-        server = server_for_target(self.settings["target"], repo, log_path=folder / artifacts.SERVER_LOG_FILE,
+        server = server_for_target(self.settings.target, repo, log_path=folder / artifacts.SERVER_LOG_FILE,
                                    extra_args=METRICS_ARGS)
         server.start()
         target = Target(label, repo, prov, self.settings, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
@@ -306,7 +306,7 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
     try:
         measure = _measure_fn(servers, warm, measured, concurrency, sla)
         if not targets.get(config.build.target).gpu_only:  # a server starts in seconds: search step by step
-            points = search(measure, servers.settings["max_batch_size"], config.sla.p99_itl_ms is not None,
+            points = search(measure, servers.settings.max_batch_size, config.sla.p99_itl_ms is not None,
                             cfg.min_gain, cfg.prefill_chunk_tokens)
         else:  # the plan's points, each measured: a GPU server's start is minutes, so no step-by-step search
             points = [{"settings": st, "label": label_of(st), "level": measure(st)} for st in gpu_plan(config)]
@@ -329,7 +329,7 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
     results = {
         "format_version": 1, "target": config.build.target, "sla": sla, "load": _load(config),
         "build_digest": build_digest(work_dir),
-        "build_max_batch_size": servers.settings["max_batch_size"], "min_gain": cfg.min_gain,
+        "build_max_batch_size": servers.settings.max_batch_size, "min_gain": cfg.min_gain,
         "points": [{"label": p["label"], "settings": p["settings"], **_point_figures(p["level"])} for p in points],
         "chosen": None if chosen is None else {"label": chosen["label"], "settings": chosen["settings"]},
         "why": why,
@@ -469,7 +469,7 @@ def _read_results(path: Path) -> dict:
     return doc
 
 
-def _prompts(config: PipelineConfig, work_dir: Path, settings: dict) -> tuple[list[Prompt], list[Prompt]]:
+def _prompts(config: PipelineConfig, work_dir: Path, settings: records.BuildSettings) -> tuple[list[Prompt], list[Prompt]]:
     """(warm-up prompts, measured prompts): the bench's lengths, from the evaluation text."""
     from transformers import AutoTokenizer  # heavy: imported only when tune runs
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-from pipeline import artifacts, constants, targets
+from pipeline import artifacts, constants, records, targets
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving.publish import model_names
 from pipeline.serving.serve import server_for_target
@@ -401,15 +401,12 @@ def verify(publish_dir: Path, out_dir: Path, *, prompts: tuple[str, ...] = PROMP
     from transformers import AutoTokenizer
 
     repo = publish_dir / artifacts.MODEL_REPOSITORY_DIR
-    try:
-        prov = json.loads((repo / artifacts.PROVENANCE_FILE).read_text())
-    except (OSError, ValueError):
-        raise InputError(f"{repo} has no readable {artifacts.PROVENANCE_FILE}; run `invoke publish` first") from None
-    own = targets.get(prov["build"]["target"]).verify_entry
+    prov = records.read_provenance(repo)
+    own = targets.get(prov.build.target).verify_entry
     if own is not None:  # a target with servers of its own (vLLM's OpenAI server and Triton's vLLM model)
         return targets.resolve_entry(own)(repo, prov, out_dir, prompts, max_tokens, concurrent, vllm_frontends)
-    names = model_names(prov["model_name"])
-    version, target = int(prov["version"]), prov["build"]["target"]
+    names = model_names(prov.model_name)
+    version, target = prov.version, prov.build.target
     engine = targets.get(target)
     tokenizer = AutoTokenizer.from_pretrained(str(repo / names.preprocessing / str(version) / artifacts.TOKENIZER_DIR))
     prompt_ids = [tokenizer(p).input_ids for p in prompts]
@@ -426,20 +423,15 @@ def verify(publish_dir: Path, out_dir: Path, *, prompts: tuple[str, ...] = PROMP
     startup_s = server.startup_s
     failed = [c.name for c in v.checks if not c.ok]
     latency = latency_summary(v.latency_ms)
-    results = {
-        "ok": not failed,
-        "model_name": names.ensemble, "version": version, "target": target,
-        "server": {"startup_s": startup_s, "binary": "image tritonserver" if engine.gpu_only
-                   else "nvidia-pytriton tritonserver", "log": artifacts.SERVER_LOG_FILE},
-        "reference": ("the CPU runtime on the repository's own bundle, each prompt alone"
-                      if engine.reference_runtime
-                      else "none (GPU target: answers are checked for agreement only)"),
-        "reference_s": round(reference_s, 1),
-        "prompts": list(prompts), "max_tokens": max_tokens,
-        "latency": latency,
-        "checks": [c.as_dict() for c in v.checks],
-    }
-    (out_dir / artifacts.VERIFY_RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    results = records.VerifyResults(
+        ok=not failed, model_name=names.ensemble, version=version, target=target,
+        server={"startup_s": startup_s, "binary": "image tritonserver" if engine.gpu_only
+                else "nvidia-pytriton tritonserver", "log": artifacts.SERVER_LOG_FILE},
+        reference=("the CPU runtime on the repository's own bundle, each prompt alone" if engine.reference_runtime
+                   else "none (GPU target: answers are checked for agreement only)"),
+        reference_s=round(reference_s, 1), prompts=list(prompts), max_tokens=max_tokens, latency=latency,
+        checks=[c.as_dict() for c in v.checks])
+    records.write_verify_results(out_dir, results)
     if died is not None:
         from pipeline.serving.server import log_tail
 

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pipeline import artifacts, console
+from pipeline import artifacts, console, records
 from pipeline.engines.vllm.engine_args import METRIC_SERIES
 from pipeline.engines.vllm.target import CHECK_FILE
 from pipeline.errors import InputError, StageFailed
@@ -206,7 +206,7 @@ class VllmVerifier:
         return {"ok": all(found.values()), "found": found}
 
 
-def verify_vllm(repo: Path, prov: dict, *, out_dir: Path, prompts: tuple[str, ...], max_tokens: int,
+def verify_vllm(repo: Path, prov: records.Provenance, *, out_dir: Path, prompts: tuple[str, ...], max_tokens: int,
                 concurrent: int, frontends: tuple[str, ...] = ("openai", "triton")) -> dict:
     """The verify stage on a published vllm repository, each frontend in turn; StageFailed (after every check
     ran) when one fails."""
@@ -256,11 +256,12 @@ def verify_vllm(repo: Path, prov: dict, *, out_dir: Path, prompts: tuple[str, ..
                                  "binary": "nvidia-pytriton tritonserver, vLLM Python-backend model"}
     failed = [c["name"] for c in checks if not c["ok"]]
     latency = latency_summary(latency_ms)
-    results = {"ok": not failed, "model_name": prov["model_name"], "version": prov["version"], "target": "vllm",
-               "frontends": list(frontends), "servers": servers, "server": servers[frontends[0]],
-               "reference": "vLLM's offline engine on the same export, in the build's check (vllm_check.json)",
-               "prompts": list(prompts), "max_tokens": max_tokens, "latency": latency, "checks": checks}
-    (out_dir / artifacts.VERIFY_RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    results = records.VerifyResults(
+        ok=not failed, model_name=prov.model_name, version=prov.version, target="vllm", frontends=list(frontends),
+        servers=servers, server=servers[frontends[0]],
+        reference="vLLM's offline engine on the same export, in the build's check (vllm_check.json)",
+        prompts=list(prompts), max_tokens=max_tokens, latency=latency, checks=checks)
+    records.write_verify_results(out_dir, results)
     if failed:
         from pipeline.serving.server import log_tail
 
@@ -287,7 +288,7 @@ def _openai_checks(repo: Path, log_path: Path, *, tokenizer, prompts: list[str],
     return v
 
 
-def _triton_checks(repo: Path, prov: dict, *, log_path: Path, tokenizer, prompts: list[str], expected: OfflineTokens,
+def _triton_checks(repo: Path, prov: records.Provenance, *, log_path: Path, tokenizer, prompts: list[str], expected: OfflineTokens,
                    max_tokens: int, concurrent: int) -> tuple[Optional[float], list[dict], dict, Optional[int]]:
     """Triton's checks (pipeline.serving.verify) on the vllm repository: (startup s, checks, latencies, the
     server's exit code if it died during them)."""
@@ -296,6 +297,6 @@ def _triton_checks(repo: Path, prov: dict, *, log_path: Path, tokenizer, prompts
     from pipeline.serving.verify import triton_checks
 
     server = server_for_target("vllm", repo, frontend="triton", log_path=log_path)
-    v, died = triton_checks(server, repo, names=model_names(prov["model_name"]), tokenizer=tokenizer, prompts=prompts,
+    v, died = triton_checks(server, repo, names=model_names(prov.model_name), tokenizer=tokenizer, prompts=prompts,
                             expected=expected, max_tokens=max_tokens, concurrent=concurrent, target="vllm")
     return server.startup_s, [c.as_dict() for c in v.checks], v.latency_ms, died

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Optional
 
-from pipeline import artifacts
+from pipeline import records
 from pipeline.errors import InputError, StageFailed
 from pipeline.procs import start_group, stop_process_group
 from pipeline.serving import launch
@@ -32,14 +32,14 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0  # measured on 2 busy cores: 40-90 s to import vLLM and load SmolLM2
 
 
-def published_model(repository: Path) -> tuple[Path, dict, dict]:
+def published_model(repository: Path) -> tuple[Path, dict, records.Provenance]:
     """(the export folder, its vllm_engine.json, provenance.json) of a published vllm repository."""
-    prov = artifacts.read_provenance(repository)
+    prov = records.read_provenance(repository)
     try:
         folder, engine = launch.vllm_model(repository)
     except SystemExit as e:
         raise InputError(str(e)) from None
-    return folder, engine, prov.model_dump()
+    return folder, engine, prov
 
 
 @dataclass
@@ -87,7 +87,7 @@ class VllmServer(ServerProcess):
             raise RuntimeError("server already started")
         self.model_repository = Path(self.model_repository).resolve()
         folder, self.engine, prov = published_model(self.model_repository)
-        self.model_name = self.engine["engine_args"].get("served_model_name") or prov["model_name"]
+        self.model_name = self.engine["engine_args"].get("served_model_name") or prov.model_name
         python = runtime.serving_python()
         if self.log_path is None:
             self.log_path = Path(tempfile.mkdtemp(prefix="vllm-server-")) / "vllm-server.log"

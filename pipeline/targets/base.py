@@ -22,6 +22,7 @@ from pipeline.errors import InputError
 
 if TYPE_CHECKING:  # the config imports this module; only its types are needed here
     from pipeline.config import PipelineConfig
+    from pipeline.records import BuildSettings
 
 # The triton section's keys that set how a runtime batches and schedules: each target says which its runtime reads
 # (Target.serving_settings); a config that sets another is refused (pipeline.config.schema._check_serving_keys).
@@ -159,7 +160,7 @@ class Target:
         """What a build folder of this target lacks (publish refuses it)."""
         return [f for f in self.artifact_files if not (artifact / f).is_file()]
 
-    def llm_model(self, triton: Any, settings: dict, *, serving_root: str, llm_model: str, preprocessing: str,
+    def llm_model(self, triton: Any, settings: BuildSettings, *, serving_root: str, llm_model: str, preprocessing: str,
                   version: int, adaptive_target_ms: Optional[float]) -> tuple[dict[str, Any], int, str]:
         """The engine model's Triton parameters, instance count and kind (``KIND_CPU``, ``KIND_MODEL``): what
         publish writes into its config.pbtxt. ``settings``: the build's build_settings.json; the paths name

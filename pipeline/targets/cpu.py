@@ -11,6 +11,7 @@ from pipeline.targets.base import Target, priority_parameters, watchdog_paramete
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
+    from pipeline.records import BuildSettings
 
 
 class CpuTarget(Target):
@@ -32,7 +33,7 @@ class CpuTarget(Target):
     def docker_stage(self, cfg: "PipelineConfig") -> str:
         return "cpu"
 
-    def llm_model(self, triton: Any, settings: dict, *, serving_root: str, llm_model: str, preprocessing: str,
+    def llm_model(self, triton: Any, settings: BuildSettings, *, serving_root: str, llm_model: str, preprocessing: str,
                   version: int, adaptive_target_ms: Optional[float]) -> tuple[dict[str, Any], int, str]:
         params = {"bundle_dir": self.artifact_dir, "cpu_threads": triton.cpu_threads,
                   "adaptive_batch_target_ms": adaptive_target_ms or 0, "max_running": triton.max_running or 0,

@@ -11,6 +11,7 @@ from pipeline.targets.base import Target, watchdog_parameters
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
+    from pipeline.records import BuildSettings
 
 
 class PytorchTarget(Target):
@@ -43,7 +44,7 @@ class PytorchTarget(Target):
     def docker_stage(self, cfg: "PipelineConfig") -> str:
         return "gpu"
 
-    def llm_model(self, triton: Any, settings: dict, *, serving_root: str, llm_model: str, preprocessing: str,
+    def llm_model(self, triton: Any, settings: BuildSettings, *, serving_root: str, llm_model: str, preprocessing: str,
                   version: int, adaptive_target_ms: Optional[float]) -> tuple[dict[str, Any], int, str]:
         params = {"checkpoint_dir": artifacts.LLM_API_CHECKPOINT_DIR, "llm_api_options": artifacts.LLM_API_OPTIONS_FILE,
                   **watchdog_parameters(triton)}

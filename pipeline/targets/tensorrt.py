@@ -10,6 +10,7 @@ from pipeline.targets.base import Target
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
+    from pipeline.records import BuildSettings
 
 
 class TensorrtTarget(Target):
@@ -29,9 +30,9 @@ class TensorrtTarget(Target):
     def docker_stage(self, cfg: "PipelineConfig") -> str:
         return "gpu"
 
-    def llm_model(self, triton: Any, settings: dict, *, serving_root: str, llm_model: str, preprocessing: str,
+    def llm_model(self, triton: Any, settings: BuildSettings, *, serving_root: str, llm_model: str, preprocessing: str,
                   version: int, adaptive_target_ms: Optional[float]) -> tuple[dict[str, Any], int, str]:
-        kv, graphs = settings["kv_cache"], settings["cuda_graphs"]
+        kv, graphs = settings.kv_cache, settings.cuda_graphs
         # Every key the backend reads is one of tests/data/upstream/tensorrtllm_backend_parameters.json. Three
         # are read without a guard, so a missing one fails the model's load: tokenizer_dir (its value only
         # matters to guided decoding), guided_decoding_backend and xgrammar_tokenizer_info_path (empty: no
@@ -47,11 +48,11 @@ class TensorrtTarget(Target):
             "batch_scheduler_policy": triton.scheduler_policy or "guaranteed_no_evict",
             "max_beam_width": 1,
             "kv_cache_free_gpu_mem_fraction": (triton.kv_cache_free_gpu_memory_fraction
-                                               or kv["free_gpu_memory_fraction"]),
-            "enable_kv_cache_reuse": kv["enable_block_reuse"],
-            "enable_chunked_context": settings["enable_chunked_context"],
-            "cuda_graph_mode": graphs["cuda_graph_mode"],
-            "cuda_graph_cache_size": graphs["cuda_graph_cache_size"],
+                                               or kv.free_gpu_memory_fraction),
+            "enable_kv_cache_reuse": kv.enable_block_reuse,
+            "enable_chunked_context": settings.enable_chunked_context,
+            "cuda_graph_mode": graphs.cuda_graph_mode,
+            "cuda_graph_cache_size": graphs.cuda_graph_cache_size,
             "exclude_input_in_output": True,
             "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
         }

@@ -22,6 +22,7 @@ from pipeline.targets.base import (
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
+    from pipeline.records import BuildSettings
 
 FRONTENDS = ("openai", "triton")  # vllm.frontends: vLLM's own OpenAI server, Triton over vLLM's engine
 # (vllm.device, the first of vllm.frontends: the server the image runs) -> Dockerfile target
@@ -74,7 +75,7 @@ class VllmTarget(Target):
             lacking.append("model.safetensors or its shards' index")
         return lacking
 
-    def llm_model(self, triton: Any, settings: dict, *, serving_root: str, llm_model: str, preprocessing: str,
+    def llm_model(self, triton: Any, settings: BuildSettings, *, serving_root: str, llm_model: str, preprocessing: str,
                   version: int, adaptive_target_ms: Optional[float]) -> tuple[dict[str, Any], int, str]:
         params = {"model_dir": self.artifact_dir, **priority_parameters(triton), **watchdog_parameters(triton)}
         return params, 1, "KIND_MODEL"  # one engine batches every request and places itself on its devices

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from conftest import tiny_config, tree_snapshot
 
-from pipeline import artifacts, targets
+from pipeline import artifacts, records, targets
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, EnvironmentProblem, InputError, UserError
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
@@ -197,7 +197,8 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
     configs = _configs(snap)
     llm = configs[names.tensorrt_llm]
     params = _params(llm)
-    cpu_io = _io(pub.build_model_configs(config.triton, {**settings, "target": "cpu"}, names=names, version=1,
+    as_cpu = records.BuildSettings.model_validate({**settings, "target": "cpu"})
+    cpu_io = _io(pub.build_model_configs(config.triton, as_cpu, names=names, version=1,
                                          serving_root="/models")[names.tensorrt_llm])
     assert _io(llm) == cpu_io  # one I/O for every target: everything around tensorrt_llm is shared
     assert llm.max_batch_size == settings["max_batch_size"]
@@ -268,7 +269,8 @@ def test_a_vllm_repository_serves_one_export_to_triton_and_to_vllms_server(setup
     assert set(configs) == set(names.all())
     llm = configs[names.tensorrt_llm]
     settings = json.loads((work / "build" / artifacts.BUILD_SETTINGS_FILE).read_text())
-    cpu_io = _io(pub.build_model_configs(config.triton, {**settings, "target": "cpu"}, names=names, version=1,
+    as_cpu = records.BuildSettings.model_validate({**settings, "target": "cpu"})
+    cpu_io = _io(pub.build_model_configs(config.triton, as_cpu, names=names, version=1,
                                          serving_root="/models")[names.tensorrt_llm])
     assert _io(llm) == cpu_io and llm.backend == "python"
     assert _params(llm) == {"model_dir": artifacts.VLLM_MODEL_DIR, "priority_levels": "0", "default_priority_level": "0",

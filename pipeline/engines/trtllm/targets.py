@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import yaml
 
-from pipeline import artifacts
+from pipeline import artifacts, records
 from pipeline.child import log_tail
 from pipeline.engines.build import build_settings, checkpoint_sha256
 from pipeline.engines.trtllm.options import (
@@ -225,12 +225,12 @@ def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
                               cuda_graphs=cuda_graph_settings(cfg.build), trtllm_version=env.trtllm_version,
                               provenance=provenance, ckpt_hash=ckpt_hash,
                               enable_chunked_context=chunked_context(cfg.build, facts, gpu.sm))
-    atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
+    records.write_build_settings(out_dir, settings)
     return {"target": "tensorrt", "checkpoint_sha256": ckpt_hash, "quant_algo": facts.quant_algo,
             "kv_cache_quant_algo": facts.kv_cache_quant_algo, "gpu": gpu.name, "gpu_sm": gpu.sm,
             "trtllm_version": env.trtllm_version, "ranks": facts.world_size, "engine_bytes": engine["engine_bytes"],
             "paged_context_fmha": paged_context_fmha(cfg.build, facts, gpu.sm),
-            "cuda_graphs": settings["cuda_graphs"], "timing_cache_reused": reused, "timing_s": build_s}
+            "cuda_graphs": settings.cuda_graphs.model_dump(), "timing_cache_reused": reused, "timing_s": build_s}
 
 
 def _run_trtllm_build(env: Environment, args: list[str], *, facts: QuantFacts, out_dir: Path, engine_dir: Path,
@@ -329,7 +329,7 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
     settings = build_settings(cfg, "pytorch", artifact_dir=artifacts.LLM_API_DIR, kv_algo=facts.kv_cache_quant_algo,
                               cuda_graphs=cuda_graph_settings(cfg.build), trtllm_version=env.trtllm_version,
                               provenance=provenance, ckpt_hash=ckpt_hash)
-    atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
+    records.write_build_settings(out_dir, settings)
     return {"target": "pytorch", "checkpoint_sha256": ckpt_hash, "quant_algo": facts.quant_algo,
             "kv_cache_quant_algo": facts.kv_cache_quant_algo, "gpu": gpu.name, "gpu_sm": gpu.sm,
             "trtllm_version": env.trtllm_version, "llm_api_options": opts,

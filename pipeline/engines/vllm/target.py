@@ -27,7 +27,7 @@ import math
 import time
 from pathlib import Path
 
-from pipeline import artifacts, console
+from pipeline import artifacts, console, records
 from pipeline.constants import CHECK_PROMPTS as PROMPTS
 from pipeline.errors import InputError, StageFailed
 
@@ -150,9 +150,9 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_f
     kv_problem = served_kv_problem(exported.get("kv_cache_scales") or {}, got["kv_cache"], args["kv_cache_dtype"])
     if kv_problem:
         raise StageFailed(f"vLLM does not serve the KV cache the export wrote: {kv_problem}")
-    gate = json.loads(accuracy_file.read_text())["accuracy"]
+    gate = records.read_accuracy(accuracy_file.parent).accuracy
     ppl = math.exp(got["nll_sum"] / max(got["tokens_scored"], 1))
-    increase = 100.0 * (ppl / gate["perplexity_original"] - 1.0)
+    increase = 100.0 * (ppl / gate.perplexity_original - 1.0)
     top1_original = _agreement(got["top1"], ref["original_top1"])
     tokens = []
     relative = reference.relative_tie_bound(cfg.vllm.dtype)  # vLLM's rounding, not this machine's
@@ -165,8 +165,8 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_f
     check = {
         "vllm_version": version, "max_tokens": CHECK_TOKENS,
         "evaluation_tokens": got["tokens_scored"],
-        "perplexity": {"vllm": round(ppl, 4), "simulated": gate.get("from_checkpoint", {}).get("perplexity_quantized"),
-                       "original": gate["perplexity_original"]},
+        "perplexity": {"vllm": round(ppl, 4), "simulated": (gate.from_checkpoint or {}).get("perplexity_quantized"),
+                       "original": gate.perplexity_original},
         "perplexity_increase_pct": round(increase, 3),
         "top1_agreement_with_original": round(top1_original, 4),
         "top1_agreement_with_simulated": round(_agreement(got["top1"], ref["sim_top1"]), 4),
@@ -182,7 +182,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_f
     failures = []
     if increase > bounds.max_perplexity_increase_pct:
         failures.append(f"perplexity through vLLM {ppl:.4f} is {increase:.2f} % above the original's "
-                        f"{gate['perplexity_original']} (bound {bounds.max_perplexity_increase_pct} %)")
+                        f"{gate.perplexity_original} (bound {bounds.max_perplexity_increase_pct} %)")
     if top1_original < bounds.min_top1_agreement:
         failures.append(f"top-1 agreement with the original {top1_original:.4f} < {bounds.min_top1_agreement}")
     if failures:  # the build's folder is discarded with the failure: the figures go into the message and the log
@@ -202,7 +202,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_f
     settings = build_settings(cfg, "vllm", artifact_dir=EXPORT_DIR, kv_algo=args["kv_cache_dtype"], cuda_graphs=graphs,
                               trtllm_version=None, provenance=provenance, ckpt_hash=ckpt_hash,
                               enable_chunked_context=True)
-    atomic_write_json(out_dir / artifacts.BUILD_SETTINGS_FILE, settings)
+    records.write_build_settings(out_dir, settings)
     return {"target": "vllm", "vllm": version, "checkpoint_sha256": ckpt_hash, "export": exported,
             "kv_cache_dtype": args["kv_cache_dtype"], "check": {k: v for k, v in check.items() if k != "greedy_tokens"},
             "greedy_tokens": {k: v for k, v in check["greedy_tokens"].items() if k != "prompts"},

@@ -31,13 +31,12 @@ servers' logs.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from pipeline import artifacts, console
+from pipeline import artifacts, console, records
 from pipeline import targets as registry
 from pipeline.config import BenchSection, PipelineConfig
 from pipeline.errors import InputError, StageFailed
@@ -104,7 +103,7 @@ def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, bui
     results = _results(cfg, sla, targets=targets, knees=knees, choices=choices, sustained=sustained, bench_s=bench_s)
     if checked:
         results["cross_check"] = checked
-    (out_dir / artifacts.BENCH_RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
+    records.write_bench_results(out_dir, records.BenchResults.model_validate(results))
     return _summary(targets, knees, choices, sustained, bench_s)
 
 
@@ -136,7 +135,7 @@ def _resolve_targets(config: PipelineConfig, publish_dir: Path, build_dir: Optio
     return targets
 
 
-def _baseline(path: Path, this: artifacts.Provenance) -> Target:
+def _baseline(path: Path, this: records.Provenance) -> Target:
     """bench.compare_repository as a target; it must be another build than this one."""
     repo, prov = read_repository(path)
     if prov.repository_digest == this.repository_digest:

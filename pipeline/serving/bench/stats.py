@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from pipeline import targets
+from pipeline.records import BuildSettings
 
 PERCENTILES = (50, 90, 99)
 
@@ -208,18 +209,18 @@ def sla_choice(levels: list[dict], bounds: dict[str, float]) -> dict:
                         f"concurrency only adds latency."}
 
 
-def padding_factor(settings: Optional[dict], concurrency: int) -> dict:
+def padding_factor(settings: Optional[BuildSettings], concurrency: int) -> dict:
     """Useful batch slots / processed batch slots in a decode step, where the build says how batches pad."""
-    if not settings:
+    if settings is None:
         return {"value": None, "basis": "unknown: no build settings for this repository"}
-    live = min(concurrency, int(settings["max_batch_size"]))
-    if targets.get(settings["target"]).reference_runtime:
+    live = min(concurrency, settings.max_batch_size)
+    if targets.get(settings.target).reference_runtime:
         return {"value": 1.0, "basis": "cpu runtime: prompts are prefilled one at a time, unpadded, and each decode "
                                        "step runs exactly the live sequences (attention's K/V padding to the "
                                        "longest sequence is inside the runtime and not counted)"}
-    graphs = settings.get("cuda_graphs") or {}
-    if graphs.get("enabled") and graphs.get("enable_padding"):
-        sizes = sorted(graphs.get("batch_sizes") or [])
+    graphs = settings.cuda_graphs
+    if graphs.enabled and graphs.enable_padding:
+        sizes = sorted(graphs.batch_sizes)
         padded = next((s for s in sizes if s >= live), live)
         return {"value": live / padded, "basis": f"CUDA graphs pad a decode batch of {live} to the captured size "
                                                  f"{padded} (batch_sizes {sizes})"}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline import artifacts
+from pipeline import artifacts, records
 from pipeline.config import BenchSection
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving.bench.load import Prompt, RequestRecord, drive, drive_openai, level_figures
@@ -29,8 +29,8 @@ class Target:
 
     label: str  # "this build" / "baseline" (a vllm build served two ways: "this build (openai)", ...)
     repository: Path
-    provenance: artifacts.Provenance
-    settings: Optional[dict]  # build_settings.json, when known
+    provenance: records.Provenance
+    settings: Optional[records.BuildSettings]  # build_settings.json, when known
     frontend: str = "triton"  # a vllm build: "openai" (vLLM's own server) or "triton" (its Python-backend model)
     grpc_url: str = ""
     http_url: str = ""  # host:port of the server bench started (the open-loop load's endpoint)
@@ -66,11 +66,11 @@ class Target:
 # ---------------------------------------------------------------- reading a published build
 
 
-def read_repository(path: Path) -> tuple[Path, artifacts.Provenance]:
+def read_repository(path: Path) -> tuple[Path, records.Provenance]:
     """A published repository, given it or the work dir that holds it: (repository, its provenance)."""
     for candidate in (path, artifacts.published_repository(path), path / artifacts.MODEL_REPOSITORY_DIR):
         if (candidate / artifacts.PROVENANCE_FILE).is_file():
-            return candidate, artifacts.read_provenance(candidate)
+            return candidate, records.read_provenance(candidate)
     raise InputError(f"{path} is not a published model repository (no readable provenance.json there or in "
                      f"publish/model_repository under it); run `invoke publish` for that build first")
 
@@ -83,25 +83,25 @@ def build_dir_of(repository: Path) -> Optional[Path]:
     return artifacts.stage_dir(work_dir, "build")
 
 
-def build_settings(build_dir: Optional[Path]) -> Optional[dict]:
+def build_settings(build_dir: Optional[Path]) -> Optional[records.BuildSettings]:
     """The build's settings, where there is a build folder with build_settings.json in it."""
     if build_dir is None or not (build_dir / artifacts.BUILD_SETTINGS_FILE).is_file():
         return None
-    return artifacts.read_build_settings(build_dir).model_dump()
+    return records.read_build_settings(build_dir)
 
 
 # ---------------------------------------------------------------- checks before any load
 
 
-def check_lengths(cfg: BenchSection, settings: Optional[dict], label: str) -> None:
+def check_lengths(cfg: BenchSection, settings: Optional[records.BuildSettings], label: str) -> None:
     """The prompt and the generated tokens must fit the build's limits (``settings``), where they are known."""
-    if not settings:
+    if settings is None:
         return
-    if cfg.prompt_tokens > settings["max_input_len"] or cfg.prompt_tokens + cfg.output_tokens > settings["max_seq_len"]:
+    if cfg.prompt_tokens > settings.max_input_len or cfg.prompt_tokens + cfg.output_tokens > settings.max_seq_len:
         raise InputError(
             f"bench.prompt_tokens {cfg.prompt_tokens} + output_tokens {cfg.output_tokens} do not fit "
-            f"{label}'s limits (max_input_len {settings['max_input_len']}, max_seq_len "
-            f"{settings['max_seq_len']}); lower them"
+            f"{label}'s limits (max_input_len {settings.max_input_len}, max_seq_len "
+            f"{settings.max_seq_len}); lower them"
         )
 
 

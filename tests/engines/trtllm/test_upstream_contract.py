@@ -27,6 +27,7 @@ from pipeline.constants import REPO_ROOT
 from pipeline.engines.build import build_settings
 from pipeline.engines.trtllm import options, rules, targets
 from pipeline.engines.trtllm.preflight import GPU
+from pipeline.records import BuildSettings
 from pipeline.serving import launch
 
 pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
@@ -153,7 +154,7 @@ def test_blackwell_rejections_follow_upstreams_quant_mode_mapping():
 
 
 # ====================================================================================== the tensorrt_llm model
-def tensorrt_configs(path: Path, *overrides: str) -> tuple[dict, pub.ModelNames, dict]:
+def tensorrt_configs(path: Path, *overrides: str) -> tuple[dict, pub.ModelNames, BuildSettings]:
     """The Triton configs publish writes for a profile's tensorrt build (settings as the build writes them)."""
     cfg = load_config(path, ["triton.serving_repository_path=/models", *overrides]).config
     facts = profile_facts(cfg)
@@ -264,7 +265,7 @@ def test_a_tensor_parallel_repository_starts_one_rank_per_gpu_as_upstreams_launc
     shape = upstream("serving_guidance.json")["mpi_world_size"]["launch_script"]["command_shape"]
     assert shape.startswith("mpirun --allow-run-as-root") and "--load-model=" in shape
     configs, names, settings = tensorrt_configs(REPO_ROOT / "engine_configs" / "llama-3.1-70b-h100x4-fp8-tp4.yaml")
-    world = settings["tensor_parallel_size"] * settings["pipeline_parallel_size"]
+    world = settings.tensor_parallel_size * settings.pipeline_parallel_size
     assert world == 4  # the executor checks MPI size == TP * PP (worldConfig.cpp)
     flags = ["--model-repository=/models", "--http-port=8000", "--disable-auto-complete-config"]
     argv = launch.server_argv("tritonserver", flags, world, names.tensorrt_llm)

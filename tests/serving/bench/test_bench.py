@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pipeline import artifacts
+from pipeline.records import BuildSettings
 from pipeline.serving.bench.load import RequestRecord, drive, level_figures, make_prompts
 from pipeline.serving.bench.metrics import metrics_delta, parse_metrics, scrape_settled
 from pipeline.serving.bench.plots import LATENCY_PNG, THROUGHPUT_PNG
@@ -174,11 +175,22 @@ def test_knee_where_throughput_stops_paying():
     assert "beyond this sweep" in knee_sentence(still_rising, levels[:3])
 
 
+def build_settings(target: str = "cpu", **changed) -> BuildSettings:
+    """build_settings.json as the build writes it (a cpu build of batch 8), with ``changed`` fields."""
+    return BuildSettings.model_validate({
+        "target": target, "artifact_dir": "cpu_bundle", "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512,
+        "kv_cache": {"quant_algo": None, "tokens_per_block": 32, "free_gpu_memory_fraction": 0.9,
+                     "enable_block_reuse": False},
+        "cuda_graphs": {"enabled": False, "batch_sizes": [], "enable_padding": False, "cuda_graph_mode": False,
+                        "cuda_graph_cache_size": 0},
+        "trtllm_version": None, "provenance": {}, "checkpoint_sha256": "ab" * 32, **changed})
+
+
 def test_padding_factor_from_build_settings():
-    cpu = {"target": "cpu", "max_batch_size": 8, "cuda_graphs": {"enabled": False}}
+    cpu = build_settings()
     assert padding_factor(cpu, 4)["value"] == 1.0
-    gpu = {"target": "tensorrt", "max_batch_size": 8,
-           "cuda_graphs": {"enabled": True, "enable_padding": True, "batch_sizes": [1, 2, 4, 8]}}
+    gpu = build_settings("tensorrt", cuda_graphs={"enabled": True, "enable_padding": True, "batch_sizes": [1, 2, 4, 8],
+                                                  "cuda_graph_mode": True, "cuda_graph_cache_size": 0})
     assert padding_factor(gpu, 3)["value"] == pytest.approx(3 / 4)
     assert padding_factor(gpu, 16)["value"] == 1.0  # 8 live sequences fill the largest graph
     assert padding_factor(None, 2)["value"] is None
@@ -548,7 +560,7 @@ def test_prompt_and_output_lengths_must_fit_the_build():
     from pipeline.errors import InputError
     from pipeline.serving.bench.target import check_lengths
 
-    settings = {"max_input_len": 64, "max_seq_len": 128}
+    settings = build_settings(max_input_len=64, max_seq_len=128)
     check_lengths(BenchSection(prompt_tokens=64, output_tokens=64), settings, "this build")
     check_lengths(BenchSection(prompt_tokens=4096), None, "a repository without build settings")
     with pytest.raises(InputError, match=r"prompt_tokens 64 \+ output_tokens 65 do not fit the build's limits "
