@@ -42,9 +42,11 @@ def _stage_task(name: str, doc: str):
     return _task
 
 
-download = _stage_task("download", "Download the model (Hub, local folder or GGUF) and prepare calibration/evaluation text "
-                                    "(stages model, text).")
-sensitivity = _stage_task("sensitivity", "Per-layer INT8 sensitivity table and the mixed-precision plan (stages sensitivity, plan).")
+download = _stage_task("download",
+                       "Download the model (Hub, local folder or GGUF) and prepare calibration/evaluation text "
+                       "(stages model, text).")
+sensitivity = _stage_task("sensitivity",
+                          "Per-layer INT8 sensitivity table and the mixed-precision plan (stages sensitivity, plan).")
 quantize = _stage_task("quantize", "Quantize with ModelOpt, export the TensorRT-LLM checkpoint, check accuracy.")
 build = _stage_task("build", "Build engines (tensorrt), LLM-API options (pytorch) or the CPU runtime bundle (cpu).")
 publish = _stage_task("publish", "Publish the build to a versioned Triton model repository.")
@@ -127,7 +129,8 @@ def tune(c, *, config=None, set=None, work_root=str(WORK_ROOT), verbose=False, r
         commands.tune(config, set or [], Path(work_root), results=Path(results) if results else None)
 
 
-@task(iterable=["set"], help={**CONFIG_HELP, "http_port": "HTTP port (default 8000; vLLM's OpenAI server: its API and metrics)",
+@task(iterable=["set"], help={**CONFIG_HELP,
+                              "http_port": "HTTP port (default 8000; vLLM's OpenAI server: its API and metrics)",
                                "grpc_port": "gRPC port (default 8001)", "metrics_port": "metrics port (default 8002)",
                                "host": "address to bind (default 127.0.0.1: this machine only)",
                                "supervise": "restart the server when it stops by itself (its watchdog, a crash), "
@@ -156,7 +159,8 @@ def image(c, *, config=None, set=None, work_root=str(WORK_ROOT), push=False, dry
         commands.image(config, set or [], work_root=Path(work_root), push=push, dry_run=dry_run, builder=builder)
 
 
-@task(iterable=["set"], help={**RUN_HELP, "dry_run": "print what would run (all, docker build, docker push); run nothing"})
+@task(iterable=["set"], help={**RUN_HELP,
+                              "dry_run": "print what would run (all, docker build, docker push); run nothing"})
 def release(c, *, config=None, set=None, work_root=str(WORK_ROOT), dry_run=False, force=False, verbose=False):
     """`all`, then the image with the build report inside, then push it to image.repository."""
     commands.setup_logging(verbose)
@@ -234,5 +238,5 @@ def docs(c, write=False, site_dir=None):
     _build_docs(c, site_dir)
 
 
-ns = Collection(download, sensitivity, quantize, build, publish, verify, bench, report, all_, explain, plan_alias, doctor,
-                clean, serve, tune, image, release, deploy_manifests, test, docs)
+ns = Collection(download, sensitivity, quantize, build, publish, verify, bench, report, all_, explain, plan_alias,
+                doctor, clean, serve, tune, image, release, deploy_manifests, test, docs)

@@ -72,8 +72,8 @@ KV_CACHE_ALGOS: dict[str, Optional[str]] = {"int8": "INT8", "fp8": "FP8", "none"
 # requantized through a static_scaled_fp8_quant op the CPU build lacks, and per-channel weight scales meet a
 # per-tensor input scale in ChannelWiseTorchFP8ScaledMMLinearKernel, which narrows it as if per token: both
 # found loading the export on this CPU); INT8 W8A16 (Marlin on GPUs; no CPU kernel: mixed_precision/cpu.py
-# CPUWNA16LinearKernel takes uint4 / uint4b8 only, tests/engines/vllm/test_vllm_export.py asks vLLM). INT4 experts of an MoE
-# model on a CPU need AMX as well (fused_moe/experts/cpu_moe.py CPUExpertsInt4): checked on the build machine,
+# CPUWNA16LinearKernel takes uint4 / uint4b8 only, tests/engines/vllm/test_vllm_export.py asks vLLM). INT4 experts of an
+# MoE model on a CPU need AMX as well (fused_moe/experts/cpu_moe.py CPUExpertsInt4): checked on the build machine,
 # pipeline.engines.vllm.runtime.check_cpu_experts
 VLLM_SERVABLE: dict[str, tuple[str, ...]] = {NO_QUANT: ("cpu", "cuda"), "int8_sq": ("cpu", "cuda"),
                                              "int4_awq": ("cpu", "cuda"), "fp8": ("cuda",), "int8_wo": ("cuda",)}

@@ -300,7 +300,8 @@ def read_accuracy(quantize_dir: Path) -> Accuracy:
 
 
 def write_accuracy(quantize_dir: Path, accuracy: Accuracy) -> None:
-    atomic_write_text(quantize_dir / artifacts.ACCURACY_FILE, json.dumps(accuracy.model_dump(exclude_unset=True), indent=2))
+    atomic_write_text(quantize_dir / artifacts.ACCURACY_FILE,
+                      json.dumps(accuracy.model_dump(exclude_unset=True), indent=2))
 
 
 def read_verify_results(verify_dir: Path) -> VerifyResults:

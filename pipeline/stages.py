@@ -175,7 +175,8 @@ def _check_edited_plan(stage_dir) -> dict:
 
     from pipeline import artifacts, records
 
-    layers = [l["name"] for l in json.loads((stage_dir.parent / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON).read_text())["layers"]]
+    table = json.loads((stage_dir.parent / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON).read_text())
+    layers = [l["name"] for l in table["layers"]]
     kept = records.read_plan(stage_dir / artifacts.PLAN_FILE, layers).kept_high_precision()
     return {"kept_high_precision": len(kept), "kept_high_precision_layers": kept}
 
@@ -215,7 +216,8 @@ STAGES: list[StageDef] = [
              sections=("quantization", "build.dtype", "build.tensor_parallel_size", "compute.device"),
              run=_run_quantize, preflight=_compute_preflight,
              version=2),  # 2: mixed formats, INT4 and tensor-parallel read-back, HF unified checkpoint
-    StageDef("build", "engine / LLM-API options / CPU runtime bundle / vLLM export", needs=("model", "text", "quantize"),
+    StageDef("build", "engine / LLM-API options / CPU runtime bundle / vLLM export",
+             needs=("model", "text", "quantize"),
              sections=("build", *VLLM_ENGINE_FIELDS), run=_run_build, preflight=_build_preflight),
     StageDef("publish", "Triton model repository", needs=("model", "plan", "build"),
              sections=("triton", "sla.p99_itl_ms", "build.target", "build.trtllm_version", "image.base_tag",

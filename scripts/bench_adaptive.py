@@ -1,6 +1,7 @@
 """The cpu runtime's adaptive batch limit against static limits, under a step in request rate.
 
-    .venv/bin/invoke build --config engine_configs/smollm2-135m-cpu.yaml   # once: build/smollm2-135m-cpu/build/cpu_bundle
+    # once: build/smollm2-135m-cpu/build/cpu_bundle
+    .venv/bin/invoke build --config engine_configs/smollm2-135m-cpu.yaml
     .venv/bin/python scripts/bench_adaptive.py [--bundle DIR] [--base-rps 0.25] [--spike-rps 1] [--phase-s 20]
 
 One runtime, one bundle, one run: first the solo step time is measured (one sequence decoding alone); the
@@ -85,7 +86,8 @@ def figures(records: list[dict], itl_sla_ms: float, ttft_sla_ms: float) -> dict:
     good = sum(all((b - a) * 1e3 <= itl_sla_ms for a, b in zip(r["times"], r["times"][1:]))
                and (r["times"][0] - r["sent"]) * 1e3 <= ttft_sla_ms for r in spike)
     span = max(r["times"][-1] for r in spike) - min(r["sent"] for r in spike)
-    return {"requests": len(spike), "itl_p50": float(np.percentile(gaps, 50)), "itl_p99": float(np.percentile(gaps, 99)),
+    return {"requests": len(spike), "itl_p50": float(np.percentile(gaps, 50)),
+            "itl_p99": float(np.percentile(gaps, 99)),
             "ttft_p99": float(np.percentile(ttft, 99)), "goodput": good / span, "good": good}
 
 

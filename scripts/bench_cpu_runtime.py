@@ -1,7 +1,8 @@
 """Benchmark the cpu reference runtime: throughput at concurrency 1 and 8, and KV-cache memory with INT8 vs
 unquantized (fp32) blocks, measured side by side in one run on the same bundle.
 
-    .venv/bin/invoke build --config engine_configs/smollm2-135m-cpu.yaml   # once: build/smollm2-135m-cpu/build/cpu_bundle
+    # once: build/smollm2-135m-cpu/build/cpu_bundle
+    .venv/bin/invoke build --config engine_configs/smollm2-135m-cpu.yaml
     .venv/bin/python scripts/bench_cpu_runtime.py [--bundle DIR] [--tokens 32] [--rounds 2]
 
 Throughput is generated tokens / wall seconds for N prompts submitted at once (N = concurrency), the runtime
@@ -77,7 +78,8 @@ def main() -> None:
     print("\nKV cache memory")
     print(f"{'KV cache':10} {'pool MB':>9} {'per block kB':>13} {'8 seqs MB':>10}")
     for kind, m in memory.items():
-        print(f"{kind:10} {m['pool_bytes'] / 1e6:9.1f} {m['bytes_per_block'] / 1e3:13.1f} {m['bytes_for_8'] / 1e6:10.2f}")
+        print(f"{kind:10} {m['pool_bytes'] / 1e6:9.1f} {m['bytes_per_block'] / 1e3:13.1f} "
+              f"{m['bytes_for_8'] / 1e6:10.2f}")
     print(f"INT8 / fp32 bytes: {i8['pool_bytes'] / f32['pool_bytes']:.3f} "
           f"(fp16 blocks, as on a GPU, would be 2x the INT8 ones)")
 

@@ -5,10 +5,10 @@ and without request priorities (triton.priority_levels).
     .venv/bin/python scripts/bench_priority.py [--repository DIR] [--phase-s 60] [--rounds 2]
 
 One Triton server, one run, on a published cpu or vllm repository (the vllm target's Triton frontend: vLLM's
-engine under the vLLM Python-backend model, with its priority scheduling policy). The load: ``--batch-clients`` (1.5x max_batch_size) closed-loop clients send
-batch requests (``--batch-prompt-tokens`` prompt tokens of real text, exactly ``--batch-output-tokens`` new
-ones), more clients than the runtime runs sequences at once, so a queue forms; interactive requests arrive
-at ``--interactive-rps`` (Poisson arrivals, one seed), ``--interactive-prompt-tokens`` prompt tokens and
+engine under the vLLM Python-backend model, with its priority scheduling policy). The load: ``--batch-clients`` (1.5x
+max_batch_size) closed-loop clients send batch requests (``--batch-prompt-tokens`` prompt tokens of real text, exactly
+``--batch-output-tokens`` new ones), more clients than the runtime runs sequences at once, so a queue forms; interactive
+requests arrive at ``--interactive-rps`` (Poisson arrivals, one seed), ``--interactive-prompt-tokens`` prompt tokens and
 exactly ``--interactive-output-tokens`` new ones. Every request streams through the streaming model over
 gRPC, as `invoke bench` drives it. Two arms take turns on the same server (A B B A ...), so drifting machine
 load hits both alike: "one class" (no request sends a priority) and "priorities" (interactive requests send

@@ -12,10 +12,10 @@ model's fp32 weight bytes, the streamed / in-memory time ratio, and whether the 
 bit-equal (every tensor of every rank file, config.json, quant_cfg.json).
 
 ``--large``: writes a random-weight bf16 Llama (hidden 2048, MLP 8192, 32 heads / 8 KV heads, SmolLM2's
-tokenizer and vocabulary, tied embeddings as Llama-3.2-1B's; 2.05B parameters, 8.2 GB in fp32) and runs ``invoke quantize`` on it (model, text,
-sensitivity, plan, quantize) inside a new memory cgroup of ``--bound`` bytes (needs root and the cgroup v1
-memory controller or cgroup v2): the stages find that limit themselves (compute: the cgroup's limit less the
-10 % margin), and quantize streams because three fp32 copies do not fit. A smaller calibration set keeps it
+tokenizer and vocabulary, tied embeddings as Llama-3.2-1B's; 2.05B parameters, 8.2 GB in fp32) and runs ``invoke
+quantize`` on it (model, text, sensitivity, plan, quantize) inside a new memory cgroup of ``--bound`` bytes (needs root
+and the cgroup v1 memory controller or cgroup v2): the stages find that limit themselves (compute: the cgroup's limit
+less the 10 % margin), and quantize streams because three fp32 copies do not fit. A smaller calibration set keeps it
 to minutes on two cores (8 x 128 tokens; the memory measured is the weights' and one layer's, not the
 set's). Prints each stage's peak RSS, its bound and the fp32 weights / bound ratio; exits 1 if a stage failed
 or went over its bound.
@@ -282,7 +282,9 @@ def main() -> int:
     root = a.work or Path(tempfile.mkdtemp(prefix="bench-streaming-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        return large(root, int(TypeAdapter(ByteSize).validate_python(a.bound)), a.all) if a.large else side_by_side(root)
+        if a.large:
+            return large(root, int(TypeAdapter(ByteSize).validate_python(a.bound)), a.all)
+        return side_by_side(root)
     finally:
         if a.work is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -178,8 +178,8 @@ def main() -> int:
         total = time.perf_counter() - t_all
         ok = all(dev == a.device for _, _, dev, *_ in rows)
         what = "a tiny Llama" if a.tiny else "a Llama-3.1-8B-shape model"
-        print(f"\n{'PASS' if ok else 'FAIL'}: sensitivity and quantize ({', '.join(a.formats)}) of {what} on {a.device} "
-              f"in {total:.0f} s")
+        print(f"\n{'PASS' if ok else 'FAIL'}: sensitivity and quantize ({', '.join(a.formats)}) of {what} "
+              f"on {a.device} in {total:.0f} s")
         return 0 if ok else 1
     finally:
         if a.work is None:

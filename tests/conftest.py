@@ -16,7 +16,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # The embedded default on the cpu target (Triton + the reference runtime): what the end-to-end chain of tests
 # (download -> ... -> verify, default_work_root) builds, and what every other test config extends. The
-# project's own default (pipeline.constants.DEFAULT_CONFIG) serves the same plan through vLLM: tests/engines/vllm/test_vllm.py.
+# project's own default (pipeline.constants.DEFAULT_CONFIG) serves the same plan through vLLM:
+# tests/engines/vllm/test_vllm.py.
 DEFAULT_CONFIG = REPO / "engine_configs" / "smollm2-135m-cpu.yaml"
 
 

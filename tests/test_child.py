@@ -70,7 +70,8 @@ def test_the_child_dies_with_a_parent_killed_hard(tmp_path):
     pid_file = tmp_path / "child.pid"
     code = (f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r}); import child_targets; "
             "from pathlib import Path; from pipeline.child import run_in_child; "
-            f"run_in_child(child_targets.report_pid_and_wait, {str(pid_file)!r}, log_path=Path({str(tmp_path / 'log')!r}))")
+            f"run_in_child(child_targets.report_pid_and_wait, {str(pid_file)!r}, "
+            f"log_path=Path({str(tmp_path / 'log')!r}))")
     starter = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
     try:
         deadline = time.monotonic() + 120

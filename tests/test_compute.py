@@ -97,7 +97,8 @@ def test_quantize_on_gpus_refuses_bounds_under_its_copies_of_the_model_and_warns
         assert check_gpu_memory(tiny_model_dir, QuantizationSection(), "bfloat16", gpus(roomy)) == 2 * bf16
     assert "may run out of GPU memory" not in caplog.text
     with pytest.raises(InputError, match=r"on 2 GPU\(s\) holds at least .* the model 2 times in bfloat16 .* "
-                                         r"\(free GPU memory less compute.memory_margin 0.1\).*layer_streaming: always"):
+                                         r"\(free GPU memory less compute.memory_margin 0.1\)"
+                                         r".*layer_streaming: always"):
         check_gpu_memory(tiny_model_dir, QuantizationSection(), "bfloat16", gpus(2 * bf16 - 2))
     hf = QuantizationSection(export_hf_checkpoint=True, kv_cache="fp8")
     with pytest.raises(InputError, match="the model 3 times in bfloat16.*not with quantization.export_hf_checkpoint"):
@@ -152,7 +153,8 @@ def test_device_cuda_without_a_gpu_stops_before_any_work(tmp_path):
     with pytest.raises(EnvironmentProblem, match="compute.device is cuda, but this machine has no NVIDIA GPU"):
         compute.check_device(ComputeSection(device="cuda"))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "invoke", "sensitivity", "--config", str(DEFAULT_CONFIG), "--work-root", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "invoke", "sensitivity", "--config", str(DEFAULT_CONFIG),
+                           "--work-root", str(tmp_path),
                            "--set", "compute.device=cuda"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "compute.device is cuda" in proc.stdout + proc.stderr

@@ -19,7 +19,8 @@ NOT_MODULES = {"pipeline.test"}
 
 def _defines(source: str, name: str) -> bool:
     # a definition, an assignment, or an import (a package's __init__ re-exports names in parenthesized imports)
-    return bool(re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b|^\s*{name}\s*[:=]|^\s*from \S+ import .*\b{name}\b|"
+    return bool(re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b|^\s*{name}\s*[:=]|"
+                          rf"^\s*from \S+ import .*\b{name}\b|"
                           rf"^\s*from \S+ import \([^)]*\b{name}\b|^\s*import .*\b{name}\b", source, re.M))
 
 

@@ -158,7 +158,8 @@ def test_a_family_with_only_an_hf_unified_export_reaches_a_gated_checkpoint(tmp_
             ["quantize"], echo=lambda line: None)
     assert not (tmp_path / "refused" / "tiny" / "sensitivity").exists()
     with pytest.raises(InputError, match=f"{family} is exported as the HF unified checkpoint only"):
-        Runner(load_config(cfg, ["build.target=pytorch", "quantization.weight_format=none", "quantization.kv_cache=none"]),
+        Runner(load_config(cfg, ["build.target=pytorch", "quantization.weight_format=none",
+                                 "quantization.kv_cache=none"]),
                STAGES, tmp_path / "refused").run(["quantize"], echo=lambda line: None)
     overrides = ["build.target=pytorch", "quantization.export_hf_checkpoint=true", "quantization.kv_cache=fp8"]
     if family == "phi3":  # its fused linears load in TensorRT-LLM's pytorch backend in FP8 only (upstream facts)

@@ -1,4 +1,5 @@
-"""Fault injection: what docs/concepts/stage-cache.md promises when a run is killed or the disk fills up, on the tiny model.
+"""Fault injection: what docs/concepts/stage-cache.md promises when a run is killed or the disk fills up, on the tiny
+model.
 
 - kill -9 of the whole run (the invoke process and its stage child) at points inside the long stages, then a
   rerun: outputs identical to an uninterrupted run, nothing partial at a final path, no leftover staging or

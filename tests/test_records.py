@@ -77,7 +77,8 @@ def test_a_malformed_file_names_itself_and_the_rerun(tmp_path, record, read, wri
     first = next(iter(data))  # a field every file of it has
     wrong = {k: v for k, v in data.items() if k != first}
     path.write_text(json.dumps(wrong))
-    with pytest.raises(InputError, match=rf"{name}: missing or mistyped field\(s\): {first}: .*`invoke {task} --force`"):
+    with pytest.raises(InputError,
+                       match=rf"{name}: missing or mistyped field\(s\): {first}: .*`invoke {task} --force`"):
         read(tmp_path)
 
 
@@ -95,7 +96,8 @@ def test_a_file_from_a_newer_pipeline_keeps_the_fields_it_adds(tmp_path):
 
 def test_a_mistyped_field_is_named(tmp_path):
     (tmp_path / artifacts.PROVENANCE_FILE).write_text(json.dumps({**PROVENANCE, "version": "2"}))
-    with pytest.raises(InputError, match=r"provenance.json: missing or mistyped field\(s\): version: .*publish --force"):
+    with pytest.raises(InputError,
+                       match=r"provenance.json: missing or mistyped field\(s\): version: .*publish --force"):
         records.read_provenance(tmp_path)
 
 
@@ -119,7 +121,8 @@ def test_a_hand_edited_plan_needs_only_the_formats(tmp_path):
 
 
 @pytest.mark.parametrize("text,problem", [
-    ("format_version: 1\nlayers:\n  a: {format: int3}\n", r"layers\.a\.format: .*format 'int3' is not one of high_precision"),
+    ("format_version: 1\nlayers:\n  a: {format: int3}\n",
+     r"layers\.a\.format: .*format 'int3' is not one of high_precision"),
     ("format_version: 2\nlayers:\n  a: {format: fp8}\n", r"format_version: .*format_version must be 1"),
     ("format_version: 1\n", r"layers: Field required"),
     ("format_version: 1\nlayers: [a, b]\n", r"layers: "),

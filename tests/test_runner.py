@@ -59,7 +59,8 @@ def test_runs_then_skips_and_says_why(tmp_path):
     m = json.loads((work / "second" / artifacts.MANIFEST_FILE).read_text())
     assert m["status"] == "ok" and m["format_version"] == artifacts.MANIFEST_FORMAT_VERSION
     assert m["outputs"]["files"]["out.txt"]["size_bytes"] == len("n=32 b=8")
-    assert m["inputs"]["upstream"]["first"] == json.loads((work / "first" / "manifest.json").read_text())["outputs"]["digest"]
+    first = json.loads((work / "first" / "manifest.json").read_text())
+    assert m["inputs"]["upstream"]["first"] == first["outputs"]["digest"]
     assert "python" in m["tool_versions"] and m["summary"] == {"wrote": "second"}
 
     calls.clear()
@@ -87,7 +88,8 @@ def test_changing_upstream_reruns_both_and_identical_upstream_output_cuts_off(tm
     assert calls == ["first", "second"]
     # seq_len is in the hashed section but does not change first's output: second is not rerun
     calls.clear()
-    runner(tmp_path, ["text.calibration.num_samples=8", "text.calibration.seq_len=64"]).run(["second"], echo=lambda s: None)
+    runner(tmp_path, ["text.calibration.num_samples=8", "text.calibration.seq_len=64"]).run(
+        ["second"], echo=lambda s: None)
     assert calls == ["first"]
 
 

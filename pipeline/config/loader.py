@@ -145,7 +145,8 @@ def _deep_merge(base: dict, child: dict) -> dict:
     """Child values win; mappings merge key by key; a child's model.source replaces the base's whole."""
     out = dict(base)
     for k, v in child.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and not ("kind" in v and v.get("kind") != out[k].get("kind")):
+        if (isinstance(v, dict) and isinstance(out.get(k), dict)
+                and not ("kind" in v and v.get("kind") != out[k].get("kind"))):
             out[k] = _deep_merge(out[k], v)
         else:
             out[k] = v

@@ -66,7 +66,8 @@ class ImageSection(Strict):
     @classmethod
     def _tag(cls, v: Optional[str]) -> Optional[str]:
         if v is not None and not _IMAGE_TAG_RE.match(v):
-            raise ValueError("must be a Docker tag: letters, digits, '_', '.', '-', at most 128, not starting with '.' or '-'")
+            raise ValueError("must be a Docker tag: letters, digits, '_', '.', '-', at most 128, "
+                             "not starting with '.' or '-'")
         return v
 
     @field_validator("base_tag")

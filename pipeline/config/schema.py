@@ -81,7 +81,8 @@ def _check_serving_keys(t: TritonSection, b: BuildSection, sla: SlaSection) -> N
         raise ValueError(
             f"triton.max_running {t.max_running}: the runtime's limit on sequences run at once (cpu and pytorch "
             f"targets), at most build.max_batch_size ({b.max_batch_size}); " + (
-                (target.serving_setting_note("max_running") or f"the {b.target} target's limit is build.max_batch_size itself")
+                (target.serving_setting_note("max_running")
+                 or f"the {b.target} target's limit is build.max_batch_size itself")
                 if "max_running" not in reads else "lower it, or raise build.max_batch_size (a rebuild)"))
     if t.prefill_chunk_tokens is not None and "prefill_chunk_tokens" not in reads:
         raise ValueError(f"triton.prefill_chunk_tokens is the cpu runtime's chunked prefill; the {b.target} target "

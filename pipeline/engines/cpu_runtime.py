@@ -527,7 +527,8 @@ class CpuRuntime:
         admit: list[Request] = []
         while self._waiting or self._paused:
             key, i, is_paused = min([((r.priority, r.id), i, False) for i, r in enumerate(self._waiting)]
-                                    + [((s.request.priority, s.request.id), i, True) for i, s in enumerate(self._paused)])
+                                    + [((s.request.priority, s.request.id), i, True)
+                                       for i, s in enumerate(self._paused)])
             if not is_paused and self._full_blocks(self._waiting[i]) > self._spare_blocks(admit):
                 slots = self._batch_limit() - len(self._prefilling) - len(self._running) - len(admit)
                 self._paused.sort(key=lambda s: (s.request.priority, s.request.id))
@@ -728,7 +729,8 @@ def running_limit(settings: dict, max_running: Optional[int]) -> int:
 def read_settings(bundle: Path) -> dict:
     settings_file = bundle / artifacts.CPU_RUNTIME_FILE
     if not settings_file.is_file():
-        raise InputError(f"{bundle} is not a cpu runtime bundle (no {artifacts.CPU_RUNTIME_FILE}); run `invoke build` first")
+        raise InputError(f"{bundle} is not a cpu runtime bundle (no {artifacts.CPU_RUNTIME_FILE}); "
+                         "run `invoke build` first")
     return json.loads(settings_file.read_text())
 
 

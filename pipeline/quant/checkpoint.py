@@ -47,8 +47,9 @@ model_config_utils.py ``merge_qkv``) and checked on exports of SmolLM2 and tiny 
 It checks what it reads: layers the plan keeps in high precision must be unquantized, quantized ones must
 carry the scales their format needs with consistent shapes and dtypes, the stored dtype must agree with the
 format the config names, and shapes must match the model; a violation is an IntegrityError naming the layer.
-A tensor no piece read (one this reader does not know) is an IntegrityError too. The KV-cache scales are read and reported; the rebuilt model does not quantize its KV cache (the CPU runtime
-of the build stage does), so its perplexity leaves that part out.
+A tensor no piece read (one this reader does not know) is an IntegrityError too. The KV-cache scales are read and
+reported; the rebuilt model does not quantize its KV cache (the CPU runtime of the build stage does), so its perplexity
+leaves that part out.
 """
 
 from __future__ import annotations
@@ -474,7 +475,8 @@ class CheckpointReader:
         embedding (``tied_embedding`` when given, else read again) when the model ties its word embeddings."""
         hf = self.hf_config
         if "lm_head.weight" in self._keys[0]:
-            full, transform, bias = self._read_linear("lm_head", ["lm_head"], "vocab", [(hf.vocab_size, hf.hidden_size)])
+            full, transform, bias = self._read_linear("lm_head", ["lm_head"], "vocab",
+                                                      [(hf.vocab_size, hf.hidden_size)])
             if bias:
                 raise IntegrityError(f"{self.ckpt_dir}: lm_head has a bias; no supported family has one")
             return full[0], transform

@@ -41,8 +41,9 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
             break
     heads, kv = model_config.get("num_attention_heads"), model_config.get("num_key_value_heads")
     if heads and (heads % tp or (kv or heads) % tp):
+        valid = [t for t in range(1, heads + 1) if heads % t == 0 and (kv or heads) % t == 0]
         problems.append(f"build.tensor_parallel_size {tp} must divide the attention heads ({heads}) and KV heads "
-                        f"({kv}); valid: {[t for t in range(1, heads + 1) if heads % t == 0 and (kv or heads) % t == 0]}")
+                        f"({kv}); valid: {valid}")
     # one GEMM in the checkpoint -> one format: q/k/v always; gate/up in the HF unified checkpoint, and in
     # the TensorRT-LLM one when either is FP8 (TensorRT-LLM fuses them for FP8; ModelOpt's export insists)
     for group, fused in ((("q_proj", "k_proj", "v_proj"), lambda f: True),
@@ -65,7 +66,8 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
                        and e["format"] not in (HIGH_PRECISION, *loadable))
         if wrong:
             problems.append(f"{wrong[0]} ({plan_doc['layers'][wrong[0]]['format']}, and {len(wrong) - 1} more): "
-                            f"TensorRT-LLM's pytorch backend splits {fam.model_type}'s {' and '.join(fused_linears)} itself "
+                            f"TensorRT-LLM's pytorch backend splits {fam.model_type}'s "
+                            f"{' and '.join(fused_linears)} itself "
                             f"when loading and carries only per-tensor scales to the halves, so they must be "
                             f"{' or '.join(loadable)} or high precision: add plan rules such as "
                             + ", ".join(f"{{pattern: '*.{f}', format: {loadable[0]}}}" for f in fused_linears))
@@ -129,7 +131,8 @@ def check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_c
     kept = {trtllm_name(n, moe) for n in kept_layers(plan_doc)}
     formats = quantized_formats(plan_doc)
     if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
-        problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_CACHE_ALGOS[quant.kv_cache]})")
+        problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} "
+                        f"(expected {KV_CACHE_ALGOS[quant.kv_cache]})")
     if model_config.get("rope_theta") is not None and cfg.get("rotary_base") != model_config["rope_theta"]:
         problems.append(f"rotary_base {cfg.get('rotary_base')} != the model's rope_theta {model_config['rope_theta']}")
     if model_config.get("rope_scaling") and not cfg.get("rotary_scaling"):
@@ -197,7 +200,8 @@ def check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, mo
     layers = list(plan_doc["layers"])
     kept = kept_layers(plan_doc)
     if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
-        problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} (expected {KV_CACHE_ALGOS[quant.kv_cache]})")
+        problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} "
+                        f"(expected {KV_CACHE_ALGOS[quant.kv_cache]})")
     if len(formats) <= 1:
         want = TRTLLM_QUANT_ALGO[next(iter(formats))] if formats else None
         if q.get("quant_algo") != want:
@@ -260,4 +264,5 @@ def kv_range_check(hf_dir: Path, num_layers: int, target: str, engine_serves_it:
             f"{PYTORCH_FP8_KV_SCALE} (it does not load the checkpoint's k_scale / v_scale for FP8), where FP8 holds "
             f"values up to +-{FP8_MAX:.0f}; calibration found larger keys or values in {len(over)} layer(s) "
             f"({shown}). Serve this model with quantization.kv_cache: none{engine}.")
-    return {"k_scale": max(k for k, _ in scales), "v_scale": max(v for _, v in scales), "layers_over_unit_scale": len(over)}
+    return {"k_scale": max(k for k, _ in scales), "v_scale": max(v for _, v in scales),
+            "layers_over_unit_scale": len(over)}

@@ -91,11 +91,13 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
         elif rule is not None:
             if rule.format is None:  # PlanRule's validator: a rule sets keep_high_precision or a format
                 raise InputError(f"plan rule '{rule.pattern}' sets neither keep_high_precision: true nor a format")
-            fmt, why = rule.format if rule.format != "none" else HIGH_PRECISION, f"rule '{rule.pattern}': format {rule.format}"
+            fmt = rule.format if rule.format != "none" else HIGH_PRECISION
+            why = f"rule '{rule.pattern}': format {rule.format}"
         else:
             free.append(layer)
             continue
-        choices[layer["name"]] = LayerChoice(layer["name"], fmt, why, err(layer, fmt if fmt != HIGH_PRECISION else base),
+        choices[layer["name"]] = LayerChoice(layer["name"], fmt, why,
+                                             err(layer, fmt if fmt != HIGH_PRECISION else base),
                                              layer["in_features"] * layer["out_features"], layer_bytes(fmt, layer, g))
 
     binding = None
@@ -103,7 +105,8 @@ def make_plan(table: dict, plan: PlanSection, sens: SensitivitySection, quant: Q
         for layer in free:
             e = err(layer, base)
             if e is not None and e > sens.threshold:
-                choices[layer["name"]] = _choice(layer, HIGH_PRECISION, f"error {e:.3f} > threshold {sens.threshold}", e, g)
+                choices[layer["name"]] = _choice(layer, HIGH_PRECISION, f"error {e:.3f} > threshold {sens.threshold}",
+                                                 e, g)
             else:
                 choices[layer["name"]] = _choice(layer, base, f"error {e:.3f} <= threshold {sens.threshold}", e, g)
     else:
@@ -246,9 +249,11 @@ def _budget(free: list[dict], choices: dict, *, plan: PlanSection, base: str, er
         if i in chosen:
             fmt, _, gain = options[i][chosen[i]]
             why = f"budget: {fmt} removes error {gain:.3f} of {base_err[i]:.3f}"
-            choices[layer["name"]] = _choice(layer, fmt, why, base_err[i] if fmt == HIGH_PRECISION else err(layer, fmt), g)
+            choices[layer["name"]] = _choice(layer, fmt, why,
+                                             base_err[i] if fmt == HIGH_PRECISION else err(layer, fmt), g)
         else:
-            choices[layer["name"]] = _choice(layer, base, f"budget: error {base_err[i]:.3f} left (no room)", base_err[i], g)
+            choices[layer["name"]] = _choice(layer, base, f"budget: error {base_err[i]:.3f} left (no room)",
+                                             base_err[i], g)
     used = sum(c.bytes for c in choices.values())
     slack = budget - used
     # the budget binds when some layer did not get its most accurate option; say how close it came

@@ -73,7 +73,8 @@ def load_model(model_dir: Path, device: str, dtype_name: str, compute: ComputeSe
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, dtype_name)
-    attention = families.attn_implementation(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type"))
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    attention = families.attn_implementation(model_type)
     if device == "cpu":
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention).eval()
     max_memory = {i: b.bytes for i, b in enumerate(gpu_bounds(compute))}

@@ -7,8 +7,9 @@ Every panel reads a series a real exporter writes (the same sources as pipeline/
 - hardware: NVIDIA dcgm-exporter's default counters (etc/default-counters.csv at commit 00d6d344ea4a):
   ``DCGM_FI_DEV_GPU_UTIL``, ``DCGM_FI_DEV_MEM_COPY_UTIL`` (percent), ``DCGM_FI_DEV_FB_USED`` (MiB),
   ``DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL`` (shown as exported: the CSV declares a counter, but the field is
-  reported to be DCGM's current rate, so no rate() and no alert on it until checked on a GPU); the serving model's resident memory and its KV pool's
-  fragmentation (``trtllm_pipeline_model_metrics``, triton_repo/common/llm_serving.py);
+  reported to be DCGM's current rate, so no rate() and no alert on it until checked on a GPU); the serving model's
+  resident memory and its KV pool's fragmentation (``trtllm_pipeline_model_metrics``,
+  triton_repo/common/llm_serving.py);
 - pipeline: Triton's per-model counters (``nv_inference_queue_duration_us``, ``nv_inference_compute_infer_duration_us``,
   ``nv_inference_request_success``, ``nv_inference_count``, ``nv_inference_exec_count``: the stage time split
   over preprocessing, the LLM and postprocessing, and requests per execution), the tensorrtllm backend's

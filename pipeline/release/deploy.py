@@ -359,7 +359,8 @@ def render_manifests(runner: Runner, overrides: Sequence[str], gpu_types: Sequen
     if DASHBOARD_RESOURCE in serving:
         echo(f"dashboard: {out / DASHBOARD_RESOURCE} (ConfigMap for Grafana's sidecar), {out / DASHBOARD_FILE}")
     if jobs:
-        echo(f"engine-build Jobs: {out / 'jobs'} ({len(jobs) - len(JOBS_SHARED)} job(s); kubectl apply -k {out / 'jobs'})")
+        echo(f"engine-build Jobs: {out / 'jobs'} ({len(jobs) - len(JOBS_SHARED)} job(s); "
+             f"kubectl apply -k {out / 'jobs'})")
     elif targets.get(cfg.build.target).gpu_only:
         echo("engine-build Jobs: pass --gpu-type <node label value> (repeatable) to render them")
     if cfg.image.repository is None:

@@ -254,14 +254,16 @@ def choose_base(section: ImageSection, target: str, recorded_trtllm: str) -> Bas
             known = ", ".join(sorted({v for v, _ in TRITON_TRTLLM_TAGS.values()}))
             raise ConfigError(
                 f"The published {what} for TensorRT-LLM {recorded_trtllm}, which no Triton tag in "
-                f"pipeline.serving.image_tags.TRITON_TRTLLM_TAGS carries (known versions: {known}). Set image.base_tag to an "
+                f"pipeline.serving.image_tags.TRITON_TRTLLM_TAGS carries (known versions: {known}). "
+                f"Set image.base_tag to an "
                 f"image with TensorRT-LLM {recorded_trtllm} and image.base_trtllm_version: {recorded_trtllm}."
             )
         tag = tags[0]
     base_version = section.base_trtllm_version or trtllm_version_of_tag(tag)
     if base_version is None:
         raise ConfigError(
-            f"image.base_tag {tag!r} is not in pipeline.serving.image_tags.TRITON_TRTLLM_TAGS, so its TensorRT-LLM version is "
+            f"image.base_tag {tag!r} is not in pipeline.serving.image_tags.TRITON_TRTLLM_TAGS, "
+            f"so its TensorRT-LLM version is "
             f"unknown. Set image.base_trtllm_version to the version inside it (or use a listed tag)."
         )
     if base_version != recorded_trtllm:

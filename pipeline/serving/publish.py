@@ -466,8 +466,8 @@ def _copy_tokenizer(src_dir: Path, dst: Path) -> list[str]:
     return copied
 
 
-def assemble(config, settings: records.BuildSettings, *, artifact: Path, tokenizer_dir: Path, names: ModelNames, version: int,
-             serving_root: str, repo: Path) -> dict:
+def assemble(config, settings: records.BuildSettings, *, artifact: Path, tokenizer_dir: Path, names: ModelNames,
+             version: int, serving_root: str, repo: Path) -> dict:
     """Write one version of every model into ``repo`` (files first, each config.pbtxt last). Returns {model
     name: its ModelConfig}."""
     adaptive = config.sla.p99_itl_ms if config.triton.adaptive_batch else None
@@ -512,8 +512,8 @@ def _write_llm_api_options(triton, built: Path, dest: Path) -> None:
                     f"(changed: {', '.join(changed)}).\n" + yaml.safe_dump(served, sort_keys=False))
 
 
-def _provenance(config, config_name: str, *, settings: records.BuildSettings, names: ModelNames, version: int, work_dir: Path,
-                repo: Path) -> records.Provenance:
+def _provenance(config, config_name: str, *, settings: records.BuildSettings, names: ModelNames, version: int,
+                work_dir: Path, repo: Path) -> records.Provenance:
     files = {rel: sha256_file(repo / rel) for rel in list_files(repo) if rel != artifacts.PROVENANCE_FILE}
     model_manifest = _read_json(work_dir / "model" / artifacts.MANIFEST_FILE)
     plan_file = work_dir / "plan" / "plan.yaml"

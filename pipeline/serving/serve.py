@@ -1,7 +1,8 @@
 """Which server serves a published build, and `invoke serve`: the server started for a build's target (through
 ``Target.server``: nvidia-pytriton's Triton, vLLM's OpenAI server, Triton over vLLM, the GPU image's
 tritonserver), run in the foreground until Ctrl-C or SIGTERM (SIGINT handled even where it arrived ignored),
-supervised and restarted where asked, with a line naming the server, the model and its URLs, and a banner. The servers themselves are pipeline.serving.server and pipeline.serving.vllm_server."""
+supervised and restarted where asked, with a line naming the server, the model and its URLs, and a banner. The servers
+themselves are pipeline.serving.server and pipeline.serving.vllm_server."""
 
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def serving_line(server, kind: str, ensemble: str, prov: records.Provenance) -> 
             f"target) at {urls} (server pid {server.pid})")
 
 
-def serve_banner(server, ensemble: str, *, stream: Optional[str], prov: records.Provenance, repo: Path, log_path: Path) -> str:
+def serve_banner(server, ensemble: str, *, stream: Optional[str], prov: records.Provenance, repo: Path,
+                 log_path: Path) -> str:
     http = f"http://{server.http_url}"
     if hasattr(server, "base_url"):  # vLLM's OpenAI server
         body = json.dumps({"model": server.model_name, "prompt": "The capital of France is", "max_tokens": 32})

@@ -2,21 +2,22 @@
 
 What is searched on the ``cpu`` target: ``triton.max_running``, how many sequences the runtime runs at once
 (its KV pool is sized for them), and, with ``sla.p99_itl_ms`` set, ``triton.adaptive_batch`` (the runtime's
-EWMA controller) and ``triton.prefill_chunk_tokens`` (chunked prefill). On the GPU targets (``gpu_plan``): the executor's ``scheduler_policy``, a larger
-``kv_cache_free_gpu_memory_fraction``, and on the pytorch target ``max_running`` halved twice and
-``adaptive_batch`` (TensorRT-LLM's dynamic batch tuning); each point is measured where the image's
-``tritonserver`` is (a GPU machine). Elsewhere ``invoke tune`` writes those points to ``tune_plan.yaml``,
-and ``invoke tune --results FILE`` chooses from the figures measured on the GPU (``apply_results``). Each setting is published into a repository of its own and measured on its own server: the
-``bench.warmup_requests``, then ``tune.requests`` streamed requests of the bench's prompt and output lengths
-with ``tune.concurrency`` in flight (closed loop; default twice the highest bench level, so more clients
-than the server should run at once, which is where the limit matters).
+EWMA controller) and ``triton.prefill_chunk_tokens`` (chunked prefill). On the GPU targets (``gpu_plan``): the
+executor's ``scheduler_policy``, a larger ``kv_cache_free_gpu_memory_fraction``, and on the pytorch target
+``max_running`` halved twice and ``adaptive_batch`` (TensorRT-LLM's dynamic batch tuning); each point is measured where
+the image's ``tritonserver`` is (a GPU machine). Elsewhere ``invoke tune`` writes those points to ``tune_plan.yaml``,
+and ``invoke tune --results FILE`` chooses from the figures measured on the GPU (``apply_results``). Each setting is
+published into a repository of its own and measured on its own server: the ``bench.warmup_requests``, then
+``tune.requests`` streamed requests of the bench's prompt and output lengths with ``tune.concurrency`` in flight (closed
+loop; default twice the highest bench level, so more clients than the server should run at once, which is where the
+limit matters).
 
 The search: the default first (the config as it is), then ``max_running`` halved, step by step, while the
 SLA is not kept (a smaller batch is what shortens the gap between tokens), or while halving still raises
 goodput by ``tune.min_gain``; the first halving that keeps the SLA and loses goodput ends it (smaller ones
 only lose more throughput). Then, with an ITL bound, the adaptive controller once, and chunked prefill
-(``tune.prefill_chunk_tokens`` prompt tokens a step) alone and with the controller. A setting is eligible when its P99s keep
-the SLA; the chosen one is the eligible setting with the most goodput, the default unless another beats it by
+(``tune.prefill_chunk_tokens`` prompt tokens a step) alone and with the controller. A setting is eligible when its P99s
+keep the SLA; the chosen one is the eligible setting with the most goodput, the default unless another beats it by
 ``tune.min_gain`` (noise is not a gain). No eligible setting: nothing is written to apply, and the error names
 the best point and what bounds it.
 
@@ -469,7 +470,8 @@ def _read_results(path: Path) -> dict:
     return doc
 
 
-def _prompts(config: PipelineConfig, work_dir: Path, settings: records.BuildSettings) -> tuple[list[Prompt], list[Prompt]]:
+def _prompts(config: PipelineConfig, work_dir: Path,
+             settings: records.BuildSettings) -> tuple[list[Prompt], list[Prompt]]:
     """(warm-up prompts, measured prompts): the bench's lengths, from the evaluation text."""
     from transformers import AutoTokenizer  # heavy: imported only when tune runs
 

@@ -442,7 +442,8 @@ def verify(publish_dir: Path, out_dir: Path, *, prompts: tuple[str, ...] = PROMP
     if failed:
         from pipeline.serving.server import log_tail
 
-        log.error("the server's log (%s), last lines:\n%s", artifacts.SERVER_LOG_FILE, log_tail(out_dir / artifacts.SERVER_LOG_FILE))
+        log.error("the server's log (%s), last lines:\n%s", artifacts.SERVER_LOG_FILE,
+                  log_tail(out_dir / artifacts.SERVER_LOG_FILE))
         raise StageFailed(f"verify: {len(failed)} check(s) failed: {', '.join(failed)}. Every check's answers "
                           f"are in the stage log, with the end of the server's log.")
     diverged = [r for c in v.checks for r in c.detail.get("results", []) if r.get("equal") is False]

@@ -169,7 +169,8 @@ class VllmVerifier:
         answer = r.choices[0].message.content or ""
         counted = r.usage.prompt_tokens if r.usage else None
         return {"ok": bool(answer.strip()) and counted == len(templated), "answer": answer,
-                "prompt_tokens": counted, "template_tokens": len(templated), "finish_reason": r.choices[0].finish_reason}
+                "prompt_tokens": counted, "template_tokens": len(templated),
+                "finish_reason": r.choices[0].finish_reason}
 
     def concurrent(self, n: int) -> dict:
         jobs = [self.prompts[i % len(self.prompts)] for i in range(n)]
@@ -186,7 +187,8 @@ class VllmVerifier:
 
         statuses = {}
         for name, call in (
-            ("negative_max_tokens", lambda: self.client.completions.create(model=self.model, prompt="Hi", max_tokens=-1)),
+            ("negative_max_tokens",
+             lambda: self.client.completions.create(model=self.model, prompt="Hi", max_tokens=-1)),
             ("unknown_model", lambda: self.client.completions.create(model="no-such-model", prompt="Hi", max_tokens=4)),
         ):
             try:
@@ -288,8 +290,9 @@ def _openai_checks(repo: Path, log_path: Path, *, tokenizer, prompts: list[str],
     return v
 
 
-def _triton_checks(repo: Path, prov: records.Provenance, *, log_path: Path, tokenizer, prompts: list[str], expected: OfflineTokens,
-                   max_tokens: int, concurrent: int) -> tuple[Optional[float], list[dict], dict, Optional[int]]:
+def _triton_checks(repo: Path, prov: records.Provenance, *, log_path: Path, tokenizer, prompts: list[str],
+                   expected: OfflineTokens, max_tokens: int,
+                   concurrent: int) -> tuple[Optional[float], list[dict], dict, Optional[int]]:
     """Triton's checks (pipeline.serving.verify) on the vllm repository: (startup s, checks, latencies, the
     server's exit code if it died during them)."""
     from pipeline.serving.publish import model_names

@@ -62,7 +62,8 @@ def prepare_model(section: ModelSection, out_dir: Path) -> dict:
         pickles = [f for f in list_files(src.path) if f.endswith(constants.PICKLE_SUFFIXES)]
         copied = [f for f in list_files(src.path) if _wanted_local(f)]
         if not any(f.endswith(".safetensors") for f in copied):
-            hint = f" It has pickle weights ({', '.join(pickles[:3])}); convert them to safetensors first." if pickles else ""
+            hint = (f" It has pickle weights ({', '.join(pickles[:3])}); convert them to safetensors first."
+                    if pickles else "")
             raise InputError(f"model.source.path {src.path}: no *.safetensors weights.{hint}")
         for f in copied:
             shutil.copy2(src.path / f, model_dir / f)

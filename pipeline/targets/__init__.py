@@ -30,8 +30,8 @@ from pipeline.targets.tensorrt import TensorrtTarget
 from pipeline.targets.vllm import VllmTarget
 
 __all__ = ["NEEDS_GPU", "NEEDS_IMAGE_TRITON", "NEEDS_TRITON", "NEEDS_TRTLLM", "NEEDS_TRTLLM_BUILD", "NEEDS_VLLM_CPU",
-           "NEEDS_VLLM_ENV", "REGISTRY", "SERVER_IMAGE_TRITON", "SERVER_TRITON", "SERVER_TRITON_VLLM", "SERVER_VLLM_OPENAI",
-           "SERVING_SETTINGS", "Target", "get", "names", "resolve_entry"]
+           "NEEDS_VLLM_ENV", "REGISTRY", "SERVER_IMAGE_TRITON", "SERVER_TRITON", "SERVER_TRITON_VLLM",
+           "SERVER_VLLM_OPENAI", "SERVING_SETTINGS", "Target", "get", "names", "resolve_entry"]
 
 REGISTRY: dict[str, Target] = {t.name: t for t in (
     TensorrtTarget(),

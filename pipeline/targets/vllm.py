@@ -41,7 +41,8 @@ class VllmTarget(Target):
     preflight_entry = "pipeline.engines.vllm.runtime:preflight"
     verify_entry = "pipeline.serving.verify_vllm:verify_vllm"
     fuses_gate_up = True  # vLLM runs gate/up as one gate_up_proj (its packed_modules_mapping)
-    kv_formats = ("int8", "fp8", "none")  # the gate's KV format; vLLM serves a quantized one as FP8 (vllm.kv_cache_dtype)
+    # the gate's KV format; vLLM serves a quantized one as FP8 (vllm.kv_cache_dtype)
+    kv_formats = ("int8", "fp8", "none")
     serving_settings = frozenset({"priority_levels"})
     tunable = False
     untuned_why = "vLLM's own scheduler: vllm.max_num_seqs and its engine arguments"

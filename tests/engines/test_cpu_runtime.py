@@ -100,8 +100,9 @@ def test_pool_refuses_missing_scales():
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("cpu_bundle")
-    cfg = tiny_config(tmp, tiny_model_dir, "quantization: {kv_cache: int8, accuracy: {max_perplexity_increase_pct: 100, "
-                                           "min_top1_agreement: 0.3, max_kl_divergence: 2}}")
+    cfg = tiny_config(tmp, tiny_model_dir,
+                      "quantization: {kv_cache: int8, accuracy: {max_perplexity_increase_pct: 100, "
+                      "min_top1_agreement: 0.3, max_kl_divergence: 2}}")
     said = []
     Runner(load_config(cfg, ["build.kv_cache.tokens_per_block=4"]), STAGES, tmp / "work").run(["build"],
                                                                                              echo=said.append)
@@ -120,8 +121,8 @@ def ref(bundle):
     return reference.load_reference(bundle / "cpu_bundle")
 
 
-PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12], [8, 8, 8, 9, 10, 11, 400, 401, 402, 20, 21], [100], [45, 46, 47, 48, 49],
-           [200, 199, 198, 197, 196, 195]]
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12], [8, 8, 8, 9, 10, 11, 400, 401, 402, 20, 21], [100],
+           [45, 46, 47, 48, 49], [200, 199, 198, 197, 196, 195]]
 
 
 def test_build_writes_the_bundle_and_settings(bundle):
@@ -159,8 +160,8 @@ def test_the_runtime_stores_int8_codes_with_the_checkpoint_scales(bundle, runtim
 
     model, algo, scales = ref
     assert runtime.pool.quant_algo == "INT8" and runtime.pool.k[0].dtype == torch.int8
-    assert [float(s) for s in runtime.pool.scales] == pytest.approx(kv_cache_scales(bundle / "cpu_bundle" / "checkpoint",
-                                                                                    len(scales)))
+    assert [float(s) for s in runtime.pool.scales] == pytest.approx(
+        kv_cache_scales(bundle / "cpu_bundle" / "checkpoint", len(scales)))
     with CpuRuntime.load(bundle / "cpu_bundle", quantize_kv_cache=False) as fp32:
         assert fp32.pool.k[0].dtype == torch.float32 and runtime.pool.bytes * 4 == fp32.pool.bytes
     with_q = [reference.greedy(model, p, max_new_tokens=12, kv_quant_algo=algo,
@@ -351,7 +352,8 @@ def test_a_more_urgent_request_is_admitted_before_earlier_ones_and_gets_the_same
     the others first come, first served; with equal priorities the order is arrival. Priorities change when a
     request runs, not its tokens."""
     params = SamplingParams(max_new_tokens=4, end_id=-1)
-    for priorities, expected in (((2, 2, 1), ["urgent", "first", "second"]), ((2, 2, 2), ["first", "second", "urgent"])):
+    for priorities, expected in (((2, 2, 1), ["urgent", "first", "second"]),
+                                 ((2, 2, 2), ["first", "second", "urgent"])):
         with CpuRuntime.load(bundle / "cpu_bundle", max_running=1) as rt:
             hog = rt.submit(PROMPTS[0], SamplingParams(max_new_tokens=100, end_id=-1))
             next(hog.stream())  # it runs: the others wait for its slot

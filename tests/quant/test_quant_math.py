@@ -53,7 +53,8 @@ def test_int8_values_beyond_the_calibrated_amax_saturate_as_modelopt_does(tensor
     amax = x.abs().amax() / 4
     ours = qm.int_fake_quant(x, amax)
     assert torch.equal(_modelopt({"num_bits": 8, "axis": None}, x, amax), ours)
-    assert float(ours.min()) == pytest.approx(-128 / 127 * float(amax)) and float(ours.max()) == pytest.approx(float(amax))
+    assert (float(ours.min()) == pytest.approx(-128 / 127 * float(amax))
+            and float(ours.max()) == pytest.approx(float(amax)))
 
 
 def test_int8_per_channel_weights_match_modelopt_exactly(tensors):

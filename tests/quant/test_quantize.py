@@ -89,8 +89,8 @@ def test_accuracy_gate_fails_below_the_measured_loss_and_exports_nothing(tmp_pat
 def test_awq_group_size_that_does_not_divide_is_refused_before_any_work(tmp_path, tiny_model_dir):
     cfg = _tiny_config(tmp_path, tiny_model_dir)
     with pytest.raises(InputError, match="does not divide"):
-        _run(cfg, tmp_path / "work", "sensitivity.formats=[int4_awq]", "quantization.weight_format=int4_awq", "quantization.awq_group_size=128",
-             "quantization.kv_cache=none")
+        _run(cfg, tmp_path / "work", "sensitivity.formats=[int4_awq]", "quantization.weight_format=int4_awq",
+             "quantization.awq_group_size=128", "quantization.kv_cache=none")
 
 
 LOOSE = ("quantization.accuracy.max_perplexity_increase_pct=1000", "quantization.accuracy.min_top1_agreement=0",

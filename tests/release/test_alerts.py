@@ -150,7 +150,8 @@ def test_promtool_checks_the_rules_and_each_alert_fires_when_and_only_where_it_s
     for alert, (series, interval, not_yet, fires, labels, value) in cases.items():
         rule = by_name[alert]
         firing = {"exp_labels": {**labels, "severity": rule["labels"]["severity"]},
-                  "exp_annotations": {"summary": _summary(rule, labels, value), "runbook": rule["annotations"]["runbook"]}}
+                  "exp_annotations": {"summary": _summary(rule, labels, value),
+                                      "runbook": rule["annotations"]["runbook"]}}
         tests.append({"name": alert, "interval": interval,
                       "input_series": [{"series": s, "values": v} for s, v in series],
                       "alert_rule_test": [{"eval_time": not_yet, "alertname": alert, "exp_alerts": []},

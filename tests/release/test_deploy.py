@@ -54,7 +54,8 @@ def validate_offline(docs: list[tuple[Path, dict]]) -> set[str]:
         except kubernetes_validate.SchemaNotFoundError:
             no_schema.add(doc["kind"])
         except kubernetes_validate.ValidationError as e:
-            pytest.fail(f"{path}: {doc['kind']} {doc['metadata'].get('name')}: {'.'.join(map(str, e.path))}: {e.message}")
+            pytest.fail(f"{path}: {doc['kind']} {doc['metadata'].get('name')}: "
+                        f"{'.'.join(map(str, e.path))}: {e.message}")
     return no_schema
 
 
@@ -78,7 +79,8 @@ def check_serving_wiring(kinds: dict[str, list[dict]], gpus: int | None) -> None
     assert c["livenessProbe"]["failureThreshold"] == 3  # the seeds' "restart after 3 missed heartbeats"
     assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     sec = c["securityContext"]
-    assert sec["readOnlyRootFilesystem"] and not sec["allowPrivilegeEscalation"] and sec["capabilities"]["drop"] == ["ALL"]
+    assert (sec["readOnlyRootFilesystem"] and not sec["allowPrivilegeEscalation"]
+            and sec["capabilities"]["drop"] == ["ALL"])
     assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
     assert pod["automountServiceAccountToken"] is False
     for part in ("requests", "limits"):
@@ -102,7 +104,8 @@ def check_serving_wiring(kinds: dict[str, list[dict]], gpus: int | None) -> None
     assert pod["serviceAccountName"] == sa["metadata"]["name"] and sa["automountServiceAccountToken"] is False
 
     (hpa,) = kinds["HorizontalPodAutoscaler"]
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": dep["metadata"]["name"]}
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": dep["metadata"]["name"]}
     assert hpa["spec"]["minReplicas"] >= 2 and pdb["spec"]["maxUnavailable"] == 1  # a drain keeps one replica
     behavior = hpa["spec"]["behavior"]
     up, down = float(behavior["scaleUp"]["tolerance"]), float(behavior["scaleDown"]["tolerance"])
@@ -140,7 +143,8 @@ def test_the_adapter_rules_serve_the_metrics_the_hpa_asks_for():
     vllm_queue = next(r for r in rules["rules"]["custom"] if r["name"]["as"] == deploy.VLLM_QUEUE_METRIC)
     assert "vllm:num_requests_waiting" in vllm_queue["metricsQuery"]
     queue_rule = next(r for r in rules["rules"]["custom"] if r["name"]["as"] == deploy.QUEUE_METRIC)
-    assert "nv_trt_llm_request_metrics" in queue_rule["metricsQuery"] and 'request_type=~"|waiting"' in queue_rule["metricsQuery"]
+    assert ("nv_trt_llm_request_metrics" in queue_rule["metricsQuery"]
+            and 'request_type=~"|waiting"' in queue_rule["metricsQuery"])
 
 
 @pytest.fixture
@@ -150,7 +154,8 @@ def rendered_gpu(tmp_path) -> tuple[Path, object]:
                       "--set", f"image.repository={PUSH_TO}", "--gpu-type", "NVIDIA-H100-80GB-HBM3",
                       "--gpu-type", "NVIDIA-L40S")
     assert done.returncode == 0, done.stderr
-    return tmp_path / DEFAULT_NAME / deploy.RENDERED_DIR, read_published(tmp_path / DEFAULT_NAME / "publish" / "model_repository")
+    return (tmp_path / DEFAULT_NAME / deploy.RENDERED_DIR,
+            read_published(tmp_path / DEFAULT_NAME / "publish" / "model_repository"))
 
 
 def test_rendered_gpu_manifests(rendered_gpu):
@@ -211,7 +216,8 @@ def test_rendering_refusals(tmp_path):
     pub = read_published(make_published(tmp_path, target="tensorrt"))
     cfg = load_config(DEFAULT_CONFIG, ["build.target=tensorrt", "build.tensor_parallel_size=2"]).config
     serving = deploy.render_serving(cfg, pub, "img:tag")
-    assert serving["deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][deploy.GPU_RESOURCE] == "2"
+    container = serving["deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"][deploy.GPU_RESOURCE] == "2"
     with pytest.raises(ConfigError, match="engine-build Jobs are for the GPU targets"):
         deploy.render_jobs(load_config(DEFAULT_CONFIG).config, DEFAULT_CONFIG, [], ["NVIDIA-L40S"], "b:t")
     outside = tmp_path / "mine.yaml"

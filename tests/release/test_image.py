@@ -354,7 +354,8 @@ def test_refuses_repositories_that_cannot_be_served_from_an_image(tmp_path):
     ok = make_published(tmp_path / "b", target="tensorrt")  # /models/... and empty parameters
     img.plan_image(_cfg(*gpu), img.read_published(ok), release_files=rel)
     missing = make_published(tmp_path / "b2", target="tensorrt",
-                             parameters={"gpt_model_path": f"{img.IMAGE_MODEL_REPOSITORY}/smollm2_tensorrt_llm/2/engine"})
+                             parameters={"gpt_model_path":
+                                         f"{img.IMAGE_MODEL_REPOSITORY}/smollm2_tensorrt_llm/2/engine"})
     with pytest.raises(InputError, match="does not have"):
         img.plan_image(_cfg(*gpu), img.read_published(missing), release_files=rel)
     leftover = make_published(tmp_path / "c")
@@ -413,7 +414,8 @@ def test_invoke_image_dry_run_prints_the_exact_build_command(tmp_path):
     # the release-files context the command names is staged, ready for the command to run elsewhere
     assert (release_files / "provenance.json").read_bytes() == (repo / "provenance.json").read_bytes()
     record = json.loads((release_files / "image.json").read_text())
-    assert record["refs"] == [tag] and record["labels"]["trtllm-pipeline.repository.digest"] == args["REPOSITORY_DIGEST"]
+    assert (record["refs"] == [tag]
+            and record["labels"]["trtllm-pipeline.repository.digest"] == args["REPOSITORY_DIGEST"])
 
 
 def test_invoke_image_dry_run_gpu_with_push(tmp_path):
@@ -547,7 +549,8 @@ def test_vllm_images_serve_the_export_with_launch_non_root_with_health_and_label
         assert done.returncode == 0, done.stderr
         (cmd,) = printed_commands(done.stdout)
         assert options(cmd, "--target") == [target]
-        assert options(cmd, "--tag") == [f"trtllm-pipeline:smollm2-int8_sq-kvint8-vllm0.32.0-{pub.repository_digest[:12]}"]
+        tag = f"trtllm-pipeline:smollm2-int8_sq-kvint8-vllm0.32.0-{pub.repository_digest[:12]}"
+        assert options(cmd, "--tag") == [tag]
         assert build_args(cmd)["BUILD_TARGET"] == "vllm" and build_args(cmd)["TRTLLM_VERSION"] == "none"
 
 
@@ -560,7 +563,8 @@ def test_a_vllm_build_served_by_triton_gets_the_triton_image_with_vllms_python(t
     by_name = {st["name"]: st for st in stages(dockerfile_instructions())}
     body = by_name["vllm-triton-cpu"]["body"]
     entry = json.loads(next(a for _, k, a in body if k == "ENTRYPOINT"))
-    assert entry[0] == "/opt/triton/bin/tritonserver" and "--backend-directory=/opt/triton/tritonserver-backends" in entry
+    assert (entry[0] == "/opt/triton/bin/tritonserver"
+            and "--backend-directory=/opt/triton/tritonserver-backends" in entry)
     env = " ".join(a for _, k, a in body if k == "ENV")
     assert "PATH=/opt/vllm/bin:${PATH}" in env
     copies = [a for _, k, a in body if k == "COPY"]

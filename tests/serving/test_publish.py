@@ -273,8 +273,8 @@ def test_a_vllm_repository_serves_one_export_to_triton_and_to_vllms_server(setup
     cpu_io = _io(pub.build_model_configs(config.triton, as_cpu, names=names, version=1,
                                          serving_root="/models")[names.tensorrt_llm])
     assert _io(llm) == cpu_io and llm.backend == "python"
-    assert _params(llm) == {"model_dir": artifacts.VLLM_MODEL_DIR, "priority_levels": "0", "default_priority_level": "0",
-                            **WATCHDOG_DEFAULTS}
+    assert _params(llm) == {"model_dir": artifacts.VLLM_MODEL_DIR, "priority_levels": "0",
+                            "default_priority_level": "0", **WATCHDOG_DEFAULTS}
     v1 = snap / names.tensorrt_llm / "1"
     assert (v1 / "model.py").read_text() == (pub.TRITON_SOURCE / "tensorrt_llm_vllm" / "model.py").read_text()
     assert "import vllm" not in (v1 / "model.py").read_text().split("class ")[0]  # imported when the model loads

@@ -70,7 +70,8 @@ def test_with_an_itl_bound_the_search_tries_chunked_prefill_alone_and_with_the_a
              "adaptive_batch=True, prefill_chunk_tokens=8": level(0.5, True)}
     asked, measure = curve(table)
     points = search(measure, 8, adaptive=True, min_gain=0.05, chunk=8)
-    assert asked[-3:] == ["adaptive_batch=True", "prefill_chunk_tokens=8", "adaptive_batch=True, prefill_chunk_tokens=8"]
+    assert asked[-3:] == ["adaptive_batch=True", "prefill_chunk_tokens=8",
+                          "adaptive_batch=True, prefill_chunk_tokens=8"]
     chosen, _ = choose(points, 0.05)
     assert chosen["settings"] == {"adaptive_batch": True, "prefill_chunk_tokens": 8}
     asked, measure = curve(table)
@@ -182,7 +183,8 @@ def test_publish_applies_the_tuned_settings_the_config_leaves_unset(tmp_path):
     tuned, summary = apply_tuned(own, work)
     assert tuned.triton.max_running == 4 and summary["config_wins"] == {"max_running": 4}
     # the file's content is one of publish's inputs; tune.apply: false ignores it
-    assert tuned_fingerprint(cfg, work)["tuned_settings_sha256"] and tuned_fingerprint(cfg, work)["tuned_settings_apply"]
+    fingerprint = tuned_fingerprint(cfg, work)
+    assert fingerprint["tuned_settings_sha256"] and fingerprint["tuned_settings_apply"]
     off = load_config(DEFAULT_CPU_CONFIG, ["sla.p99_itl_ms=250", "tune.apply=false"]).config
     assert apply_tuned(off, work) == (off, {}) and tuned_fingerprint(off, work) == {}
 

@@ -77,7 +77,8 @@ def tiny(tmp_path_factory, tiny_model_dir):
 
 def _run(cfg, work_root, target, *sets, force=True):
     said: list[str] = []
-    Runner(load_config(cfg, TINY_SETS + list(sets)), STAGES, work_root).run([target], force=[target] if force else False,
+    Runner(load_config(cfg, TINY_SETS + list(sets)), STAGES, work_root).run([target],
+                                                                           force=[target] if force else False,
                                                                            echo=said.append)
     return said
 
@@ -220,7 +221,8 @@ def _status(url: str, body: bytes, timeout: float = 60) -> int:
 
 
 # (body, HTTP status): ours (the models' INVALID_ARG) are 400; Triton 2.51's HTTP frontend answers what it
-# cannot parse with 500 (docs/serving/publish-verify.md, "Bad input and HTTP statuses"; tests/data/upstream/triton_http_errors.json)
+# cannot parse with 500 (docs/serving/publish-verify.md, "Bad input and HTTP statuses";
+# tests/data/upstream/triton_http_errors.json)
 HOSTILE = {
     "empty prompt": (b'{"text_input": "", "max_tokens": 4}', 400),
     "max_tokens 0": (b'{"text_input": "hi", "max_tokens": 0}', 400),
@@ -228,7 +230,8 @@ HOSTILE = {
     "prompt over max_input_len": (json.dumps({"text_input": "word " * 400, "max_tokens": 4}).encode(), 400),
     "prompt + max_tokens over max_seq_len": (b'{"text_input": "hi", "max_tokens": 100000}', 400),
     "chat template without one": (b'{"text_input": "hi", "max_tokens": 2, "apply_chat_template": true}', 400),
-    "unicode: emoji, RTL, zero-width, NUL": (rb'{"text_input": "\u00e9\ud83d\ude00 \u05e9\u05dc\u05d5\u05dd \u200b\u0000x", '
+    "unicode: emoji, RTL, zero-width, NUL": (rb'{"text_input": "\u00e9\ud83d\ude00 '
+                                             rb'\u05e9\u05dc\u05d5\u05dd \u200b\u0000x", '
                                              rb'"max_tokens": 2}', 200),
     "max_tokens a float": (b'{"text_input": "hi", "max_tokens": 1.5}', 500),
     "max_tokens a string": (b'{"text_input": "hi", "max_tokens": "eight"}', 500),
@@ -298,7 +301,8 @@ def _cancel_grpc_streams(url: str, model: str, n: int) -> int:
     try:
         for i in range(n):
             inputs = []
-            for name, arr, dtype in (("text_input", np.array([[f"Tale {i}: long ago".encode()]], dtype=object), "BYTES"),
+            for name, arr, dtype in (("text_input", np.array([[f"Tale {i}: long ago".encode()]], dtype=object),
+                                      "BYTES"),
                                      ("max_tokens", np.array([[100]], dtype=np.int32), "INT32")):
                 inputs.append(grpcclient.InferInput(name, list(arr.shape), dtype))
                 inputs[-1].set_data_from_numpy(arr)

@@ -166,7 +166,8 @@ def test_pinned_old_sha_after_main_moves(hub, api, tmp_path):
     new_dir = snapshot_download(REPO, cache_dir=tmp_path, endpoint=hub.endpoint, token=False)
     assert files_under(old_dir) == {"config.json": b'{"v": 1}', "model.safetensors": b"old-weights"}
     assert files_under(new_dir) == {"config.json": b'{"v": 2}', "model.safetensors": b"new-weights!"}
-    one = hf_hub_download(REPO, "config.json", revision=old, cache_dir=tmp_path / "x", endpoint=hub.endpoint, token=False)
+    one = hf_hub_download(REPO, "config.json", revision=old, cache_dir=tmp_path / "x", endpoint=hub.endpoint,
+                          token=False)
     assert Path(one).read_bytes() == b'{"v": 1}'
 
     # a cached pinned sha is served by the client without touching /resolve/ again

@@ -65,7 +65,8 @@ REDUCE_FUSION_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Gemma2ForCausalLM"
 # fp8-quantization.md @ cb4c622c). The accuracy gate measures the checkpoint, not that arithmetic, so the fusion
 # is off unless the config asks for it (valid with FP8 weights on Hopper only; upstream advises it for large models).
 SWIGLU_FUSION_SM = 90
-JETSON_ORIN_SM = 87  # Jetson AGX Orin: TensorRT-LLM's v0.12.0-jetson branch only (tests/data/upstream/trtllm_jetson.json)
+# Jetson AGX Orin: TensorRT-LLM's v0.12.0-jetson branch only (tests/data/upstream/trtllm_jetson.json)
+JETSON_ORIN_SM = 87
 SRC_LONG_SEQUENCE_DOC = "docs/source/features/long-sequence.md ('if chunked context is enabled, please set the " \
                         "max_num_tokens to be an integer multiple of ... tokens_per_block')"
 SRC_BACKEND_CHUNKED = "triton_backend/inflight_batcher_llm/src/model_instance_state.cc @ c8c6df08 " \

@@ -81,8 +81,8 @@ def check_cpu(cfg) -> None:
 
 
 # vLLM 0.32's CPU attention (v1/attention/backends/cpu_attn.py): the head sizes its backend takes
-# (CPUAttentionBackend.get_supported_head_sizes; tests/engines/vllm/test_vllm.py reads them from the installed vLLM), and an FP8
-# KV cache only where the head size is a multiple of 32 (``_get_attn_isa`` raises otherwise)
+# (CPUAttentionBackend.get_supported_head_sizes; tests/engines/vllm/test_vllm.py reads them from the installed vLLM),
+# and an FP8 KV cache only where the head size is a multiple of 32 (``_get_attn_isa`` raises otherwise)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_FP8_KV_HEAD_MULTIPLE = 32
 

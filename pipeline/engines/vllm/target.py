@@ -159,8 +159,8 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_f
     for i, (want, rows) in enumerate(ref["greedy"]):
         verdict = reference.compare(got["tokens"][i], reference.Greedy(want, [torch.tensor(r) for r in rows]),
                                     relative=relative)
-        tokens.append({"prompt": PROMPTS[i], **verdict, "vllm": tok.decode(got["tokens"][i]), "simulated": tok.decode(want),
-                       "vllm_tokens": got["tokens"][i]})
+        tokens.append({"prompt": PROMPTS[i], **verdict, "vllm": tok.decode(got["tokens"][i]),
+                       "simulated": tok.decode(want), "vllm_tokens": got["tokens"][i]})
     bounds = cfg.quantization.accuracy
     check = {
         "vllm_version": version, "max_tokens": CHECK_TOKENS,
@@ -172,7 +172,8 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_f
         "top1_agreement_with_simulated": round(_agreement(got["top1"], ref["sim_top1"]), 4),
         "bounds": {"max_perplexity_increase_pct": bounds.max_perplexity_increase_pct,
                    "min_top1_agreement": bounds.min_top1_agreement},
-        "greedy_tokens": {"equal": sum(t["equal"] for t in tokens), "near_tie": sum(t["ok"] and not t["equal"] for t in tokens),
+        "greedy_tokens": {"equal": sum(t["equal"] for t in tokens),
+                          "near_tie": sum(t["ok"] and not t["equal"] for t in tokens),
                           "diverged": sum(not t["ok"] for t in tokens), "prompts": tokens,
                           "tie_bound": reference.TIE_BOUND, "tie_bound_relative": relative},
         "kv_cache": {"dtype": got["kv_cache"]["dtype"], "scales_served": got["kv_cache"]["scales"]},

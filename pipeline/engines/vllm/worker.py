@@ -52,7 +52,8 @@ def main(request_path: str, result_path: str) -> int:
     for worker in llm.apply_model(served_kv_scales):  # one per rank: every rank's layers hold the same scales
         scales.update(worker)
     kv = {"dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype, "scales": scales}
-    result = {"kv_cache": kv, "tokens": tokens, "nll_sum": nll, "tokens_scored": scored, "top1": top1, "load_s": round(t_load, 1),
+    result = {"kv_cache": kv, "tokens": tokens, "nll_sum": nll, "tokens_scored": scored, "top1": top1,
+              "load_s": round(t_load, 1),
               "generate_s": round(t_gen, 1), "score_s": round(time.perf_counter() - t0 - t_load - t_gen, 1),
               "vllm": vllm.__version__}
     with open(result_path, "w") as f:

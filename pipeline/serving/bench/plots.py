@@ -21,7 +21,8 @@ def plot_throughput(levels_by_label: dict[str, list[dict]], knees: dict[str, dic
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (label, levels), style, color in zip(levels_by_label.items(), ("-", "--"), ("#1f77b4", "#7f7f7f"), strict=False):
+    for (label, levels), style, color in zip(levels_by_label.items(), ("-", "--"), ("#1f77b4", "#7f7f7f"),
+                                             strict=False):
         c = [l["concurrency"] for l in levels]
         ax.plot(c, [l["output_tokens_per_s"] for l in levels], "o" + style, color=color, label=label)
         ax2.plot(c, [l["requests_per_s"] for l in levels], "s" + style, color=color, label=label)

@@ -64,7 +64,8 @@ def make_standins(root: Path, trtllm_build: bool = True, gpu: bool = True,
         pkg = site / "tensorrt_llm"
         pkg.mkdir()
         (pkg / "__init__.py").write_text(
-            "raise ImportError('stand-in tensorrt_llm from tests/engines/trtllm/test_trtllm.py: metadata only, never imported')\n")
+            "raise ImportError('stand-in tensorrt_llm from tests/engines/trtllm/test_trtllm.py: "
+            "metadata only, never imported')\n")
         for dist, version in (("tensorrt_llm", trtllm_version), ("tensorrt", "10.13.0")):
             info = site / f"{dist}-{version}.dist-info"
             info.mkdir()

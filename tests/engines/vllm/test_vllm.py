@@ -213,7 +213,8 @@ def test_a_head_size_vllms_cpu_attention_cannot_take_is_refused_before_the_expor
     mla = ("from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend as B; import json; "
            "print(json.dumps([B.get_supported_head_sizes(), B.supported_kv_cache_dtypes, B.supports_block_size(16), "
            "B.supports_block_size(32)]))")
-    out = subprocess.run([vllm_python, "-c", mla], capture_output=True, text=True, timeout=300, env=runtime.child_env({}))
+    out = subprocess.run([vllm_python, "-c", mla], capture_output=True, text=True, timeout=300,
+                         env=runtime.child_env({}))
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [[576], ["auto"], True, False]
     latent = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
@@ -221,7 +222,8 @@ def test_a_head_size_vllms_cpu_attention_cannot_take_is_refused_before_the_expor
     # the block this CPU's MLA backend takes (AMX_MLA with AMX: a multiple of 32; CPU_MLA without: 16 only)
     amx = runtime.cpu_features().amx
     mla_block, wrong_block = (32, 16) if amx else (16, 32)
-    mla_cfg = load_config(VLLM_CONFIG, ["vllm.kv_cache_dtype=auto", f"build.kv_cache.tokens_per_block={mla_block}"]).config
+    mla_cfg = load_config(VLLM_CONFIG, ["vllm.kv_cache_dtype=auto",
+                                        f"build.kv_cache.tokens_per_block={mla_block}"]).config
     runtime.check_cpu_attention(mla_cfg, model(2048, 16, **latent))  # DeepSeek-V2-Lite
     with pytest.raises(EnvironmentProblem, match="latent KV is 40 wide .* takes 576 only"):
         runtime.check_cpu_attention(mla_cfg, model(2048, 16, **{**latent, "kv_lora_rank": 32, "qk_rope_head_dim": 8}))
@@ -392,7 +394,8 @@ def test_families_with_only_an_hf_unified_checkpoint_are_built_and_checked_by_vl
     assert abs(check["perplexity"]["vllm"] / check["perplexity"]["simulated"] - 1) < 0.02, check
     assert check["top1_agreement_with_simulated"] > 0.8 and check["evaluation_tokens"] > 100, check
     assert all(p["ok"] for p in check["greedy_tokens"]["prompts"]), check["greedy_tokens"]
-    assert json.loads((build / "build_settings.json").read_text())["kv_cache"]["quant_algo"] == ("auto" if mla else "fp8")
+    settings = json.loads((build / "build_settings.json").read_text())
+    assert settings["kv_cache"]["quant_algo"] == ("auto" if mla else "fp8")
     qkv = "model.layers.0.self_attn." + ("qkv_proj" if family == "phi3" else "q_proj")
     with safe_open(str(export / "model.safetensors"), framework="pt") as f:
         assert f.get_tensor(f"{qkv}.weight").dtype == torch.int8
@@ -415,7 +418,8 @@ def test_a_missing_serving_environment_stops_the_build_before_any_work(tmp_path)
                           text=True, timeout=300)
     # without --config, the default falls back to the cpu target's, saying why
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "note: the default config smollm2-135m-vllm cannot run here: " in proc.stderr and "has no vLLM" in proc.stderr
+    assert ("note: the default config smollm2-135m-vllm cannot run here: " in proc.stderr
+            and "has no vLLM" in proc.stderr)
     assert f"config: smollm2-135m-cpu ({constants.CPU_DEFAULT_CONFIG}" in proc.stdout
 
 
@@ -451,7 +455,8 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     cpu_work, work = default_work_root / "smollm2-135m-cpu", default_work_root / NAME
     if (cpu_work / "quantize" / "manifest.json").is_file() and not work.exists():
         shutil.copytree(cpu_work, work, symlinks=True,
-                        ignore=shutil.ignore_patterns("build", "publish", "verify", "bench", "report", "model_repository"))
+                        ignore=shutil.ignore_patterns("build", "publish", "verify", "bench", "report",
+                                                      "model_repository"))
     light = ["--set", "bench.concurrency=[1,8]", "--set", "bench.requests_per_level=8"]  # the sweep's wiring, briefly
     cpu_repo = cpu_work / "publish" / "model_repository"
     compared = (cpu_repo / "provenance.json").is_file()

@@ -229,7 +229,8 @@ def test_the_build_checks_reference_figures_are_the_same_streamed(exported, tiny
     streamed = reference_figures(e["ckpt"][1], tiny_model_dir, prompt_ids=prompts, evaluation=evaluation, max_tokens=6,
                                  end_id=2, streamed=True)
     assert streamed == whole
-    assert [len(r) for r in whole["sim_top1"]] == [len(s) - 1 for s in evaluation] == [len(r) for r in whole["original_top1"]]
+    assert ([len(r) for r in whole["sim_top1"]] == [len(s) - 1 for s in evaluation]
+            == [len(r) for r in whole["original_top1"]])
     assert [len(tokens) for tokens, _ in whole["greedy"]] == [6, 6] or any(2 in t for t, _ in whole["greedy"])
 
 
@@ -490,7 +491,8 @@ _AMX = bool(torch.cpu._is_amx_tile_supported())
     ("mixtral", "int4_awq", 2, 32), ("mixtral", "fp8", 1, 32), ("qwen3_moe", "int4_awq", 1, 32),
     # the one case vLLM 0.32 runs INT4 experts on a CPU (tests/data/upstream/vllm_cpu_branches.json)
     pytest.param("mixtral", "int4_awq", 1, 64, marks=pytest.mark.skipif(
-        not _AMX, reason="needs AMX (amx_tile), this CPU lacks it: vLLM's CPU kernel for INT4 experts runs only there"))])
+        not _AMX,
+        reason="needs AMX (amx_tile), this CPU lacks it: vLLM's CPU kernel for INT4 experts runs only there"))])
 def test_moe_experts_are_exported_as_vllm_loads_them(tiny_tokenizer_dir, tmp_path, family, fmt, tp, group_size):
     """A tiny Mixtral or Qwen3-MoE quantized through `invoke quantize` for the vllm target (attention INT8
     SmoothQuant, experts INT4 AWQ or FP8, the router in high precision): the export writes every expert under
@@ -673,7 +675,8 @@ def test_a_family_with_only_an_hf_unified_checkpoint_is_exported_from_it(tiny_to
                  "gemma2": [f"self_attn.{m}_proj" for m in "qkv"],
                  "deepseek_v2": ["self_attn.q_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
                                  "self_attn.o_proj"]}[family]
-    mlp = ["mlp.gate_up_proj", "mlp.down_proj"] if family == "phi3" else [f"mlp.{m}_proj" for m in ("gate", "up", "down")]
+    mlp = (["mlp.gate_up_proj", "mlp.down_proj"] if family == "phi3"
+           else [f"mlp.{m}_proj" for m in ("gate", "up", "down")])
     experts = [f"mlp.{e}.{m}_proj" for e in (*(f"experts.{i}" for i in range(8)), "shared_experts")
                for m in ("gate", "up", "down")] if mla else mlp
     quantized = [f"model.layers.0.{n}" for n in attention + mlp] + [f"model.layers.1.{n}" for n in attention + experts]

@@ -110,8 +110,8 @@ def test_markdown_and_html_say_the_same():
 # ---------------------------------------------------------------- a real (tiny) run, through the report
 
 
-RUN_SETS = ["bench.concurrency=[1,2]", "bench.requests_per_level=4", "bench.warmup_requests=1", "bench.prompt_tokens=16",
-            "bench.output_tokens=8", "triton.model_name=tiny"]
+RUN_SETS = ["bench.concurrency=[1,2]", "bench.requests_per_level=4", "bench.warmup_requests=1",
+            "bench.prompt_tokens=16", "bench.output_tokens=8", "triton.model_name=tiny"]
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,8 @@ def test_a_level_over_three_rounds_is_their_medians_with_the_spread():
     """Each figure is the median over the rounds; the SLA is judged again on the median P99 (the first round, over
     its bound, does not decide); spread: min, max, (max - min) / median of throughput and P99 end-to-end."""
     # 8 tokens per round: 8 / 1.0, 8 / 2.0, 8 / 1.6 tokens/s; P99 end-to-end of two requests a < b: a + 0.99 (b - a)
-    b, a, c = _round(1.0, (100, 500), (200, 600)), _round(2.0, (100, 300), (100, 400)), _round(1.6, (50, 200), (50, 300))
+    b, a, c = (_round(1.0, (100, 500), (200, 600)), _round(2.0, (100, 300), (100, 400)),
+               _round(1.6, (50, 200), (50, 300)))
     assert [r["e2e_ms"]["p99"] for r in (b, a, c)] == pytest.approx([599, 399, 299])
     assert [r["sla"]["met"] for r in (b, a, c)] == [False, True, True]
     level = median_rounds([b, a, c], {"e2e_ms": 450})
@@ -117,7 +118,8 @@ def test_a_level_over_three_rounds_is_their_medians_with_the_spread():
     assert level["e2e_ms"]["p99"] == pytest.approx(399) and level["e2e_ms"]["p50"] == pytest.approx(350)
     assert level["concurrency"] == 2 and isinstance(level["concurrency"], int) and level["requests"] == 2
     assert level["sla"]["p99_ms"]["e2e_ms"] == pytest.approx(399)
-    assert level["sla"]["met"] and level["sla"]["violations"] == [] and level["sla"]["goodput_rps"] == pytest.approx(1.0)
+    assert (level["sla"]["met"] and level["sla"]["violations"] == []
+            and level["sla"]["goodput_rps"] == pytest.approx(1.0))
     s = level["spread"]
     assert s["rounds"] == 3
     assert (s["output_tokens_per_s"]["min"], s["output_tokens_per_s"]["max"]) == pytest.approx((4.0, 8.0))
@@ -387,7 +389,8 @@ def test_open_loop_load_through_aiperf(published_tiny):
     assert check["aiperf_over_ours"]["output_tokens_per_s"] == pytest.approx(
         check["aiperf"]["output_tokens_per_s"] / check["ours"]["output_tokens_per_s"])
     assert isinstance(check["agree"], bool) and "in requests/s" in check["sentence"]  # evidence, not a failure
-    assert "same token counts" in results["definitions"]["cross_check"] and "median" in results["definitions"]["repeats"]
+    assert ("same token counts" in results["definitions"]["cross_check"]
+            and "median" in results["definitions"]["repeats"])
     assert [r["request_rate"] for r in t["rates"]] == [1, 4]
     for r in t["rates"]:
         assert r["requests"] == 6 and r["errors"] == 0 and r["arrived_rps"] > 0
@@ -551,7 +554,8 @@ def test_invoke_tune_measures_settings_on_real_servers_and_republishes_with_the_
     page = (work / "report_check" / "index.md").read_text()
     section = page[page.index("## Serving settings"):page.index("## Chain of content hashes")]
     assert f"**Chosen**: {results['why']}." in section and "| default |" in section
-    assert "img/throughput_vs_p99.png" in section and (work / "report_check" / "img" / "throughput_vs_p99.png").is_file()
+    assert ("img/throughput_vs_p99.png" in section
+            and (work / "report_check" / "img" / "throughput_vs_p99.png").is_file())
 
 
 def test_prompt_and_output_lengths_must_fit_the_build():

@@ -98,8 +98,8 @@ def test_the_closed_loop_command_differs_from_the_rate_command_only_in_its_load(
 
 
 def _level(rps: float, tps: float, ttft: float, itl: float, e2e: float) -> dict:
-    return {"requests_per_s": rps, "output_tokens_per_s": tps, "output_tokens_mean": tps / rps, "ttft_ms": {"p50": ttft},
-            "itl_ms": {"p50": itl}, "e2e_ms": {"p50": e2e}, "requests": 12, "errors": 0}
+    return {"requests_per_s": rps, "output_tokens_per_s": tps, "output_tokens_mean": tps / rps,
+            "ttft_ms": {"p50": ttft}, "itl_ms": {"p50": itl}, "e2e_ms": {"p50": e2e}, "requests": 12, "errors": 0}
 
 
 def test_the_cross_check_sets_aiperf_beside_our_client_and_judges_requests_per_second():
