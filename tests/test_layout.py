@@ -1,7 +1,7 @@
 """The house plan holds: the import graph is the layered DAG pyproject.toml declares (checked by import-linter,
 the real tool, on this tree and on a copy with one planted back-edge), and no GPU-only or heavy library is
 imported by merely loading the stage graph; no import cycle between modules either; and a function with six or
-more parameters takes all but the first one or two by keyword."""
+more parameters takes all but the first one or two by keyword; no test imports a private name."""
 
 from __future__ import annotations
 
@@ -160,3 +160,28 @@ def test_a_planted_wide_positional_signature_is_found(tmp_path):
         "planted.py:7 K.wide_method(a, b, c, d, e, f, ...)",
         "planted.py:8 K.wide_method.inner(a, b, c, ...)",
     ]
+
+
+def private_imports(root: Path, files: list[Path]) -> list[str]:
+    """Every ``from X import _name`` (a single-underscore name, not a dunder) in ``files``."""
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{path.relative_to(root)}:{node.lineno} from {node.module} import {a.name}"
+                          for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_test_imports_a_private_name():
+    """Tests use what a module offers; a helper several test modules share lives in a plain module of tests/
+    (tiny_families, modelopt_exports, grafana) under a public name."""
+    found = private_imports(REPO, sorted((REPO / "tests").rglob("*.py")))
+    assert found == [], "tests import private names; make them public or test through the public API:\n" + "\n".join(
+        found)
+
+
+def test_a_planted_private_import_is_found(tmp_path):
+    (tmp_path / "test_planted.py").write_text("from pipeline.runner import _lock, Runner\nfrom x import __version__\n")
+    assert private_imports(tmp_path, [tmp_path / "test_planted.py"]) == [
+        "test_planted.py:1 from pipeline.runner import _lock"]
