@@ -248,7 +248,6 @@ def test_the_dashboard_has_three_rows_and_promql_that_prometheus_parses(rendered
     rows hardware, pipeline, quality of service; every panel's query parses (promtool checks each as a
     recording rule). That the serving model exports the series it reads is checked on a real server
     (test_verify.py, the watchdog test)."""
-    import shutil
 
     from pipeline.release import dashboards
 
@@ -263,15 +262,7 @@ def test_the_dashboard_has_three_rows_and_promql_that_prometheus_parses(rendered
     exprs = dashboard_exprs(board)
     assert len(exprs) >= 15 and all(f'pod=~"triton-{DEFAULT_NAME}-.*"' in e for e in exprs if "DCGM" not in e)
     assert any("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" in e for e in exprs) and dashboards.OURS in " ".join(exprs)
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("needs promtool (Debian: apt-get install prometheus; scripts/setup-env does it as root)")
-    rules = tmp_path / "dashboard-queries.yml"
-    rules.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:query{i}", "expr": e} for i, e in enumerate(exprs)]}]}))
-    checked = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
-    assert checked.returncode == 0 and f"SUCCESS: {len(exprs)} rules found" in checked.stdout, \
-        checked.stdout + checked.stderr
+    _promtool_parses(exprs, tmp_path)
 
 
 def test_checkov_finds_nothing_unjustified(rendered_gpu, tmp_path):

@@ -331,13 +331,19 @@ def test_the_tasks_that_read_a_published_build_run_on_one(tiny):
     assert "publish" in said["explain"] and "`invoke plan` is now `invoke explain`" in said["plan"]
 
 
-def test_invoke_serve_prints_endpoints_answers_and_stops_on_ctrl_c(tiny):
+def _serve_command(tiny, ports: list[int]) -> list[str]:
+    """`invoke serve` on the tiny published build, on the given HTTP, gRPC and metrics ports."""
     cfg, work_root, _, _ = tiny
-    ports = free_ports(3)
     cmd = [sys.executable, "-m", "invoke", "serve", "--config", str(cfg), "--work-root", str(work_root),
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
     for s in TINY_SETS:
         cmd += ["--set", s]
+    return cmd
+
+
+def test_invoke_serve_prints_endpoints_answers_and_stops_on_ctrl_c(tiny):
+    ports = free_ports(3)
+    cmd = _serve_command(tiny, ports)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=sigint_at_default)
     try:
@@ -364,12 +370,8 @@ def test_invoke_serve_says_what_it_serves_and_stops_on_sigint_it_was_started_ign
     its server's whole process group, which it names on one line with the model and URLs, is gone."""
     from pipeline.procs import group_members
 
-    cfg, work_root, _, _ = tiny
     ports = free_ports(3)
-    cmd = [sys.executable, "-m", "invoke", "serve", "--config", str(cfg), "--work-root", str(work_root),
-           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
-    for s in TINY_SETS:
-        cmd += ["--set", s]
+    cmd = _serve_command(tiny, ports)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=_sigint_ignored)
     server_pid = None
