@@ -34,7 +34,10 @@ def test_checkpoint_says_what_the_plan_says(quantized):
     kept = {trtllm_name(n) for n, e in plan["layers"].items() if e["format"] == "high_precision"}
     with safe_open(str(ckpt / "rank0.safetensors"), framework="pt") as f:
         dtypes = {k[: -len(".weight")]: f.get_slice(k).get_dtype() for k in f.keys() if k.endswith(".weight")}
-    for module in kept:
+    # SmolLM2 ties lm_head to the embedding: the checkpoint stores it once, as the embedding, in FP16
+    assert config["share_embedding_table"] is True and "lm_head" not in dtypes
+    assert dtypes["transformer.vocab_embedding"] == "F16"
+    for module in kept - {"lm_head"}:
         assert dtypes[module] == "F16", module
     linears = [m for m in dtypes if ".attention." in m or ".mlp." in m]
     assert {dtypes[m] for m in linears if m not in kept} == {"I8"}
