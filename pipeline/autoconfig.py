@@ -126,7 +126,9 @@ def resolve(raw: dict, model_type: Optional[str], defaults: dict[str, Any]) -> R
         if "int8" not in target.kv_formats:
             why.append(f"the {name} target runs KV caches in {' or '.join(target.kv_formats)} only")
         if kv not in takes and not kv_set:
-            res.chosen["quantization.kv_cache"] = ("fp8", "; ".join(why) + " (fp8 keeps it quantized)")
+            pick = "fp8" if "fp8" in takes else takes[0]
+            res.chosen["quantization.kv_cache"] = (pick, "; ".join(why) + (" (fp8 keeps it quantized)" if pick == "fp8"
+                                                                           else ""))
         elif kv not in takes:
             res.conflicts.append(f"quantization.kv_cache: {kv}, but {'; '.join(why)}; use {' or '.join(takes)}")
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from pipeline import artifacts, console, constants, targets
 from pipeline.config import LoadedConfig, load_config
 from pipeline.doctor import Report, examine, render
-from pipeline.errors import EnvironmentProblem, PipelineError
+from pipeline.errors import EnvironmentProblem, InputError, PipelineError
 from pipeline.fsutil import remove_tree
 from pipeline.reaper import reap_dead_runs
 from pipeline.release.deploy import pod_host_memory, render_manifests
@@ -26,7 +26,7 @@ from pipeline.release.image import ImagePlan, build_image, check_release, releas
 from pipeline.runner import Runner, WorkDirLock
 from pipeline.serving.serve import serve_published
 from pipeline.serving.server import remove_stale_leftovers
-from pipeline.stages import STAGES, TASK_STAGES
+from pipeline.stages import SERVING_STAGES, STAGES, TASK_STAGES, device_only_refusal, host_stages
 
 
 @contextmanager
@@ -114,6 +114,8 @@ def run_task(task: str, config: Optional[str], overrides: Sequence[str], work_ro
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
     sweep_dead_runs()
     stages = list(TASK_STAGES[task])
+    if set(stages) & set(SERVING_STAGES):
+        device_only_refusal(runner.loaded)  # before the upstream stages' own preflights
     runner = _resolved_runner(runner, config=config, overrides=overrides, work_root=work_root, stages=stages,
                               force=force)
     return runner.run(stages, force=stages if force else False)
@@ -123,16 +125,23 @@ def run_all(config: Optional[str], overrides: Sequence[str], work_root: Path, fo
     runner = open_runner(config, overrides, work_root)
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
     sweep_dead_runs()
-    names = [s.name for s in STAGES]
+    target = targets.get(runner.loaded.config.build.target)
+    names = host_stages(target)
     runner = _resolved_runner(runner, config=config, overrides=overrides, work_root=work_root, stages=names,
                               force=force)
     runner.run(names, force=force)
     print(f"all: {len(names)} stage(s) ran or were up to date; artifacts in {runner.work_dir}")
+    if target.device_only:
+        print(f"all: the {target.name} target's engine is built and run on the device: copy "
+              f"{runner.stage_dir('publish') / artifacts.EDGE_BUNDLE_DIR} there and run {artifacts.EDGE_BUILD_SCRIPT}, "
+              f"then {artifacts.EDGE_RUN_SCRIPT} (docs/targets/edge.md)")
 
 
 def print_summary(config: Optional[str], overrides: Sequence[str], work_root: Path) -> None:
     """What `invoke all` prints last: where the report is and its five lines."""
     runner = open_runner(config, overrides, work_root)
+    if targets.get(runner.loaded.config.build.target).device_only:
+        return  # no report here: run_all said where the device bundle is
     report = runner.stage_dir("report")
     m = runner.read_manifest("report")
     if not m or m.get("status") != "ok":
@@ -155,14 +164,19 @@ def explain(config: Optional[str], overrides: Sequence[str], work_root: Path) ->
         print(f"model type: {res.model_type or 'not known until the model is downloaded'}")
         for dotted, (value, why) in res.chosen.items():
             print(f"  chosen: {dotted} = {value!r}: {why}")
-    print(f"serving pod: {serving_pod_line(runner.loaded.config)}")
+    if not target.device_only:
+        print(f"serving pod: {serving_pod_line(runner.loaded.config)}")
     all_current = True
-    for st in runner.explain([s.name for s in STAGES]):
+    for st in runner.explain(host_stages(target)):
         if st.up_to_date:
             print(f"  {st.name:<12} up to date")
         else:
             all_current = False
             print(f"  {st.name:<12} will run: " + "; ".join(st.reasons))
+    off_host = [s.name for s in STAGES if s.name not in host_stages(target)]
+    if off_host:
+        print(f"  {', '.join(off_host)}: not on this machine: the engine is built and run on the device (the "
+              f"published bundle's {artifacts.EDGE_BUILD_SCRIPT} and {artifacts.EDGE_RUN_SCRIPT})")
     return all_current
 
 
@@ -221,9 +235,19 @@ def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> P
     return runner.work_dir
 
 
+def refuse_device_only(runner: Runner, what: str) -> None:
+    """An InputError for ``what`` (serving, an image, manifests) where the target runs on its device only."""
+    target = targets.get(runner.loaded.config.build.target)
+    if target.device_only:
+        raise InputError(f"the {target.name} target has no {what} on this machine: it ships as the device bundle "
+                         f"`invoke publish` writes ({runner.stage_dir('publish') / artifacts.EDGE_BUNDLE_DIR}), built "
+                         f"and run on the device (docs/targets/edge.md)")
+
+
 def serve(config: Optional[str], overrides: Sequence[str], work_root: Path, supervise: bool = False,
           max_restarts: int = 5, **ports) -> None:
     runner = open_runner(config, overrides, work_root)
+    refuse_device_only(runner, "server")
     cfg = runner.loaded.config
     serve_published(runner.work_dir, frontend=targets.get(cfg.build.target).frontends(cfg)[0], supervise=supervise,
                     max_restarts=max_restarts, **ports)
@@ -269,14 +293,16 @@ def tune(config: Optional[str], overrides: Sequence[str], work_root: Path, resul
 
 def image(config: Optional[str], overrides: Sequence[str], *, work_root: Path, push: bool = False,
           dry_run: bool = False, builder: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
-    return build_image(open_runner(config, overrides, work_root), push=push, dry_run=dry_run, builder=builder,
-                       echo=echo)
+    runner = open_runner(config, overrides, work_root)
+    refuse_device_only(runner, "serving image")
+    return build_image(runner, push=push, dry_run=dry_run, builder=builder, echo=echo)
 
 
 def release(config: Optional[str], overrides: Sequence[str], *, work_root: Path, dry_run: bool = False,
             force: bool = False, echo: Callable[[str], None] = print) -> ImagePlan:
     """`invoke all`, then the image with the report inside, then push it."""
     runner = open_runner(config, overrides, work_root)
+    refuse_device_only(runner, "serving image")
     check_release(runner, dry_run=dry_run, echo=echo)
     if not dry_run:
         run_all(config, overrides, work_root, force=force)
@@ -285,4 +311,6 @@ def release(config: Optional[str], overrides: Sequence[str], *, work_root: Path,
 
 def deploy_manifests(config: Optional[str], overrides: Sequence[str], work_root: Path,
                      gpu_types: Sequence[str] = (), echo: Callable[[str], None] = print) -> Path:
-    return render_manifests(open_runner(config, overrides, work_root), overrides, gpu_types, echo=echo)
+    runner = open_runner(config, overrides, work_root)
+    refuse_device_only(runner, "Kubernetes manifests")
+    return render_manifests(runner, overrides, gpu_types, echo=echo)

@@ -115,6 +115,19 @@ def check_vllm_env() -> Check:
     return Check(targets.NEEDS_VLLM_ENV, True, f"vLLM {version} in {python}")
 
 
+def check_edgellm_env() -> Check:
+    from pipeline.engines.edgellm import env as edgellm
+
+    python = edgellm.python_path()
+    if not Path(python).is_file():
+        return Check(targets.NEEDS_EDGELLM_ENV, False, f"no Python at {python}", edgellm.HOW)
+    version = edgellm.edgellm_version(python)
+    if version != edgellm.VERSION:
+        return Check(targets.NEEDS_EDGELLM_ENV, False,
+                     f"{python} has {edgellm.DIST_NAME} {version or 'not installed'}", edgellm.HOW)
+    return Check(targets.NEEDS_EDGELLM_ENV, True, f"TensorRT Edge-LLM {version} in {python}")
+
+
 def check_aiperf_env() -> Check:
     try:
         exe = openloop.aiperf_executable()
@@ -242,6 +255,9 @@ def check_disk(work_root: Path) -> Check:
 def check_memory(cfg: PipelineConfig) -> Check:
     usable, source = host_memory_limit()  # the smallest of the memory cgroups' limits and the available RAM
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if targets.get(cfg.build.target).device_only:  # no server here: the stages bound their own memory (compute)
+        return Check(MEMORY, True, f"{usable / GIB:.1f} GiB usable, {source} (RAM {total / GIB:.1f} GiB); "
+                                   f"this config serves on its device, not here")
     need = pod_host_memory(cfg)["memory"]
     found = (f"{usable / GIB:.1f} GiB usable, {source} (RAM {total / GIB:.1f} GiB); this config's server asks "
              f"{need} GiB")
@@ -298,6 +314,7 @@ def examine(cfg: PipelineConfig, work_root: Path, config_name: str) -> Report:
     probes: dict[str, Callable[[], Check]] = {
         targets.NEEDS_VLLM_CPU: check_cpu_features,
         targets.NEEDS_VLLM_ENV: check_vllm_env,
+        targets.NEEDS_EDGELLM_ENV: check_edgellm_env,
         AIPERF_ENV: check_aiperf_env,
         targets.NEEDS_TRITON: check_triton_server,
         targets.NEEDS_IMAGE_TRITON: check_image_tritonserver,

@@ -38,7 +38,10 @@ from dataclasses import dataclass
 from pipeline import targets
 from pipeline.errors import InputError
 
-ALL_TARGETS = targets.names()
+# the targets that serve every family they can load (the server-side ones); EDGE_TARGETS add TensorRT Edge-LLM for
+# the families its export supports (tests/data/upstream/edgellm.json)
+ALL_TARGETS = tuple(n for n in targets.names() if n != "edge")
+EDGE_TARGETS = (*ALL_TARGETS, "edge")
 
 
 @dataclass(frozen=True)
@@ -97,10 +100,10 @@ _HF_ONLY = ("ModelOpt writes no TensorRT-LLM checkpoint of it without tensorrt_l
 
 
 FAMILIES = {f.model_type: f for f in (
-    Family("llama", "LlamaForCausalLM", "llama", "", ALL_TARGETS),
+    Family("llama", "LlamaForCausalLM", "llama", "", EDGE_TARGETS),
     Family("mistral", "MistralForCausalLM", "llama", "", ALL_TARGETS),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen", "q/k/v biases", ALL_TARGETS),
-    Family("qwen3", "Qwen3ForCausalLM", "qwen", "per-head q/k RMSNorms", ALL_TARGETS),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen", "q/k/v biases", EDGE_TARGETS),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen", "per-head q/k RMSNorms", EDGE_TARGETS),
     # ModelOpt's MODEL_NAME_TO_TYPE maps MixtralForCausalLM to the llama decoder (model_utils.py)
     Family("mixtral", "MixtralForCausalLM", "llama", "a router and experts per layer (MoE)",
            ALL_TARGETS,
@@ -250,5 +253,6 @@ def unsupported_message(model_type: str) -> str:
 
 
 def cannot_serve_message(fam: Family, target: str) -> str:
-    why = fam.why_not or f"{fam.extras} are not in its export"
+    why = (targets.get(target).families_note if target in targets.REGISTRY else "") or fam.why_not \
+        or f"{fam.extras} are not in its export"
     return f"the {target} target cannot serve {fam.model_type} ({why}); use build.target {' or '.join(fam.targets)}"

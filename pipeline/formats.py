@@ -77,6 +77,24 @@ KV_CACHE_ALGOS: dict[str, Optional[str]] = {"int8": "INT8", "fp8": "FP8", "none"
 # pipeline.engines.vllm.runtime.check_cpu_experts
 VLLM_SERVABLE: dict[str, tuple[str, ...]] = {NO_QUANT: ("cpu", "cuda"), "int8_sq": ("cpu", "cuda"),
                                              "int4_awq": ("cpu", "cuda"), "fp8": ("cuda",), "int8_wo": ("cuda",)}
+
+
+@dataclass(frozen=True)
+class EdgePlatform:
+    """A device TensorRT Edge-LLM builds for (the edge target, by build.target_sm)."""
+
+    name: str
+    jetpack: str  # the JetPack release the device commands are for
+    edgellm_version: str
+    weight_formats: tuple[str, ...]  # quantization.weight_format values it runs (none: FP16)
+    kv_formats: tuple[str, ...]  # quantization.kv_cache values it runs (none: the engine's FP16 KV cache)
+
+
+# edge target: TensorRT Edge-LLM 0.11.0's support matrix (tests/data/upstream/edgellm.json)
+EDGE_INT4_ALIGN = 64  # its INT4 GEMM plugin takes an INT4 layer whose out and in features are multiples of 64
+EDGE_PLATFORMS: dict[int, EdgePlatform] = {
+    87: EdgePlatform("Jetson Orin", "7.2", "0.11.0", (NO_QUANT, "int8_sq", "int4_awq"), ("none",)),
+}
 VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM 0.32 v1/attention/backends/cpu_attn.py: kernel block sizes MultipleOf(32)
 # vLLM 0.32 v1/attention/backends/mla/cpu_mla.py: multi-head latent attention on a CPU takes blocks of 16 only (the
 # platform forces it), a latent KV of 576 (kv_lora_rank 512 + rope 64, DeepSeek-V2's) and the model's dtype

@@ -113,7 +113,30 @@ def _build_preflight(loaded) -> None:
         target.call(target.preflight_entry, loaded)
 
 
+# the stages that serve the build on this machine: a device-only target (Target.device_only) runs them on the device
+SERVING_STAGES = ("verify", "bench", "report")
+
+
+def host_stages(target) -> list[str]:
+    """The stages `invoke all` runs for ``target`` here: all, or up to publish for a device-only one."""
+    return [s.name for s in STAGES if not (target.device_only and s.name in SERVING_STAGES)]
+
+
+def device_only_refusal(loaded) -> None:
+    """An InputError where the config's target runs on its device only (what serves a build is not here)."""
+    from pipeline import targets
+    from pipeline.errors import InputError
+
+    target = targets.get(loaded.config.build.target)
+    if target.device_only:
+        raise InputError(f"the {target.name} target's engine is built and run on the device, not here: verify and "
+                         f"bench are the device check in the published bundle (publish/{artifacts.EDGE_BUNDLE_DIR}/"
+                         f"{artifacts.EDGE_BUILD_SCRIPT}, then {artifacts.EDGE_RUN_SCRIPT}; docs/targets/edge.md). "
+                         f"`invoke publish` makes the bundle")
+
+
 def _bench_preflight(loaded) -> None:
+    device_only_refusal(loaded)
     if loaded.config.bench.uses_aiperf:
         from pipeline.serving.bench.openloop import aiperf_executable  # the open-loop load's driver, or stop here
 
@@ -121,9 +144,13 @@ def _bench_preflight(loaded) -> None:
 
 
 def _run_publish(ctx: StageContext) -> dict:
+    from pipeline import targets
     from pipeline.serving.publish import publish
     from pipeline.serving.tuned import apply_tuned
 
+    target = targets.get(ctx.config.build.target)
+    if target.publish_entry is not None:  # not a Triton repository: the target's own hand-over (the edge bundle)
+        return target.call(target.publish_entry, ctx)
     # the serving settings `invoke tune` chose, where it wrote them (tune.apply; the config's own values win)
     config, tuned = apply_tuned(ctx.config, ctx.work_dir)
     # the live repository (triton.repository_dir, default <work dir>/model_repository) is outside this
@@ -224,11 +251,11 @@ STAGES: list[StageDef] = [
                        "image.base_trtllm_version", "tune.apply"),
              external_inputs=_publish_fingerprint, run=_run_publish),
     StageDef("verify", "real Triton server checks", needs=("publish",), sections=("triton", "verify", "vllm.frontends"),
-             run=_run_verify),
+             run=_run_verify, preflight=device_only_refusal),
     StageDef("bench", "throughput and latency sweep", needs=("text", "build", "publish"),
              sections=("bench", "sla", "vllm.frontends"),
              external_inputs=_bench_fingerprint, run=_run_bench, preflight=_bench_preflight),
-    StageDef("report", "the build report", needs=("verify", "bench"), run=_run_report),
+    StageDef("report", "the build report", needs=("verify", "bench"), run=_run_report, preflight=device_only_refusal),
 ]
 
 # invoke task -> the stages it runs (with their upstream stages, as needed)

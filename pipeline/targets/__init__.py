@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pipeline.errors import ConfigError
 from pipeline.targets.base import (
+    NEEDS_EDGELLM_ENV,
     NEEDS_GPU,
     NEEDS_IMAGE_TRITON,
     NEEDS_TRITON,
@@ -25,11 +26,13 @@ from pipeline.targets.base import (
     resolve_entry,
 )
 from pipeline.targets.cpu import CpuTarget
+from pipeline.targets.edge import EdgeTarget
 from pipeline.targets.pytorch import PytorchTarget
 from pipeline.targets.tensorrt import TensorrtTarget
 from pipeline.targets.vllm import VllmTarget
 
-__all__ = ["NEEDS_GPU", "NEEDS_IMAGE_TRITON", "NEEDS_TRITON", "NEEDS_TRTLLM", "NEEDS_TRTLLM_BUILD", "NEEDS_VLLM_CPU",
+__all__ = ["NEEDS_EDGELLM_ENV",
+           "NEEDS_GPU", "NEEDS_IMAGE_TRITON", "NEEDS_TRITON", "NEEDS_TRTLLM", "NEEDS_TRTLLM_BUILD", "NEEDS_VLLM_CPU",
            "NEEDS_VLLM_ENV", "REGISTRY", "SERVER_IMAGE_TRITON", "SERVER_TRITON", "SERVER_TRITON_VLLM",
            "SERVER_VLLM_OPENAI", "SERVING_SETTINGS", "Target", "get", "names", "resolve_entry"]
 
@@ -38,6 +41,7 @@ REGISTRY: dict[str, Target] = {t.name: t for t in (
     PytorchTarget(),
     CpuTarget(),
     VllmTarget(),
+    EdgeTarget(),
 )}
 
 

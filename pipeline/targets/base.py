@@ -42,6 +42,7 @@ NEEDS_VLLM_CPU = "cpu-features"  # a CPU vLLM's CPU build runs on: AVX-512 or AM
 NEEDS_GPU = "gpu"  # an NVIDIA GPU (of build.target_sm where a TensorRT-LLM build names one)
 NEEDS_TRTLLM = "tensorrt-llm"  # TensorRT-LLM build.trtllm_version, importable
 NEEDS_TRTLLM_BUILD = "trtllm-build"  # its trtllm-build command
+NEEDS_EDGELLM_ENV = "edgellm-env"  # TensorRT Edge-LLM's export environment (.venv-edgellm, or EDGELLM_PYTHON)
 SERVER_NEEDS = {SERVER_TRITON: (NEEDS_TRITON,), SERVER_TRITON_VLLM: (NEEDS_TRITON, NEEDS_VLLM_ENV),
                 SERVER_VLLM_OPENAI: (NEEDS_VLLM_ENV,), SERVER_IMAGE_TRITON: (NEEDS_IMAGE_TRITON, NEEDS_GPU)}
 
@@ -64,6 +65,12 @@ class Target:
     triton_backend: ClassVar[str] = "python"
     # the build's entry point, "module:function" (function(ctx: StageContext, checkpoint, hf_checkpoint) -> dict)
     build_entry: ClassVar[str]
+    # publish's own entry point where the build is not a Triton model repository, "module:function"
+    # (function(ctx: StageContext) -> dict); None: the Triton repository (pipeline.serving.publish)
+    publish_entry: ClassVar[Optional[str]] = None
+    # built here, run on another device only (the edge target's Jetson): `invoke all` ends at publish, and verify
+    # and bench are the published bundle's device check
+    device_only: ClassVar[bool] = False
     # the build stage's preflight, "module:function" (function(loaded) -> None): stop before any work when this
     # machine cannot build it; None: nothing to check
     preflight_entry: ClassVar[Optional[str]] = None
@@ -94,6 +101,8 @@ class Target:
     untuned_why: ClassVar[str] = ""  # where not tunable: what sets its serving settings instead
     # gate and up of a dense MLP are one GEMM in what it serves (the plan gives them one format)
     fuses_gate_up: ClassVar[bool] = False
+    # why it serves only the families that list it (pipeline/families.py), where that is the target's own limit
+    families_note: ClassVar[str] = ""
     # records the TensorRT-LLM release it was built for (provenance build.trtllm_version)
     records_trtllm_version: ClassVar[bool] = False
 

@@ -63,6 +63,9 @@ def test_every_target_answers_the_interface_and_its_entry_points_resolve(name):
             assert callable(targets.resolve_entry(entry)), entry
     assert set(t.serving_settings) <= set(targets.SERVING_SETTINGS)
     assert set(t.kv_formats) <= {"int8", "fp8", "none"}
+    if t.device_only:  # built here, run on the device: no server of this machine serves it
+        assert t.publish_entry and callable(targets.resolve_entry(t.publish_entry)) and not t.default_frontends
+        return
     cfg = load_config(REPO / "engine_configs" / "smollm2-135m-cpu.yaml",
                       [f"build.target={name}", "quantization.kv_cache=fp8", "build.cuda_graphs.enabled=false"]
                       + (["vllm.frontends=[triton]"] if name == "vllm" else [])).config
@@ -72,8 +75,8 @@ def test_every_target_answers_the_interface_and_its_entry_points_resolve(name):
 
 
 def test_an_unregistered_target_is_refused_naming_the_registered_ones():
-    with pytest.raises(ConfigError, match="registered build targets: tensorrt, pytorch, cpu, vllm"):
-        load_config(REPO / "engine_configs" / "smollm2-135m-cpu.yaml", ["build.target=edge"])
+    with pytest.raises(ConfigError, match="registered build targets: tensorrt, pytorch, cpu, vllm, edge"):
+        load_config(REPO / "engine_configs" / "smollm2-135m-cpu.yaml", ["build.target=tpu"])
 
 
 # ---------------------------------------------------------------- families that configure themselves

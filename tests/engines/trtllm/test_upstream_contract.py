@@ -115,14 +115,17 @@ def test_the_jetson_profile_is_refused_before_any_work_with_what_exists_for_orin
     facts = upstream("trtllm_jetson.json")
     assert "kv_cache_type" in json.dumps(facts["q1_trtllm_build_options_v012"])
     assert "No Jetson support found" in facts["q2_awq_and_triton"]["triton_on_jetson"]
-    cfg = load_config(REPO_ROOT / "engine_configs" / "llama-3.2-1b-jetson-orin-edge.yaml").config
+    # the Jetson profile is the edge target's (TensorRT Edge-LLM, tests/targets/test_edge.py); as a TensorRT-LLM
+    # build on the Jetson line it is refused before any work
+    jetson = ["build.target=tensorrt", "build.trtllm_version=0.12.0-jetson"]
+    cfg = load_config(REPO_ROOT / "engine_configs" / "llama-3.2-1b-jetson-orin-edge.yaml", jetson).config
     b = cfg.build
     assert (b.max_batch_size, b.max_seq_len, b.cuda_graphs.enabled) == (2, 512, False)  # the seeds' edge settings
     problems = dict(rules.validity_problems(cfg, b.target_sm))
     assert "v0.12.0-jetson" in problems["trtllm_release_line"] and "no Jetson build" in problems["trtllm_release_line"]
     # a 1.2 version on an Orin is refused just the same: 1.2 has no Jetson build
     one_two = load_config(REPO_ROOT / "engine_configs" / "llama-3.2-1b-jetson-orin-edge.yaml",
-                          ["build.trtllm_version=1.2.1"]).config
+                          ["build.target=tensorrt", "build.trtllm_version=1.2.1"]).config
     assert "v0.12.0-jetson" in dict(rules.validity_problems(one_two, 87))["trtllm_release_line"]
 
 
