@@ -66,10 +66,10 @@ def build_script(platform, settings: dict) -> str:
     ])
 
 
-def run_script(settings: dict) -> str:
+def run_script(platform, settings: dict) -> str:
     return script([
         "# a few greedy prompts through the engine build_engine.sh made; outputs.json holds the answers",
-        'EDGELLM_DIR="${EDGELLM_DIR:?set EDGELLM_DIR to the Edge-LLM checkout build_engine.sh used}"',
+        f'EDGELLM_DIR="${{EDGELLM_DIR:-$HOME/TensorRT-Edge-LLM-{platform.edgellm_version}}}"',
         f'"$EDGELLM_DIR/build/examples/llm/llm_inference" {shlex.join(inference_argv(settings))}',
     ])
 
@@ -84,7 +84,7 @@ def write_device_files(bundle: Path, platform, settings: dict, texts: list[str],
                    "max_kv_cache_capacity": settings["max_seq_len"], "cuda_graphs": False,
                    "kv_cache_dtype": export_check["runtime_config"].get("kv_cache_dtype")},
         "layer_formats": export_check["formats"],
-        "device_commands": [f"bash {artifacts.EDGE_BUILD_SCRIPT}", f"EDGELLM_DIR=... bash {artifacts.EDGE_RUN_SCRIPT}"],
+        "device_commands": [f"bash {artifacts.EDGE_BUILD_SCRIPT}", f"bash {artifacts.EDGE_RUN_SCRIPT}"],
         "verified_here": ["tensorrt-edgellm-export on the host CPU", "onnx.checker",
                           "weights read back against the checkpoint (codes and scales)",
                           "the checkpoint read by tensorrt_edgellm.model.load_model_config"],
@@ -92,7 +92,7 @@ def write_device_files(bundle: Path, platform, settings: dict, texts: list[str],
     }
     (bundle / artifacts.EDGE_MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     for name, text in ((artifacts.EDGE_BUILD_SCRIPT, build_script(platform, settings)),
-                       (artifacts.EDGE_RUN_SCRIPT, run_script(settings))):
+                       (artifacts.EDGE_RUN_SCRIPT, run_script(platform, settings))):
         (bundle / name).write_text(text)
         (bundle / name).chmod(0o755)
     (bundle / PROMPTS_FILE).write_text(json.dumps(prompts(settings, texts), indent=2) + "\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
@@ -179,6 +180,15 @@ def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
             "export_s": round(t_export, 1), "timing_s": round(time.perf_counter() - t0, 1)}
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link where the two folders share a file system (the build's files are never rewritten in place: a
+    rebuild replaces the folder), a copy elsewhere."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
@@ -193,7 +203,7 @@ def publish_stage(ctx) -> dict:
     if lacking:
         raise InputError(f"the edge build in {build} lacks {', '.join(lacking)}: rerun `invoke build --force`")
     dest = ctx.out_dir / artifacts.EDGE_BUNDLE_DIR
-    shutil.copytree(build / settings.artifact_dir, dest)
+    shutil.copytree(build / settings.artifact_dir, dest, copy_function=_link_or_copy)  # the weights: hundreds of MB
     shutil.copy2(build / artifacts.EDGE_CHECK_FILE, dest / artifacts.EDGE_CHECK_FILE)
     manifest = json.loads((dest / artifacts.EDGE_MANIFEST_FILE).read_text())
     return {"target": "edge", "bundle": str(dest), "bundle_bytes": _size(dest), "platform": manifest["platform"],
