@@ -83,7 +83,6 @@ CPU_MODEL_SUBDIR = "model"  # cpu_bundle/model: config and tokenizer files
 CPU_RUNTIME_FILE = "runtime.json"
 EDGE_BUNDLE_DIR = "edge_bundle"  # the edge target: what the device needs (pipeline/engines/edgellm/)
 EDGE_ONNX_DIR = "onnx"  # edge_bundle/onnx: Edge-LLM's export (llm/model.onnx, its config and embedding)
-EDGE_CHECKPOINT_DIR = "checkpoint"  # edge_bundle/checkpoint: the HF unified checkpoint it was exported from
 EDGE_MANIFEST_FILE = "edge_manifest.json"  # which JetPack and Edge-LLM the device commands are for
 EDGE_BUILD_SCRIPT = "build_engine.sh"  # run on the device: the engine build
 EDGE_RUN_SCRIPT = "run.sh"  # run on the device: a few prompts through the engine

@@ -26,7 +26,7 @@ from pipeline.release.image import ImagePlan, build_image, check_release, releas
 from pipeline.runner import Runner, WorkDirLock
 from pipeline.serving.serve import serve_published
 from pipeline.serving.server import remove_stale_leftovers
-from pipeline.stages import SERVING_STAGES, STAGES, TASK_STAGES, device_only_refusal, host_stages
+from pipeline.stages import SERVING_STAGES, STAGES, TASK_STAGES, host_stages
 
 
 @contextmanager
@@ -114,8 +114,9 @@ def run_task(task: str, config: Optional[str], overrides: Sequence[str], work_ro
     print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {runner.work_dir}")
     sweep_dead_runs()
     stages = list(TASK_STAGES[task])
-    if set(stages) & set(SERVING_STAGES):
-        device_only_refusal(runner.loaded)  # before the upstream stages' own preflights
+    serving = [s for s in stages if s in SERVING_STAGES]
+    if serving:
+        refuse_device_only(runner, " or ".join(serving))  # before the upstream stages' own preflights
     runner = _resolved_runner(runner, config=config, overrides=overrides, work_root=work_root, stages=stages,
                               force=force)
     return runner.run(stages, force=stages if force else False)
@@ -132,9 +133,8 @@ def run_all(config: Optional[str], overrides: Sequence[str], work_root: Path, fo
     runner.run(names, force=force)
     print(f"all: {len(names)} stage(s) ran or were up to date; artifacts in {runner.work_dir}")
     if target.device_only:
-        print(f"all: the {target.name} target's engine is built and run on the device: copy "
-              f"{runner.stage_dir('publish') / artifacts.EDGE_BUNDLE_DIR} there and run {artifacts.EDGE_BUILD_SCRIPT}, "
-              f"then {artifacts.EDGE_RUN_SCRIPT} (docs/targets/edge.md)")
+        print(f"all: the {target.name} target's engine is built and run on the device: "
+              f"{target.device_hand_over(runner.stage_dir('publish'))}")
 
 
 def print_summary(config: Optional[str], overrides: Sequence[str], work_root: Path) -> None:
@@ -167,16 +167,17 @@ def explain(config: Optional[str], overrides: Sequence[str], work_root: Path) ->
     if not target.device_only:
         print(f"serving pod: {serving_pod_line(runner.loaded.config)}")
     all_current = True
-    for st in runner.explain(host_stages(target)):
+    here = host_stages(target)
+    for st in runner.explain(here):
         if st.up_to_date:
             print(f"  {st.name:<12} up to date")
         else:
             all_current = False
             print(f"  {st.name:<12} will run: " + "; ".join(st.reasons))
-    off_host = [s.name for s in STAGES if s.name not in host_stages(target)]
+    off_host = [s.name for s in STAGES if s.name not in here]
     if off_host:
-        print(f"  {', '.join(off_host)}: not on this machine: the engine is built and run on the device (the "
-              f"published bundle's {artifacts.EDGE_BUILD_SCRIPT} and {artifacts.EDGE_RUN_SCRIPT})")
+        print(f"  {', '.join(off_host)}: not on this machine, the engine is built and run on the device: "
+              f"{target.device_hand_over(runner.stage_dir('publish'))}")
     return all_current
 
 
@@ -236,12 +237,13 @@ def clean(config: Optional[str], overrides: Sequence[str], work_root: Path) -> P
 
 
 def refuse_device_only(runner: Runner, what: str) -> None:
-    """An InputError for ``what`` (serving, an image, manifests) where the target runs on its device only."""
+    """An InputError for ``what`` (verify, bench, a server, an image, manifests) where the target runs on its device
+    only (Target.device_only)."""
     target = targets.get(runner.loaded.config.build.target)
     if target.device_only:
-        raise InputError(f"the {target.name} target has no {what} on this machine: it ships as the device bundle "
-                         f"`invoke publish` writes ({runner.stage_dir('publish') / artifacts.EDGE_BUNDLE_DIR}), built "
-                         f"and run on the device (docs/targets/edge.md)")
+        raise InputError(f"the {target.name} target has no {what} on this machine: its engine is built and run on "
+                         f"the device, not here. It ships as the device bundle `invoke publish` writes: "
+                         f"{target.device_hand_over(runner.stage_dir('publish'))}")
 
 
 def serve(config: Optional[str], overrides: Sequence[str], work_root: Path, supervise: bool = False,

@@ -118,14 +118,11 @@ def check_vllm_env() -> Check:
 def check_edgellm_env() -> Check:
     from pipeline.engines.edgellm import env as edgellm
 
-    python = edgellm.python_path()
-    if not Path(python).is_file():
-        return Check(targets.NEEDS_EDGELLM_ENV, False, f"no Python at {python}", edgellm.HOW)
-    version = edgellm.edgellm_version(python)
-    if version != edgellm.VERSION:
-        return Check(targets.NEEDS_EDGELLM_ENV, False,
-                     f"{python} has {edgellm.DIST_NAME} {version or 'not installed'}", edgellm.HOW)
-    return Check(targets.NEEDS_EDGELLM_ENV, True, f"TensorRT Edge-LLM {version} in {python}")
+    try:
+        python = edgellm.export_python()
+    except EnvironmentProblem as e:
+        return Check(targets.NEEDS_EDGELLM_ENV, False, str(e).split(". ")[0], edgellm.HOW)
+    return Check(targets.NEEDS_EDGELLM_ENV, True, f"TensorRT Edge-LLM {edgellm.VERSION} in {python}")
 
 
 def check_aiperf_env() -> Check:

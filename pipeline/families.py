@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from pipeline import targets
 from pipeline.errors import InputError
 
-# the targets that serve every family they can load (the server-side ones); EDGE_TARGETS add TensorRT Edge-LLM for
-# the families its export supports (tests/data/upstream/edgellm.json)
-ALL_TARGETS = tuple(n for n in targets.names() if n != "edge")
+# the targets that serve every family whose layers their export holds (Target.every_family); EDGE_TARGETS add
+# TensorRT Edge-LLM for the families its export supports (tests/data/upstream/edgellm.json)
+ALL_TARGETS = tuple(name for name, t in targets.REGISTRY.items() if t.every_family)
 EDGE_TARGETS = (*ALL_TARGETS, "edge")
 
 
@@ -253,6 +253,5 @@ def unsupported_message(model_type: str) -> str:
 
 
 def cannot_serve_message(fam: Family, target: str) -> str:
-    why = (targets.get(target).families_note if target in targets.REGISTRY else "") or fam.why_not \
-        or f"{fam.extras} are not in its export"
+    why = targets.get(target).families_note or fam.why_not or f"{fam.extras} are not in its export"
     return f"the {target} target cannot serve {fam.model_type} ({why}); use build.target {' or '.join(fam.targets)}"

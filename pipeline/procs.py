@@ -31,7 +31,7 @@ from pipeline.reaper import SHM_DIR, STOP_GRACE_S, STOPPED, group_members, mappe
 log = logging.getLogger(__name__)
 
 __all__ = ["SHM_DIR", "group_members", "mapped_shm", "remove_files", "start_group", "stop_process_group",
-           "kill_process_group", "foreign_python_env"]
+           "kill_process_group", "foreign_python_env", "run_group"]
 REAPER_EXIT_S = 10.0  # how long a stop waits for the group's reaper to see its pipe close and exit
 # After the SIGTERM, how long the group's last members get to end by themselves before SIGKILL. Python's
 # multiprocessing resource tracker (vLLM's processes have one) ignores SIGTERM, and once every process using it
@@ -108,6 +108,19 @@ def start_group(argv: Sequence[str], what: str, tmp: Sequence[Path] = (), **pope
         kill_process_group(proc, what)
         raise
     return proc
+
+
+def run_group(argv: Sequence[str], what: str, *, log_path: Path, env: dict[str, str], timeout_s: float,
+              tmp: Sequence[Path] = ()) -> int:
+    """Run ``argv`` to its end as a process group (``start_group``), its output appended to ``log_path``, and return
+    its exit code. Whatever it started ends with it (a worker's engine processes, and the memory they mapped), also
+    when the wait times out (subprocess.TimeoutExpired) or is interrupted."""
+    with open(log_path, "ab") as log_f:
+        proc = start_group(argv, what, tmp=tmp, stdout=log_f, stderr=subprocess.STDOUT, env=env)
+        try:
+            return proc.wait(timeout=timeout_s)
+        finally:
+            kill_process_group(proc, what)
 
 
 def _release(pgid: int) -> None:

@@ -113,7 +113,8 @@ def _build_preflight(loaded) -> None:
         target.call(target.preflight_entry, loaded)
 
 
-# the stages that serve the build on this machine: a device-only target (Target.device_only) runs them on the device
+# the stages that serve the build on this machine: a device-only target (Target.device_only) has them on its device
+# (`invoke all` skips them; commands.refuse_device_only stops a task that asks for them)
 SERVING_STAGES = ("verify", "bench", "report")
 
 
@@ -122,21 +123,7 @@ def host_stages(target) -> list[str]:
     return [s.name for s in STAGES if not (target.device_only and s.name in SERVING_STAGES)]
 
 
-def device_only_refusal(loaded) -> None:
-    """An InputError where the config's target runs on its device only (what serves a build is not here)."""
-    from pipeline import targets
-    from pipeline.errors import InputError
-
-    target = targets.get(loaded.config.build.target)
-    if target.device_only:
-        raise InputError(f"the {target.name} target's engine is built and run on the device, not here: verify and "
-                         f"bench are the device check in the published bundle (publish/{artifacts.EDGE_BUNDLE_DIR}/"
-                         f"{artifacts.EDGE_BUILD_SCRIPT}, then {artifacts.EDGE_RUN_SCRIPT}; docs/targets/edge.md). "
-                         f"`invoke publish` makes the bundle")
-
-
 def _bench_preflight(loaded) -> None:
-    device_only_refusal(loaded)
     if loaded.config.bench.uses_aiperf:
         from pipeline.serving.bench.openloop import aiperf_executable  # the open-loop load's driver, or stop here
 
@@ -251,11 +238,11 @@ STAGES: list[StageDef] = [
                        "image.base_trtllm_version", "tune.apply"),
              external_inputs=_publish_fingerprint, run=_run_publish),
     StageDef("verify", "real Triton server checks", needs=("publish",), sections=("triton", "verify", "vllm.frontends"),
-             run=_run_verify, preflight=device_only_refusal),
+             run=_run_verify),
     StageDef("bench", "throughput and latency sweep", needs=("text", "build", "publish"),
              sections=("bench", "sla", "vllm.frontends"),
              external_inputs=_bench_fingerprint, run=_run_bench, preflight=_bench_preflight),
-    StageDef("report", "the build report", needs=("verify", "bench"), run=_run_report, preflight=device_only_refusal),
+    StageDef("report", "the build report", needs=("verify", "bench"), run=_run_report),
 ]
 
 # invoke task -> the stages it runs (with their upstream stages, as needed)

@@ -278,3 +278,35 @@ def test_the_sweep_a_run_starts_with_says_what_it_removed(tmp_path, monkeypatch,
         assert "leftover(s) of dead runs: " in out and shm.name in out
     finally:
         procs.remove_files([shm])
+
+
+def test_a_group_run_to_its_end_leaves_no_member_behind_and_its_output_in_the_log(tmp_path):
+    """run_group (the vLLM worker's and Edge-LLM's runs): the exit code, the output appended to the log, and a
+    child the command left running ended with it, also when the wait times out."""
+    log = tmp_path / "run.log"
+    log.write_text("before\n")
+    pid_file = tmp_path / "child.pid"
+    script = f"sleep 300 & echo $! > {pid_file}; echo hello; exit 3"
+    code = procs.run_group(["bash", "-c", script], "a test group", log_path=log, env=dict(os.environ), timeout_s=60)
+    assert code == 3 and log.read_text() == "before\nhello\n"
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+    with pytest.raises(subprocess.TimeoutExpired):
+        procs.run_group(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], "a test group", log_path=log,
+                        env=dict(os.environ), timeout_s=1)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped by its parent, counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False

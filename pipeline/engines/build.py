@@ -30,6 +30,9 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                "chat_template.jinja", "chat_template.json")
 SMOKE_PROMPT = "The capital of France is"
+# build_settings.json's cuda_graphs for a target whose runtime captures none (the cpu runtime, Edge-LLM 0.11)
+NO_CUDA_GRAPHS = {"enabled": False, "batch_sizes": [], "enable_padding": False, "cuda_graph_mode": False,
+                  "cuda_graph_cache_size": 0}
 SMOKE_TOKENS = 8
 
 
@@ -81,12 +84,10 @@ def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> dict:
     (bundle / artifacts.CPU_RUNTIME_FILE).write_text(json.dumps(runtime, indent=2) + "\n")
     smoke, peak_rss = run_in_child(smoke_test, bundle, log_path=out_dir / artifacts.STAGE_LOG_FILE)
     ckpt_hash = checkpoint_sha256(ckpt_dir)
-    no_cuda_graphs = {"enabled": False, "batch_sizes": [], "enable_padding": False, "cuda_graph_mode": False,
-                      "cuda_graph_cache_size": 0}
     provenance = {"runtime": "pipeline.engines.cpu_runtime (reference, not TensorRT)", "torch": _version("torch"),
                   "transformers": _version("transformers")}
     settings = build_settings(cfg, "cpu", artifact_dir=artifacts.CPU_BUNDLE_DIR, kv_algo=kv_algo,
-                              cuda_graphs=no_cuda_graphs, trtllm_version=None, provenance=provenance,
+                              cuda_graphs=NO_CUDA_GRAPHS, trtllm_version=None, provenance=provenance,
                               ckpt_hash=ckpt_hash)
     records.write_build_settings(out_dir, settings)
     return {"target": "cpu", "checkpoint_sha256": ckpt_hash, "kv_cache_quant_algo": kv_algo,

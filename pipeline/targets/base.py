@@ -101,7 +101,9 @@ class Target:
     untuned_why: ClassVar[str] = ""  # where not tunable: what sets its serving settings instead
     # gate and up of a dense MLP are one GEMM in what it serves (the plan gives them one format)
     fuses_gate_up: ClassVar[bool] = False
-    # why it serves only the families that list it (pipeline/families.py), where that is the target's own limit
+    # serves every family whose layers its export holds (families.ALL_TARGETS); False: only the families that name
+    # it in pipeline/families.py, families_note saying why
+    every_family: ClassVar[bool] = True
     families_note: ClassVar[str] = ""
     # records the TensorRT-LLM release it was built for (provenance build.trtllm_version)
     records_trtllm_version: ClassVar[bool] = False
@@ -146,6 +148,10 @@ class Target:
         if self.gpu_only:
             needs += [NEEDS_GPU, NEEDS_TRTLLM] + ([NEEDS_TRTLLM_BUILD] if self.engine_per_rank else [])
         return tuple(dict.fromkeys(needs))
+
+    def device_hand_over(self, publish_dir: Path) -> str:
+        """Where a device-only target's published build is and what to run on the device (device_only)."""
+        return ""
 
     def kv_offloading_gib(self, cfg: "PipelineConfig") -> Optional[float]:
         """The host-memory KV tier it keeps, in GiB over all ranks (None: none)."""

@@ -5,20 +5,21 @@ hands over that device bundle, and verify and bench run there (the bundle's devi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pipeline import artifacts
 from pipeline.errors import InputError
-from pipeline.formats import EDGE_PLATFORMS, HIGH_PRECISION, NO_QUANT
+from pipeline.formats import EDGE_PLATFORMS, HIGH_PRECISION, NO_QUANT, EdgePlatform
 from pipeline.targets.base import NEEDS_EDGELLM_ENV, Target
 
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
 
 
-def platform_of(cfg: "PipelineConfig"):
+def platform_of(target_sm: Optional[int]) -> Optional[EdgePlatform]:
     """The Edge-LLM platform ``build.target_sm`` names (pipeline.formats.EDGE_PLATFORMS); None for another SM."""
-    return EDGE_PLATFORMS.get(cfg.build.target_sm or 0)
+    return EDGE_PLATFORMS.get(target_sm or 0)
 
 
 class EdgeTarget(Target):
@@ -41,6 +42,7 @@ class EdgeTarget(Target):
     tunable = False
     untuned_why = "the device runtime's own limits: build.max_batch_size and build.max_seq_len"
     default_frontends = ()
+    every_family = False
     families_note = ("TensorRT Edge-LLM 0.11's supported models list Llama 3.x, Qwen2/2.5 and Qwen3 of this "
                      "pipeline's families; its export has no checked path for the others")
     report_note = ("Target `edge`: TensorRT Edge-LLM. The ONNX export ran here and was read back; the engine build "
@@ -55,11 +57,15 @@ class EdgeTarget(Target):
     def docker_stage(self, cfg: "PipelineConfig") -> str:
         raise InputError("the edge target ships as the device bundle publish writes, not a serving image")
 
+    def device_hand_over(self, publish_dir: Path) -> str:
+        return (f"copy {publish_dir / artifacts.EDGE_BUNDLE_DIR} to the Jetson and run {artifacts.EDGE_BUILD_SCRIPT}, "
+                f"then {artifacts.EDGE_RUN_SCRIPT} there (docs/targets/edge.md)")
+
     def requirements(self, cfg: "PipelineConfig") -> tuple[str, ...]:
         return (NEEDS_EDGELLM_ENV,)
 
     def serves_format(self, weight_format: str, setting: Callable[[str], Any]) -> bool:
-        platform = EDGE_PLATFORMS.get(setting("build.target_sm") or 0)
+        platform = platform_of(setting("build.target_sm"))
         return platform is not None and weight_format in platform.weight_formats
 
     def serving_setting_note(self, key: str) -> str:
@@ -68,7 +74,7 @@ class EdgeTarget(Target):
     def check(self, cfg: "PipelineConfig") -> list[str]:
         """What the device cannot run, refused before any work (facts: pipeline.formats.EDGE_PLATFORMS)."""
         b, q = cfg.build, cfg.quantization
-        platform = platform_of(cfg)
+        platform = platform_of(b.target_sm)
         if platform is None:
             known = ", ".join(f"{sm} ({p.name})" for sm, p in EDGE_PLATFORMS.items())
             return [f"build.target_sm {b.target_sm}: the edge target builds for {known}; set build.target_sm to one "

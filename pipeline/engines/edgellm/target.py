@@ -9,22 +9,20 @@ Python API), refuses an export whose layer formats are not the plan's, and write
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
-import subprocess
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
-from pipeline import artifacts, records
-from pipeline.engines.build import build_settings, checkpoint_sha256, copy_model_files
+from pipeline import artifacts, records, targets
+from pipeline.child import log_tail
+from pipeline.engines.build import NO_CUDA_GRAPHS, build_settings, checkpoint_sha256
 from pipeline.engines.edgellm import device, env
 from pipeline.errors import InputError, StageFailed
 from pipeline.formats import EDGE_INT4_ALIGN, HIGH_PRECISION
-from pipeline.procs import foreign_python_env, kill_process_group, start_group
-
-log = logging.getLogger(__name__)
+from pipeline.procs import foreign_python_env, run_group
 
 WORKER = Path(__file__).with_name("worker.py")
 EXPORT_TIMEOUT_S = 3600
@@ -38,28 +36,20 @@ def preflight(loaded) -> None:
 
 
 def _run(argv: list[str], what: str, log_path: Path, timeout_s: float) -> None:
-    with open(log_path, "ab") as out:
-        proc = start_group(argv, what, stdout=out, stderr=subprocess.STDOUT, env=foreign_python_env())
-        try:
-            code = proc.wait(timeout=timeout_s)
-        finally:
-            kill_process_group(proc, what)
+    code = run_group(argv, what, log_path=log_path, env=foreign_python_env(), timeout_s=timeout_s)
     if code:
-        from pipeline.child import log_tail
-
         raise StageFailed(f"{what} failed (exit {code}); the end of {log_path}:\n{log_tail(log_path)}")
 
 
 def export_input(ckpt_dir: Path, model_dir: Path, dest: Path) -> Path:
-    """The folder the export reads: the checkpoint's files linked, the model's tokenizer and chat template copied
-    beside them (the export writes the runtime's tokenizer and template from there; the checkpoint's config.json,
-    with its quantization, is kept)."""
+    """The folder the export reads: the checkpoint's files linked, the model's tokenizer files and chat template
+    linked beside them (the export writes the runtime's tokenizer and template from there; the checkpoint's
+    config.json, with its quantization, is the one kept)."""
     for f in ckpt_dir.iterdir():
         (dest / f.name).symlink_to(f.resolve())
-    for name in copy_model_files(model_dir, dest / "model_files"):
-        if not (dest / name).exists():
-            shutil.move(str(dest / "model_files" / name), dest / name)
-    shutil.rmtree(dest / "model_files")
+    for name in artifacts.TOKENIZER_FILES:
+        if (model_dir / name).is_file() and not (dest / name).exists():
+            (dest / name).symlink_to((model_dir / name).resolve())
     return dest
 
 
@@ -128,7 +118,8 @@ def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
 
     t0 = time.perf_counter()
     cfg, out = ctx.config, ctx.out_dir
-    platform = platform_of(cfg)
+    platform = platform_of(cfg.build.target_sm)
+    assert platform is not None  # EdgeTarget.check refused any other build.target_sm at load
     python = env.export_python()
     log_path = out / artifacts.STAGE_LOG_FILE
     bundle = out / artifacts.EDGE_BUNDLE_DIR
@@ -162,20 +153,15 @@ def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
               "max_new_tokens": DEVICE_NEW_TOKENS}
     manifest = device.write_device_files(bundle, platform, limits, list(DEVICE_PROMPTS), check)
     ckpt_hash = checkpoint_sha256(ckpt_dir)
-    no_graphs = {"enabled": False, "batch_sizes": [], "enable_padding": False, "cuda_graph_mode": False,
-                 "cuda_graph_cache_size": 0}
     settings = build_settings(cfg, "edge", artifact_dir=artifacts.EDGE_BUNDLE_DIR, kv_algo=None,
-                              cuda_graphs=no_graphs, trtllm_version=None,
+                              cuda_graphs=NO_CUDA_GRAPHS, trtllm_version=None,
                               provenance={"tensorrt_edgellm": env.edgellm_version(python),
                                           "platform": platform.name, "jetpack": platform.jetpack},
                               ckpt_hash=ckpt_hash)
     records.write_build_settings(out, settings)
-    counts: dict[str, int] = {}
-    for fmt in check["formats"].values():
-        counts[fmt] = counts.get(fmt, 0) + 1
     return {"target": "edge", "platform": platform.name, "jetpack": platform.jetpack,
             "tensorrt_edgellm": manifest["tensorrt_edgellm"], "checkpoint_sha256": ckpt_hash,
-            "layer_formats": counts, "custom_ops": check["custom_ops"],
+            "layer_formats": dict(Counter(check["formats"].values())), "custom_ops": check["custom_ops"],
             "kv_cache_dtype": manifest["engine"]["kv_cache_dtype"], "onnx_bytes": _size(onnx_dir),
             "export_s": round(t_export, 1), "timing_s": round(time.perf_counter() - t0, 1)}
 
@@ -197,9 +183,7 @@ def publish_stage(ctx) -> dict:
     """The device bundle, as the build left it, into the publish stage's folder (what is copied to the device)."""
     build = ctx.upstream("build")
     settings = records.read_build_settings(build)
-    from pipeline.targets import get
-
-    lacking = get("edge").missing_artifacts(build / settings.artifact_dir)
+    lacking = targets.get(settings.target).missing_artifacts(build / settings.artifact_dir)
     if lacking:
         raise InputError(f"the edge build in {build} lacks {', '.join(lacking)}: rerun `invoke build --force`")
     dest = ctx.out_dir / artifacts.EDGE_BUNDLE_DIR

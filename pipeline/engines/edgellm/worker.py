@@ -14,15 +14,17 @@ What it writes:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 PREFIX = "_model."  # Edge-LLM's ONNX initializer names: the checkpoint's tensor names under its wrapper module
 
 
 def checkpoint_tensors(ckpt: Path) -> dict:
-    import numpy as np
     from safetensors import safe_open
 
     out = {}
@@ -36,8 +38,6 @@ def checkpoint_tensors(ckpt: Path) -> dict:
 def nibble_counts(packed):
     """How many of each 4-bit code a packed INT4 tensor holds (its bytes' low and high nibbles): the same codes
     in another packing order give the same counts."""
-    import numpy as np
-
     b = packed.view(np.uint8).ravel()
     return np.bincount(b & 0xF, minlength=16) + np.bincount(b >> 4, minlength=16)
 
@@ -50,8 +50,6 @@ def int4_codes_match(src, exported) -> tuple[bool, int]:
     kernel's tile with zeros (a 64-row k_proj of a 128-wide model is stored as 128 rows). So: the export's count
     of each code is the checkpoint's count of that code ^ 8, but for nibble 8, which may hold more (the padding).
     """
-    import numpy as np
-
     expected = np.roll(nibble_counts(src), 8)  # code c ^ 8 for every c: the halves of 0..15 swap
     diff = nibble_counts(exported) - expected
     padding = int(diff[8])
@@ -63,8 +61,6 @@ def same(a, b) -> bool:
     """Whether the export's ``b`` holds the checkpoint's ``a`` at the export's precision (ModelOpt writes FP32
     scales, Edge-LLM FP16: each value rounded once, nothing else), allowing a transpose (Edge-LLM stores group
     scales input-major)."""
-    import numpy as np
-
     a, b = np.asarray(a).astype(b.dtype), np.asarray(b)
     if not np.isfinite(a.astype(np.float32)).all():  # a scale past FP16's range would not survive the cast
         return False
@@ -74,18 +70,12 @@ def same(a, b) -> bool:
 
 
 def digest(array) -> str:
-    import hashlib
-
-    import numpy as np
-
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
 def unnamed_weights(onnx_init: dict) -> dict[str, str]:
     """The 2-D floating-point initializers the exporter renamed (torch.onnx folds an FP16 linear's weight into a
     transposed constant ``val_N``), by the digest of their bytes as stored and transposed."""
-    import numpy as np
-
     out = {}
     for key, array in onnx_init.items():
         if not key.startswith(PREFIX) and array.ndim == 2 and array.dtype in (np.float16, np.float32):
@@ -96,8 +86,6 @@ def unnamed_weights(onnx_init: dict) -> dict[str, str]:
 
 def read_layer(name: str, ckpt: dict, onnx_init: dict, renamed: dict[str, str]) -> dict:
     """The format the export holds linear ``name`` in, and whether its codes and scales are the checkpoint's."""
-    import numpy as np
-
     weight = onnx_init.get(f"{PREFIX}{name}.weight")
     src = ckpt[f"{name}.weight"]
     if weight is None and src.dtype in (np.float16, np.float32):  # high precision, under the exporter's own name
@@ -128,8 +116,6 @@ def read_layer(name: str, ckpt: dict, onnx_init: dict, renamed: dict[str, str]) 
 def read_fused_qkv(layers: dict, ckpt: dict, renamed: dict[str, str]) -> None:
     """q/k/v kept in high precision: the export concatenates them into one weight (rows q, then k, then v) under
     the exporter's own name. Where the three are not found one by one, look for that concatenation."""
-    import numpy as np
-
     for name in [n for n in layers if n.endswith(".self_attn.q_proj")]:
         group = [name[: -len("q_proj")] + p for p in ("q_proj", "k_proj", "v_proj")]
         if not all(g in layers and layers[g].get("format") is None for g in group):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.errors import EnvironmentProblem, StageFailed
-from pipeline.procs import foreign_python_env, kill_process_group, start_group
+from pipeline.procs import foreign_python_env, run_group
 
 ENV_VAR = "VLLM_PYTHON"
 VENV_DIR = ".venv-vllm"
@@ -259,16 +259,9 @@ def run_worker(python: str, request: dict, env: dict[str, str], log_path: Path, 
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))
         t0 = time.perf_counter()
-        with open(log_path, "ab") as log:
-            proc = start_group([python, str(WORKER), str(req), str(res)], "vLLM worker", tmp=[Path(tmp)],
-                               stdout=log, stderr=subprocess.STDOUT, env=child_env(env))
-            try:
-                code = proc.wait(timeout=timeout_s)
-            except BaseException:
-                kill_process_group(proc, "vLLM worker")
-                raise
-            finally:  # vLLM's engine core and workers are children of it: none may outlive it, nor their memory
-                kill_process_group(proc, "vLLM worker")
+        # vLLM's engine core and workers are children of it: none may outlive it, nor their memory
+        code = run_group([python, str(WORKER), str(req), str(res)], "vLLM worker", log_path=log_path,
+                         env=child_env(env), timeout_s=timeout_s, tmp=[Path(tmp)])
         if code or not res.is_file():
             from pipeline.child import log_tail
 

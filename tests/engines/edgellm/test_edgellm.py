@@ -15,8 +15,9 @@ from conftest import run_invoke, tiny_config
 from upstream_facts import upstream
 
 from pipeline import artifacts
-from pipeline.engines.edgellm import env
+from pipeline.engines.edgellm import env, target
 from pipeline.errors import EnvironmentProblem
+from pipeline.procs import foreign_python_env
 
 FACTS_COMMIT = upstream("edgellm.json")["platforms"]["sources"][0]["generated_from_commit"]  # the 0.11.0 docs' source
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -109,6 +110,51 @@ def test_publish_exports_with_edgellm_and_reads_the_plans_formats_back(tmp_path,
         assert (bundle / artifacts.EDGE_ONNX_DIR / "llm" / name).is_file(), name
     # no Triton repository for a device-only target
     assert not (work / artifacts.DEFAULT_REPOSITORY_DIR).exists()
+    if weight_format == "int4_awq":
+        planted_changes_are_found(edge_python, bundle / artifacts.EDGE_ONNX_DIR / "llm", work, tmp_path)
+
+
+# In Edge-LLM's environment (onnx is not in the pipeline's): one INT4 code flipped, one group scale doubled and one
+# FP16 lm_head weight moved, the model saved elsewhere with its weights as external data
+PLANT = """
+import shutil, sys
+import onnx
+from onnx import numpy_helper
+src, dst = sys.argv[1], sys.argv[2]
+model = onnx.load(src + "/model.onnx", load_external_data=True)
+for t in model.graph.initializer:
+    a = numpy_helper.to_array(t).copy()
+    if t.name == "_model.model.layers.0.mlp.down_proj.weight":
+        a.view("uint8").flat[0] ^= 0x01
+    elif t.name == "_model.model.layers.0.mlp.gate_proj.weight_scale":
+        a *= 2
+    elif t.name == "_model.lm_head.weight":
+        a.flat[0] += 1
+    else:
+        continue
+    t.CopyFrom(numpy_helper.from_array(a, t.name))
+onnx.save_model(model, dst + "/model.onnx", save_as_external_data=True, location="model.onnx.data")
+shutil.copy(src + "/config.json", dst + "/config.json")
+"""
+
+
+def planted_changes_are_found(edge_python: str, onnx_dir: Path, work: Path, tmp_path: Path) -> None:
+    """The read-back is a check only if it fails: each planted change is reported, and the build would refuse it."""
+    import subprocess
+
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    subprocess.run([edge_python, "-c", PLANT, str(onnx_dir), str(planted)], check=True, capture_output=True,
+                   env=foreign_python_env(), timeout=300)
+    check = target.read_back(edge_python, planted / "model.onnx", work / "quantize" / artifacts.HF_CHECKPOINT_DIR,
+                             tmp_path / "read_back.log")
+    layers = check["layers"]
+    assert layers["model.layers.0.mlp.down_proj"]["codes_match"] is False
+    assert layers["model.layers.0.mlp.gate_proj"]["scales_match"] is False
+    assert not layers["lm_head"].get("codes_match")
+    plan = yaml.safe_load((work / "plan" / artifacts.PLAN_FILE).read_text())["layers"]
+    _, problems = target.compare(check, {name: layer["format"] for name, layer in plan.items()})
+    assert len(problems) == 3, problems
 
 
 def test_a_model_without_a_chat_template_is_refused_before_the_export(tmp_path, tiny_model_dir, edge_python):
