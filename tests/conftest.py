@@ -31,6 +31,32 @@ def run_invoke(*args: str, env: dict | None = None, timeout: float = 600, cwd: P
                           text=True, timeout=timeout)
 
 
+# set in a run's environment: every process it starts inherits it, so what it left can be found exactly
+RUN_TOKEN_ENV = "PIPELINE_FAULT_RUN"
+
+
+def run_processes(token: str) -> list[int]:
+    """Live processes of a run: those whose environment holds ``RUN_TOKEN_ENV=token``, which everything the run
+    starts inherits (vLLM's engine core and resource tracker, Triton's stubs, the reapers), reparented or not.
+    Not "every process whose command line or open files point into the repository, its environments or the
+    work root": on a machine shared with other runs that counted theirs too (a tool another session ran on
+    this test's work root, the script running this check); the token is that check made exact."""
+    mark = f"{RUN_TOKEN_ENV}={token}".encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if mark in env:
+            out.append(int(entry.name))
+    return out
+
+
 def kill_the_starter(code: str, wait_s: float = 30) -> tuple[dict, list[int]]:
     """Run ``code`` in a fresh interpreter (it starts a server and prints one JSON line with the server's
     ``pid``), kill -9 that interpreter, and wait up to ``wait_s`` for the server's process group to die.
@@ -129,6 +155,41 @@ def tree_snapshot(root: Path) -> dict[str, tuple[int, int]]:
         st = p.stat()
         out[p.relative_to(root).as_posix()] = (st.st_size if p.is_file() else 0, st.st_mtime_ns)
     return out
+
+
+# How `invoke test` spreads the suite over the CPUs (pytest-xdist, ``--dist loadgroup``): a test file is one unit of
+# work, so its module fixtures are built once, on one worker. Two exceptions:
+# - every test on the session's default work root is one unit, DEFAULT_MODEL_GROUP, since each of its stages reuses
+#   the one before (download -> sensitivity -> quantize -> build -> verify, and the vllm target from the same
+#   checkpoint);
+# - a file that sets GROUP_PER_PARAM to the name of a parametrized module fixture is one unit per value of it (each
+#   value is a chain of its own: tests/test_families.py's families).
+# Units are queued longest first as far as collection can tell: the default chain, then by the number of tests that
+# are not unit tests (those run no model and start no server).
+DEFAULT_MODEL_GROUP = "default_model"
+
+
+def _group(item) -> str:
+    if "default_work_root" in item.fixturenames:  # the fixtures it needs, directly or not
+        return DEFAULT_MODEL_GROUP
+    file = item.nodeid.split("::")[0]
+    by = getattr(item.module, "GROUP_PER_PARAM", None)
+    callspec = getattr(item, "callspec", None)
+    if by and callspec is not None and by in callspec.params:
+        return f"{file}[{callspec.params[by]}]"
+    return file
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group marks into work units
+def pytest_collection_modifyitems(config, items):
+    weight: dict[str, int] = {}
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+        group = item.get_closest_marker("xdist_group").args[0]
+        weight[group] = weight.get(group, 0) + (item.get_closest_marker("unit") is None)
+    weight[DEFAULT_MODEL_GROUP] = len(items) + 1
+    items.sort(key=lambda item: -weight[item.get_closest_marker("xdist_group").args[0]])  # stable: file order kept
 
 
 @pytest.fixture(scope="session")

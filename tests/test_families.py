@@ -23,6 +23,7 @@ pytest.importorskip("modelopt.torch.quantization")
 pytest.importorskip("pytriton", reason="nvidia-pytriton provides the server")
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12], [8, 8, 8, 9, 10, 11, 400, 401, 402, 20, 21]]
+GROUP_PER_PARAM = "verified"  # a parallel run gives each family's chain its own worker (tests/conftest.py)
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))

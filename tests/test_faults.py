@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_invoke, tiny_config
+from conftest import REPO, RUN_TOKEN_ENV, run_invoke, run_processes, tiny_config
 
 from pipeline import artifacts, procs
 
@@ -242,7 +242,6 @@ def test_a_full_disk_during_a_stage_is_a_clear_error_and_keeps_the_previous_outp
 
 VLLM_CONFIG = REPO / "engine_configs" / "smollm2-135m-vllm.yaml"
 VLLM_NAME = "smollm2-135m-vllm"
-RUN_TOKEN_ENV = "PIPELINE_FAULT_RUN"  # set in the killed run's environment: every process it starts inherits it
 # bench's sweep, briefly (its wiring is what is under test, not its figures)
 LIGHT_BENCH = ["--set", "bench.concurrency=[2]", "--set", "bench.requests_per_level=4", "--set",
                "bench.warmup_requests=1"]
@@ -253,28 +252,6 @@ VLLM_KILL_POINTS = {
     "bench": ("bench", "vLLM server ready in", 2.0),  # the server under bench's load
     "build-check": ("build", "Loading weights took", 0.0),  # build's vLLM check: its worker's engine loaded
 }
-
-
-def run_processes(token: str) -> list[int]:
-    """Live processes of a run: those whose environment holds ``RUN_TOKEN_ENV=token``, which everything the run
-    starts inherits (vLLM's engine core and resource tracker, Triton's stubs, the reapers), reparented or not.
-    Not "every process whose command line or open files point into the repository, its environments or the
-    work root": on a machine shared with other runs that counted theirs too (a tool another session ran on
-    this test's work root, the script running this check); the token is that check made exact."""
-    mark = f"{RUN_TOKEN_ENV}={token}".encode()
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if mark in env:
-            out.append(int(entry.name))
-    return out
 
 
 def new_shm(before: set[str]) -> dict[str, int]:

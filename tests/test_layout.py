@@ -1,7 +1,8 @@
 """The house plan holds: the import graph is the layered DAG pyproject.toml declares (checked by import-linter,
 the real tool, on this tree and on a copy with one planted back-edge), and no GPU-only or heavy library is
 imported by merely loading the stage graph; no import cycle between modules either; and a function with six or
-more parameters takes all but the first one or two by keyword; no test imports a private name."""
+more parameters takes all but the first one or two by keyword; no test imports a private name; and a parallel
+run of the suite gives each test file one worker."""
 
 from __future__ import annotations
 
@@ -185,3 +186,23 @@ def test_a_planted_private_import_is_found(tmp_path):
     (tmp_path / "test_planted.py").write_text("from pipeline.runner import _lock, Runner\nfrom x import __version__\n")
     assert private_imports(tmp_path, [tmp_path / "test_planted.py"]) == [
         "test_planted.py:1 from pipeline.runner import _lock"]
+
+
+def test_a_parallel_run_gives_each_test_file_one_worker():
+    """`invoke test` spreads files over workers (pytest-xdist ``--dist loadgroup``, the groups from
+    tests/conftest.py). Grouping leans on xdist's nodeid suffix, which pytest 9.2's structured node ids silently
+    drop (pytest-xdist issue 1386: every test on its own, module fixtures built on every worker): this fails
+    if a pytest or xdist upgrade brings that back."""
+    files = ["tests/test_formats.py", "tests/test_commands.py"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                        "loadgroup", "--no-loadscope-reorder", *files], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ran = [line.split() for line in r.stdout.splitlines() if line.startswith("[gw") and " PASSED " in line]
+    assert len(ran) > 8
+    workers: dict[str, set[str]] = {}
+    for worker, *_, nodeid in ran:
+        test, _, group = nodeid.rpartition("@")
+        assert group == test.split("::")[0], nodeid  # its file is its group
+        workers.setdefault(group, set()).add(worker)
+    assert sorted(workers) == sorted(files) and all(len(w) == 1 for w in workers.values()), workers

@@ -8,10 +8,13 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import RUN_TOKEN_ENV, run_processes
 
 from pipeline import artifacts
 from pipeline.records import BuildSettings
@@ -345,14 +348,12 @@ def test_bench_stage_on_a_real_server(published_tiny):
 
 
 @pytest.mark.e2e
-def test_open_loop_load_through_aiperf(published_tiny):
+def test_open_loop_load_through_aiperf(published_tiny, monkeypatch):
     """bench.request_rates: after the sweep, aiperf sends Poisson arrivals at each rate to the server bench
     started (Triton's generate_stream of the streaming model); every request answered, the figures, aiperf's
     artifacts and the sustainable rate under the SLA in the results; no aiperf process outlives the stage.
     In the same run, bench.repeats: each level the medians of two rounds, with their spread; and
     bench.cross_check_concurrency: aiperf's closed loop at level 2 beside our client's figures there."""
-    import psutil
-
     from pipeline.config import load_config
     from pipeline.runner import Runner
     from pipeline.serving.bench.openloop import EXPORT_FILE, aiperf_executable
@@ -366,6 +367,8 @@ def test_open_loop_load_through_aiperf(published_tiny):
     loaded = load_config(cfg, overrides + ["bench.concurrency=[1,2]", "bench.requests_per_level=6",
                                            "bench.request_rates=[1,4]", "bench.repeats=2",
                                            "bench.cross_check_concurrency=2"])
+    token = uuid.uuid4().hex  # every process this bench starts inherits it: the leftover check below sees only ours
+    monkeypatch.setenv(RUN_TOKEN_ENV, token)
     Runner(loaded, STAGES, runner.work_dir.parent).run(["bench"], echo=lambda s: None)
     out = runner.work_dir / "bench"
     results = json.loads((out / artifacts.BENCH_RESULTS_FILE).read_text())
@@ -400,9 +403,10 @@ def test_open_loop_load_through_aiperf(published_tiny):
     assert (out / "aiperf" / "this_build_4" / EXPORT_FILE).is_file()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["summary"]["sustainable_rate"]["request_rate"] == 4
-    left = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if "aiperf" in " ".join(p.info["cmdline"] or [])
-            and "system_controller" in " ".join(p.info["cmdline"] or [])]
-    assert not left, left
+    deadline = time.monotonic() + 30  # aiperf's controller and services, Triton, its stubs, their reapers: all end
+    while (left := run_processes(token)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for p in left]
 
 
 @pytest.mark.e2e
