@@ -41,7 +41,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from pipeline import artifacts, console, families, records
 from pipeline.config import BuildSection, ComputeSection, QuantizationSection
@@ -62,6 +62,7 @@ from pipeline.quant.gate import (
 from pipeline.quant.memory import gpu_bounds, gpu_streams
 from pipeline.quant.recipe import calibrate_phase, calibration_phases, kept_layers, modelopt_config
 from pipeline.quant.tied_head import embedding_bytes, share_tied_embedding
+from pipeline.summaries import QuantizeFigures
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,10 @@ def load_model(model_dir: Path, device: str, dtype_name: str, compute: ComputeSe
 
 def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Path, plan_file: Path, table_file: Path,
                  quant: QuantizationSection, build: BuildSection, out_dir: Path,
-                 compute: Optional[ComputeSection] = None, stream: bool = False, memory_bound=None) -> dict:
-    """The stage's work, in a child process; returns the summary for the manifest.
+                 compute: Optional[ComputeSection] = None, stream: bool = False,
+                 memory_bound=None) -> Union[QuantizeFigures, dict]:
+    """The stage's work, in a child process; returns the summary for the manifest (streamed: what
+    finish_streamed needs to read the checkpoint back in a second child, marked read_back_pending).
 
     ``stream``: calibrate, gate, export and read back one decoder layer at a time (pipeline.quant.streaming).
     ``memory_bound``: the compute.Bound the parent set (recorded; default: computed here)."""
@@ -264,7 +267,7 @@ READ_BACK_REFERENCE = "read_back_reference.safetensors"  # the streamed pass's o
 
 
 def finish_streamed(model_dir: Path, evaluation_file: Path, *, plan_file: Path, table_file: Path, out_dir: Path,
-                    partial: dict) -> dict:
+                    partial: dict) -> QuantizeFigures:
     """The read-back of a streamed quantize, in a second child process (a fresh interpreter: the streamed
     pass's heap and libraries do not add to its peak); returns the stage's summary."""
     import torch
@@ -314,7 +317,7 @@ def _streamed_generations(model_dir: Path, ckpt: Path, kept: set[str]) -> list[d
 
 def run_stage(model_dir: Path, calibration_file: Path, *, evaluation_file: Path, plan_file: Path, table_file: Path,
               quant: QuantizationSection, build: BuildSection, out_dir: Path, compute: ComputeSection, stream: bool,
-              bound, log_path: Path) -> tuple[dict, int]:
+              bound, log_path: Path) -> tuple[QuantizeFigures, int]:
     """The stage in child processes: (summary, peak RSS of the largest). A streamed quantize reads its
     checkpoint back in a second child."""
     from pipeline.child import run_in_child
@@ -334,7 +337,7 @@ def run_stage(model_dir: Path, calibration_file: Path, *, evaluation_file: Path,
 def _finish(out_dir: Path, accuracy: dict, *, from_ckpt: dict, read_facts: dict, exported: dict, hf_exported,
             generations: list[dict], plan_doc: dict, calibration_tokens: int, evaluation_tokens: int,
             compute_record: dict, t_quant: float, t0: float,
-            streamed: bool = False) -> dict:
+            streamed: bool = False) -> QuantizeFigures:
     """The accuracy files, and the stage's summary."""
     ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
     if not ckpt.is_dir():  # a family exported as the HF unified checkpoint only
