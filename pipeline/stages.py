@@ -52,17 +52,18 @@ def _run_sensitivity(ctx: StageContext) -> summaries.SensitivitySummary:
 def _run_plan(ctx: StageContext) -> summaries.PlanSummary:
     import json
 
-    from pipeline import artifacts
+    from pipeline import artifacts, records
     from pipeline.quant.plan import make_plan, plan_markdown, write_plan
     from pipeline.quant.plots import error_bars_png
 
     cfg = ctx.config
     table = json.loads((ctx.upstream("sensitivity") / artifacts.SENSITIVITY_TABLE_JSON).read_text())
     doc = make_plan(table, cfg.plan, cfg.sensitivity, cfg.quantization)
-    write_plan(doc, ctx.out_dir, cfg.name)
+    plan = records.Plan.model_validate(doc)
+    write_plan(plan, ctx.out_dir, cfg.name)
     (ctx.out_dir / "plan.md").write_text(plan_markdown(doc))
-    col = doc["decision_column"] or cfg.sensitivity.formats[0]
-    error_bars_png(table, doc, col, doc["threshold"], ctx.out_dir / "sensitivity_errors.png")
+    col = plan.decision_column or cfg.sensitivity.formats[0]
+    error_bars_png(table, plan, col, plan.threshold, ctx.out_dir / "sensitivity_errors.png")
     figures: summaries.PlanFigures = doc["summary"]
     return {**figures, "budget": doc["budget"], "mode": doc["mode"]}
 

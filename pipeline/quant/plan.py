@@ -305,13 +305,13 @@ def _summarise(ordered: list[LayerChoice], table: dict, *, plan: PlanSection, se
     }
 
 
-def write_plan(plan_doc: dict, out_dir: Path, config_name: str) -> None:
+def write_plan(plan: records.Plan, out_dir: Path, config_name: str) -> None:
     header = (
         f"# Mixed-precision plan for {config_name} (written by the plan stage).\n"
         f"# Each linear layer: its format (high_precision = kept in FP16/BF16) and why. You may edit `format`\n"
         f"# (one of: {', '.join(LAYER_FORMATS)}); the next stages use the edited file as it is.\n"
     )
-    records.write_plan(out_dir / artifacts.PLAN_FILE, records.Plan.model_validate(plan_doc), header)
+    records.write_plan(out_dir / artifacts.PLAN_FILE, plan, header)
 
 
 def plan_markdown(doc: dict) -> str:
