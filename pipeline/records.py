@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from pipeline import artifacts
 from pipeline.errors import InputError
-from pipeline.formats import LAYER_FORMATS
+from pipeline.formats import HIGH_PRECISION, LAYER_FORMATS
 from pipeline.fsutil import atomic_write_text
 
 
@@ -152,11 +152,12 @@ class Plan(_Record):
         return v
 
     def kept_high_precision(self) -> list[str]:
-        return [name for name, layer in self.layers.items() if layer.format == "high_precision"]
+        """The layers kept in high precision, in plan order."""
+        return [name for name, layer in self.layers.items() if layer.format == HIGH_PRECISION]
 
-    def as_doc(self) -> dict:
-        """The plan as the quantize helpers take it: {"layers": {name: {"format", "error", "reason"}}, ...}."""
-        return self.model_dump(exclude_unset=True)
+    def quantized_formats(self) -> set[str]:
+        """The formats the plan quantizes to (one for a single-format plan, none for an all-kept one)."""
+        return {layer.format for layer in self.layers.values()} - {HIGH_PRECISION}
 
 
 # ------------------------------------------------------------------ accuracy.json (quantize)
@@ -292,7 +293,8 @@ def read_plan(path: Path, table_layers: Optional[list[str]] = None) -> Plan:
 
 def write_plan(path: Path, plan: Plan, header: str) -> None:
     """plan.yaml: ``header`` (comment lines), then the plan in the order it was built."""
-    atomic_write_text(path, header + yaml.safe_dump(plan.as_doc(), sort_keys=False, width=120))
+    doc = plan.model_dump(exclude_unset=True)  # what was set, no defaults added
+    atomic_write_text(path, header + yaml.safe_dump(doc, sort_keys=False, width=120))
 
 
 def read_accuracy(quantize_dir: Path) -> Accuracy:

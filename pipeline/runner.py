@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from pipeline import __version__, artifacts, console
 from pipeline.child import StageLogHandler
@@ -52,6 +52,7 @@ from pipeline.fsutil import (
     remove_tree,
     sha256_file,
 )
+from pipeline.summaries import StageSummary
 
 log = logging.getLogger("pipeline")
 
@@ -81,7 +82,7 @@ class StageContext:
 class StageDef:
     name: str
     description: str
-    run: Callable[[StageContext], dict]  # does the work into ctx.out_dir; returns the summary figures
+    run: Callable[[StageContext], StageSummary]  # does the work into ctx.out_dir; returns the manifest's summary
     needs: tuple[str, ...] = ()
     sections: tuple[str, ...] = ()  # config sections (dotted) that are this stage's inputs
     # content fingerprints of outside inputs (files the config points at, a resolved Hub revision)
@@ -91,7 +92,7 @@ class StageDef:
     # outputs a person may edit by hand (the plan): an edit is validated by accept_edit(stage_dir), which
     # returns summary figures to record, and then used as it is instead of being overwritten
     editable: tuple[str, ...] = ()
-    accept_edit: Optional[Callable[[Path], dict]] = None
+    accept_edit: Optional[Callable[[Path], Mapping[str, Any]]] = None
     # checks that this machine can run the stage (a GPU, TensorRT-LLM, ...), raising EnvironmentProblem or
     # ConfigError; called for every stage a run selects, upstream ones included, before the first one starts,
     # so a GPU profile on a CPU machine fails in seconds instead of after the download and calibration

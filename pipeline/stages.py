@@ -7,23 +7,23 @@ imports stay inside the adapters, so listing the stages (``invoke explain``) imp
 
 from __future__ import annotations
 
-from pipeline import artifacts
+from pipeline import artifacts, summaries
 from pipeline.runner import StageContext, StageDef
 
 
-def _run_model(ctx: StageContext) -> dict:
+def _run_model(ctx: StageContext) -> summaries.ModelSummary:
     from pipeline.source.download import prepare_model
 
     return prepare_model(ctx.config.model, ctx.out_dir)
 
 
-def _run_text(ctx: StageContext) -> dict:
+def _run_text(ctx: StageContext) -> summaries.TextSummary:
     from pipeline.source.text import prepare_text
 
     return prepare_text(ctx.config.text, ctx.upstream("model") / artifacts.MODEL_DIR, ctx.out_dir)
 
 
-def _run_sensitivity(ctx: StageContext) -> dict:
+def _run_sensitivity(ctx: StageContext) -> summaries.SensitivitySummary:
     import json
 
     from pipeline import compute, families
@@ -38,34 +38,37 @@ def _run_sensitivity(ctx: StageContext) -> dict:
     bound = compute.host_memory_bound(cfg.compute)
     if cfg.compute.device == "cpu" or compute.nvidia_gpu_count() == 0:  # on a GPU the layer lives there
         compute.check_layer_fits(model_dir, cfg.sensitivity.reference_dtype, bound, "sensitivity")
-    summary, peak_rss = run_in_child(
+    figures: summaries.SensitivityFigures  # run_analysis's, from the child process
+    figures, peak_rss = run_in_child(
         run_analysis, model_dir, ctx.upstream("text") / artifacts.CALIBRATION_TOKENS_FILE,
         section=cfg.sensitivity, quant=cfg.quantization, out_dir=ctx.out_dir,
         decision=cfg.plan.decision_format or decision_format(cfg.quantization), target=cfg.build.target,
         compute=cfg.compute, memory_bound=bound,
         log_path=ctx.out_dir / artifacts.STAGE_LOG_FILE, what="sensitivity", bound=bound,
     )
-    return {**summary, "peak_rss_bytes": peak_rss}
+    return {**figures, "peak_rss_bytes": peak_rss}
 
 
-def _run_plan(ctx: StageContext) -> dict:
+def _run_plan(ctx: StageContext) -> summaries.PlanSummary:
     import json
 
-    from pipeline import artifacts
+    from pipeline import artifacts, records
     from pipeline.quant.plan import make_plan, plan_markdown, write_plan
     from pipeline.quant.plots import error_bars_png
 
     cfg = ctx.config
     table = json.loads((ctx.upstream("sensitivity") / artifacts.SENSITIVITY_TABLE_JSON).read_text())
     doc = make_plan(table, cfg.plan, cfg.sensitivity, cfg.quantization)
-    write_plan(doc, ctx.out_dir, cfg.name)
+    plan = records.Plan.model_validate(doc)
+    write_plan(plan, ctx.out_dir, cfg.name)
     (ctx.out_dir / "plan.md").write_text(plan_markdown(doc))
-    col = doc["decision_column"] or cfg.sensitivity.formats[0]
-    error_bars_png(table, doc, col, doc["threshold"], ctx.out_dir / "sensitivity_errors.png")
-    return {**doc["summary"], "budget": doc["budget"], "mode": doc["mode"]}
+    col = plan.decision_column or cfg.sensitivity.formats[0]
+    error_bars_png(table, plan, col, plan.threshold, ctx.out_dir / "sensitivity_errors.png")
+    figures: summaries.PlanFigures = doc["summary"]
+    return {**figures, "budget": doc["budget"], "mode": doc["mode"]}
 
 
-def _run_quantize(ctx: StageContext) -> dict:
+def _run_quantize(ctx: StageContext) -> summaries.QuantizeSummary:
     from pipeline import artifacts, compute
     from pipeline.quant.memory import quantize_streams
     from pipeline.quant.quantize import run_stage
@@ -90,7 +93,7 @@ def _compute_preflight(loaded) -> None:
     check_device(loaded.config.compute)
 
 
-def _run_build(ctx: StageContext) -> dict:
+def _run_build(ctx: StageContext) -> summaries.BuildSummary:
     import json
 
     from pipeline import families, targets
@@ -130,7 +133,7 @@ def _bench_preflight(loaded) -> None:
         aiperf_executable()
 
 
-def _run_publish(ctx: StageContext) -> dict:
+def _run_publish(ctx: StageContext) -> summaries.PublishSummary:
     from pipeline import targets
     from pipeline.serving.publish import publish
     from pipeline.serving.tuned import apply_tuned
@@ -144,7 +147,9 @@ def _run_publish(ctx: StageContext) -> dict:
     # stage's folder, which the runner replaces on every run: see pipeline/serving/publish.py
     summary = publish(config, ctx.loaded.name, work_dir=ctx.work_dir, build_dir=ctx.upstream("build"),
                       model_dir=ctx.upstream("model") / artifacts.MODEL_DIR, out_dir=ctx.out_dir)
-    return {**summary, **({"tuned_settings": tuned} if tuned else {})}
+    if not tuned:
+        return summary
+    return {**summary, "tuned_settings": tuned}
 
 
 def _publish_fingerprint(loaded, hash_cache, work_dir):
@@ -155,7 +160,7 @@ def _publish_fingerprint(loaded, hash_cache, work_dir):
     return {**tuned_fingerprint(loaded.config, work_dir), "model_code_sha256": sources_digest()}
 
 
-def _run_verify(ctx: StageContext) -> dict:
+def _run_verify(ctx: StageContext) -> summaries.VerifySummary:
     from pipeline.serving.verify import verify
 
     v = ctx.config.verify
@@ -163,7 +168,7 @@ def _run_verify(ctx: StageContext) -> dict:
                   vllm_frontends=tuple(ctx.config.vllm.frontends))
 
 
-def _run_bench(ctx: StageContext) -> dict:
+def _run_bench(ctx: StageContext) -> summaries.BenchSummary:
     from pipeline.serving.bench.stage import run_bench
 
     return run_bench(ctx.config, ctx.upstream("publish"), ctx.upstream("text") / artifacts.EVALUATION_TEXT_FILE,
@@ -178,13 +183,13 @@ def _bench_fingerprint(loaded, hash_cache, work_dir):
     return compare_fingerprint(loaded.config.bench)
 
 
-def _run_report(ctx: StageContext) -> dict:
+def _run_report(ctx: StageContext) -> summaries.ReportSummary:
     from pipeline.release.report.stage import write_report
 
     return write_report(ctx.work_dir, ctx.out_dir, ctx.loaded)
 
 
-def _check_edited_plan(stage_dir) -> dict:
+def _check_edited_plan(stage_dir) -> summaries.PlanEditFigures:
     import json
 
     from pipeline import artifacts, records

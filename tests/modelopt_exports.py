@@ -9,11 +9,11 @@ import copy
 import json
 from pathlib import Path
 
-from pipeline import families
+from pipeline import families, records
 from pipeline.config import QuantizationSection
 from pipeline.formats import HIGH_PRECISION
 from pipeline.quant.export_checks import check_export
-from pipeline.quant.recipe import calibrate_phase, calibration_phases, modelopt_config
+from pipeline.quant.recipe import calibrate_phase, calibration_phases, kept_layers, modelopt_config
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -24,18 +24,18 @@ CASES = {"int8_sq": ("int8_sq", None), "int8_wo": ("int8_wo", None), "fp8": ("fp
 WEIGHT_ONLY = ("int8_wo", "int4_awq", "int4_awq+int8_wo")
 
 
-def plan_for(base: str, other: str | None) -> dict:
+def plan_for(base: str, other: str | None) -> records.Plan:
     layers = {f"model.layers.{i}.{m}": {"format": base} for i in range(2) for m in LINEARS}
     layers["lm_head"] = {"format": HIGH_PRECISION}
     layers["model.layers.0.mlp.down_proj"] = {"format": HIGH_PRECISION}
     if other:
         for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
             layers[f"model.layers.1.{m}"] = {"format": other}
-    return {"layers": layers}
+    return records.Plan.model_validate({"format_version": records.PLAN_FORMAT_VERSION, "layers": layers})
 
 
-def kept(plan: dict) -> set[str]:
-    return {n for n, e in plan["layers"].items() if e["format"] == HIGH_PRECISION}
+def kept(plan: records.Plan) -> set[str]:
+    return kept_layers(plan)
 
 
 def quantize_and_export(original, case: str, calib, evals, out_of_tp, kv_cache: str = "none") -> dict:

@@ -511,14 +511,16 @@ def test_tensor_parallelism_that_cannot_split_the_experts_is_refused_before_any_
     with the figures, as is an INT4 group size that does not divide an expert's per-rank down input."""
     from pipeline.config import BuildSection, QuantizationSection
     from pipeline.quant.export_checks import check_rules
+    from pipeline.records import PLAN_FORMAT_VERSION, Plan
 
     model_config = {"model_type": "mixtral", "num_attention_heads": 4, "num_key_value_heads": 4,
                     "intermediate_size": 96}
     build = BuildSection(target="tensorrt", tensor_parallel_size=4)
     with pytest.raises(InputError, match="tensor_parallel_size 4 does not divide the experts' intermediate size 90"):
-        check_rules({"layers": {}}, QuantizationSection(), build, {**model_config, "intermediate_size": 90}, {})
+        check_rules(Plan(format_version=PLAN_FORMAT_VERSION, layers={}), QuantizationSection(), build,
+                    {**model_config, "intermediate_size": 90}, {})
     down = "model.layers.0.block_sparse_moe.experts.0.w2"
-    plan = {"layers": {down: {"format": "int4_awq"}}}
+    plan = Plan.model_validate({"format_version": PLAN_FORMAT_VERSION, "layers": {down: {"format": "int4_awq"}}})
     with pytest.raises(InputError, match=r"awq_group_size 32 does not divide its input width 96 split over 4 ranks"):
         check_rules(plan, QuantizationSection(weight_format="int4_awq", awq_group_size=32), build, model_config,
                     {down: {"in_features": 96}})

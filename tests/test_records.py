@@ -108,8 +108,9 @@ def test_the_plan_is_written_as_yaml_in_build_order_and_reads_back(tmp_path):
     assert text.startswith("# a header\nformat_version: 1\nbase_format: int8_sq\n")
     assert text.index("budget:") < text.index("layers:") < text.index("summary:")
     plan = records.read_plan(path, list(PLAN["layers"]))
-    assert plan.as_doc() == PLAN
+    assert plan.model_dump(exclude_unset=True) == PLAN
     assert plan.kept_high_precision() == ["model.layers.0.mlp.down_proj"]
+    assert plan.quantized_formats() == {"int8_sq"}
 
 
 def test_a_hand_edited_plan_needs_only_the_formats(tmp_path):

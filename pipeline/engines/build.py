@@ -22,6 +22,7 @@ from typing import Optional
 
 from pipeline import artifacts, records
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
+from pipeline.summaries import BuildSummary
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def copy_model_files(model_dir: Path, dest: Path) -> list[str]:
     return copied
 
 
-def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> dict:
+def build_cpu(ckpt_dir: Path, model_dir: Path, cfg, out_dir: Path) -> BuildSummary:
     """Assemble the cpu bundle, smoke-test it in a child process, write build_settings.json."""
     from pipeline.child import run_in_child
     from pipeline.engines.cpu_runtime import bundle_settings, kv_cache_algo
@@ -122,7 +123,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
+def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> BuildSummary:
     """The cpu target's build (pipeline.targets.cpu): the bundle of ``ckpt_dir`` (the TensorRT-LLM checkpoint, or
     the HF unified one for a family with only that export; the runtime reads either)."""
     return build_cpu(ckpt_dir, ctx.upstream("model") / artifacts.MODEL_DIR, ctx.config, ctx.out_dir)

@@ -11,10 +11,11 @@ from pipeline import artifacts, families, targets
 from pipeline.config import BuildSection, QuantizationSection
 from pipeline.errors import InputError, StageFailed
 from pipeline.formats import AWQ_FORMATS, HIGH_PRECISION, KV_CACHE_ALGOS, MOE_EXPORT_FORMATS, TRTLLM_QUANT_ALGO
-from pipeline.quant.recipe import ROW_PARALLEL, kept_layers, quantized_formats, trtllm_name
+from pipeline.quant.recipe import ROW_PARALLEL, kept_layers, trtllm_name
+from pipeline.records import Plan
 
 
-def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection, model_config: dict,
+def check_rules(plan: Plan, quant: QuantizationSection, build: BuildSection, model_config: dict,
                 table_layers: dict) -> None:
     """Refuse, before any work, what ModelOpt or TensorRT-LLM would reject later (each message says the fix)."""
     problems = []
@@ -22,11 +23,11 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
     fam = families.FAMILIES.get(str(model_config.get("model_type")))
     row_parallel: tuple[str, ...] = ROW_PARALLEL
     if fam is not None and fam.moe is not None:
-        problems += _moe_problems(plan_doc, fam, model_config, tp)
+        problems += _moe_problems(plan, fam, model_config, tp)
         row_parallel = (*ROW_PARALLEL, fam.moe.down)  # an expert's down linear is split on its input too
     g = quant.awq_group_size
-    for name, entry in plan_doc["layers"].items():
-        if entry["format"] in AWQ_FORMATS:
+    for name, layer in plan.layers.items():
+        if layer.format in AWQ_FORMATS:
             width = table_layers[name]["in_features"]
             # a row-parallel layer's input is split across the ranks: each rank's slice needs whole groups
             per_rank = width // tp if name.rsplit(".", 1)[-1] in row_parallel and tp > 1 else width
@@ -49,9 +50,9 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
     for group, fused in ((("q_proj", "k_proj", "v_proj"), lambda f: True),
                          (("gate_proj", "up_proj"), lambda f: quant.export_hf_checkpoint or "fp8" in f)):
         blocks: dict[str, set] = {}
-        for name, entry in plan_doc["layers"].items():
+        for name, layer in plan.layers.items():
             if name.rsplit(".", 1)[-1] in group:
-                blocks.setdefault(name.rsplit(".", 1)[0], set()).add(entry["format"])
+                blocks.setdefault(name.rsplit(".", 1)[0], set()).add(layer.format)
         split = sorted(b for b, f in blocks.items() if len(f) > 1 and fused(f))
         if split:
             members = "/".join(m.removesuffix("_proj") for m in group)
@@ -62,10 +63,10 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
         problems.append("an INT8 KV cache cannot be exported as an HF unified checkpoint; use kv_cache fp8 or none")
     if fam is not None and fam.fused_formats is not None and targets.get(build.target).serves_hf_checkpoint:
         fused_linears, loadable = fam.fused_formats
-        wrong = sorted(n for n, e in plan_doc["layers"].items() if n.rsplit(".", 1)[-1] in fused_linears
-                       and e["format"] not in (HIGH_PRECISION, *loadable))
+        wrong = sorted(n for n, layer in plan.layers.items() if n.rsplit(".", 1)[-1] in fused_linears
+                       and layer.format not in (HIGH_PRECISION, *loadable))
         if wrong:
-            problems.append(f"{wrong[0]} ({plan_doc['layers'][wrong[0]]['format']}, and {len(wrong) - 1} more): "
+            problems.append(f"{wrong[0]} ({plan.layers[wrong[0]].format}, and {len(wrong) - 1} more): "
                             f"TensorRT-LLM's pytorch backend splits {fam.model_type}'s "
                             f"{' and '.join(fused_linears)} itself "
                             f"when loading and carries only per-tensor scales to the halves, so they must be "
@@ -81,11 +82,11 @@ def check_rules(plan_doc: dict, quant: QuantizationSection, build: BuildSection,
         raise InputError("quantize: " + "; ".join(problems) + ".")
 
 
-def _moe_problems(plan_doc: dict, fam, model_config: dict, tp: int) -> list[str]:
+def _moe_problems(plan: Plan, fam, model_config: dict, tp: int) -> list[str]:
     """What the export cannot write, or the ranks cannot split, for a mixture-of-experts model."""
     problems = []
-    bad = sorted({e["format"] for n, e in plan_doc["layers"].items()
-                  if f".{fam.moe.experts}." in n and e["format"] not in (*MOE_EXPORT_FORMATS, HIGH_PRECISION)})
+    bad = sorted({layer.format for n, layer in plan.layers.items()
+                  if f".{fam.moe.experts}." in n and layer.format not in (*MOE_EXPORT_FORMATS, HIGH_PRECISION)})
     if bad and fam.trtllm_checkpoint:  # the HF unified export writes each expert as its own linears, in any format
         problems.append(f"the plan gives experts {', '.join(bad)}, which ModelOpt's TensorRT-LLM export cannot write "
                         f"for stacked experts; give them {' or '.join(MOE_EXPORT_FORMATS)} with a plan rule such as "
@@ -120,7 +121,7 @@ def _check_layer_formats(listed: dict, expected: dict, what: str) -> list[str]:
     return problems
 
 
-def check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_config: dict, tp: int = 1) -> dict:
+def check_export(ckpt: Path, plan: Plan, quant: QuantizationSection, model_config: dict, tp: int = 1) -> dict:
     """What TensorRT-LLM will read must say what the plan says."""
     from safetensors import safe_open
 
@@ -128,8 +129,8 @@ def check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_c
     q = cfg.get("quantization", {})
     problems = []
     moe = families.FAMILIES[model_config["model_type"]].moe
-    kept = {trtllm_name(n, moe) for n in kept_layers(plan_doc)}
-    formats = quantized_formats(plan_doc)
+    kept = {trtllm_name(n, moe) for n in kept_layers(plan)}
+    formats = plan.quantized_formats()
     if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
         problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} "
                         f"(expected {KV_CACHE_ALGOS[quant.kv_cache]})")
@@ -168,8 +169,8 @@ def check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_c
             listed = json.loads(path.read_text()).get("quantized_layers") or {}
             quantized_layers = len(listed)
             # fused q/k/v are one module in the checkpoint; check_rules made their formats agree
-            expected = {trtllm_name(n, moe): _expected_algo(e["format"], quant) for n, e in plan_doc["layers"].items()
-                        if e["format"] != HIGH_PRECISION}
+            expected = {trtllm_name(n, moe): _expected_algo(layer.format, quant) for n, layer in plan.layers.items()
+                        if layer.format != HIGH_PRECISION}
             problems += _check_layer_formats(listed, expected, artifacts.QUANT_CFG_FILE)
     for module, dtype in dtypes.items():
         if module in kept and dtype not in ("F16", "BF16", "F32"):
@@ -185,7 +186,7 @@ def check_export(ckpt: Path, plan_doc: dict, quant: QuantizationSection, model_c
             "formats": sorted(TRTLLM_QUANT_ALGO[f] for f in formats), "quant_cfg_layers": quantized_layers}
 
 
-def check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, model_config: dict,
+def check_hf_export(hf_dir: Path, plan: Plan, quant: QuantizationSection, model_config: dict,
                      target: str) -> dict:
     """The HF unified checkpoint must say what the plan says, in a config.json transformers can read; its FP8 KV
     scales must fit the target's KV cache (kv_range_check)."""
@@ -196,9 +197,9 @@ def check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, mo
     if not path.is_file():
         raise StageFailed(f"the HF unified checkpoint in {hf_dir} has no {artifacts.HF_QUANT_CONFIG_FILE}")
     q = json.loads(path.read_text()).get("quantization", {})
-    formats = quantized_formats(plan_doc)
-    layers = list(plan_doc["layers"])
-    kept = kept_layers(plan_doc)
+    formats = plan.quantized_formats()
+    layers = list(plan.layers)
+    kept = kept_layers(plan)
     if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
         problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} "
                         f"(expected {KV_CACHE_ALGOS[quant.kv_cache]})")
@@ -213,8 +214,8 @@ def check_hf_export(hf_dir: Path, plan_doc: dict, quant: QuantizationSection, mo
     elif q.get("quant_algo") != "MIXED_PRECISION":
         problems.append(f"a mixed plan must export quant_algo MIXED_PRECISION (found {q.get('quant_algo')})")
     else:
-        expected = {n: _expected_algo(e["format"], quant) for n, e in plan_doc["layers"].items()
-                    if e["format"] != HIGH_PRECISION}
+        expected = {n: _expected_algo(layer.format, quant) for n, layer in plan.layers.items()
+                    if layer.format != HIGH_PRECISION}
         problems += _check_layer_formats(q.get("quantized_layers") or {}, expected, artifacts.HF_QUANT_CONFIG_FILE)
     try:
         parsed = AutoConfig.from_pretrained(hf_dir)

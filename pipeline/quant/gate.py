@@ -10,6 +10,7 @@ from pipeline import console
 from pipeline.config import QuantizationSection
 from pipeline.errors import StageFailed
 from pipeline.formats import HIGH_PRECISION
+from pipeline.records import Plan
 
 EVAL_BATCH = 4
 
@@ -104,13 +105,13 @@ def gate_failures(acc: dict, quant: QuantizationSection) -> list[str]:
     return failed
 
 
-def check_gate(acc: dict, quant: QuantizationSection, plan_doc: dict, table_layers: dict) -> None:
+def check_gate(acc: dict, quant: QuantizationSection, plan: Plan, table_layers: dict) -> None:
     failed = gate_failures(acc, quant)
     if not failed:
         return
-    col = plan_doc.get("decision_column")
+    col = plan.decision_column
     quantized = [(l["errors"].get(col, {}).get("error", 0.0), n) for n, l in table_layers.items()
-                 if plan_doc["layers"][n]["format"] != HIGH_PRECISION]
+                 if plan.layers[n].format != HIGH_PRECISION]
     worst = [n for _, n in sorted(quantized, reverse=True)[:5]]
     raise StageFailed(
         f"accuracy gate failed: {'; '.join(failed)} (perplexity {acc['perplexity_original']} -> "

@@ -34,6 +34,7 @@ from pipeline.formats import (
     bits,
     weight_bytes,
 )
+from pipeline.summaries import PlanFigures
 
 PLAN_FORMAT_VERSION = records.PLAN_FORMAT_VERSION
 BUDGET_GRID_BYTES = 4096
@@ -278,6 +279,17 @@ def _summarise(ordered: list[LayerChoice], table: dict, *, plan: PlanSection, se
     params = sum(c.params for c in ordered)
     kept = [c.name for c in ordered if c.format == HIGH_PRECISION]
     formats = sorted({c.format for c in ordered})
+    figures: PlanFigures = {
+        "layers": len(ordered),
+        "kept_high_precision": len(kept),
+        "kept_high_precision_layers": kept,
+        "formats": formats,
+        "mixed_precision": len([f for f in formats if f != HIGH_PRECISION]) > 1,
+        "weight_bytes_fp16": fp16,
+        "weight_bytes_planned": planned,
+        "effective_bits_per_weight": round(planned * 8 / params, 3) if params else None,
+        "total_error_left": round(sum(c.error or 0.0 for c in ordered if c.format != HIGH_PRECISION), 5),
+    }
     return {
         "format_version": PLAN_FORMAT_VERSION,
         "base_format": quant.weight_format,
@@ -289,27 +301,17 @@ def _summarise(ordered: list[LayerChoice], table: dict, *, plan: PlanSection, se
         # error: the layer's measured error in the format it was judged by (also for kept layers)
         "layers": {c.name: {"format": c.format, "error": None if c.error is None else round(c.error, 5),
                             "reason": c.reason} for c in ordered},
-        "summary": {
-            "layers": len(ordered),
-            "kept_high_precision": len(kept),
-            "kept_high_precision_layers": kept,
-            "formats": formats,
-            "mixed_precision": len([f for f in formats if f != HIGH_PRECISION]) > 1,
-            "weight_bytes_fp16": fp16,
-            "weight_bytes_planned": planned,
-            "effective_bits_per_weight": round(planned * 8 / params, 3) if params else None,
-            "total_error_left": round(sum(c.error or 0.0 for c in ordered if c.format != HIGH_PRECISION), 5),
-        },
+        "summary": figures,
     }
 
 
-def write_plan(plan_doc: dict, out_dir: Path, config_name: str) -> None:
+def write_plan(plan: records.Plan, out_dir: Path, config_name: str) -> None:
     header = (
         f"# Mixed-precision plan for {config_name} (written by the plan stage).\n"
         f"# Each linear layer: its format (high_precision = kept in FP16/BF16) and why. You may edit `format`\n"
         f"# (one of: {', '.join(LAYER_FORMATS)}); the next stages use the edited file as it is.\n"
     )
-    records.write_plan(out_dir / artifacts.PLAN_FILE, records.Plan.model_validate(plan_doc), header)
+    records.write_plan(out_dir / artifacts.PLAN_FILE, plan, header)
 
 
 def plan_markdown(doc: dict) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from pipeline.formats import HIGH_PRECISION
+from pipeline.records import Plan
+
 MODULE_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -94,7 +97,7 @@ def heatmap_png(table: dict, formats: tuple[str, ...], path: Path) -> None:
     plt.close(fig)
 
 
-def error_bars_png(table: dict, plan_doc: dict, decision: str, threshold: float | None, path: Path) -> None:
+def error_bars_png(table: dict, plan: Plan, decision: str, threshold: float | None, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +105,7 @@ def error_bars_png(table: dict, plan_doc: dict, decision: str, threshold: float 
 
     layers = table["layers"]
     errs = [l["errors"].get(decision, {}).get("error", 0.0) for l in layers]
-    kept = [plan_doc["layers"][l["name"]]["format"] == "high_precision" for l in layers]
+    kept = [plan.layers[l["name"]].format == HIGH_PRECISION for l in layers]
     colors = ["#c0392b" if k else "#2e86c1" for k in kept]
     fig, ax = plt.subplots(figsize=(16, 4.8))
     ax.bar(range(len(layers)), errs, color=colors, width=0.85)

@@ -41,14 +41,11 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from pipeline import artifacts, console, families, records
 from pipeline.config import BuildSection, ComputeSection, QuantizationSection
 from pipeline.errors import StageFailed
-from pipeline.formats import (
-    HIGH_PRECISION,
-)
 from pipeline.quant.export_checks import check_export, check_hf_export, check_rules
 from pipeline.quant.gate import (
     EVAL_BATCH,
@@ -62,6 +59,7 @@ from pipeline.quant.gate import (
 from pipeline.quant.memory import gpu_bounds, gpu_streams
 from pipeline.quant.recipe import calibrate_phase, calibration_phases, kept_layers, modelopt_config
 from pipeline.quant.tied_head import embedding_bytes, share_tied_embedding
+from pipeline.summaries import QuantizeFigures
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +82,10 @@ def load_model(model_dir: Path, device: str, dtype_name: str, compute: ComputeSe
 
 def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Path, plan_file: Path, table_file: Path,
                  quant: QuantizationSection, build: BuildSection, out_dir: Path,
-                 compute: Optional[ComputeSection] = None, stream: bool = False, memory_bound=None) -> dict:
-    """The stage's work, in a child process; returns the summary for the manifest.
+                 compute: Optional[ComputeSection] = None, stream: bool = False,
+                 memory_bound=None) -> Union[QuantizeFigures, dict]:
+    """The stage's work, in a child process; returns the summary for the manifest (streamed: what
+    finish_streamed needs to read the checkpoint back in a second child, marked read_back_pending).
 
     ``stream``: calibrate, gate, export and read back one decoder layer at a time (pipeline.quant.streaming).
     ``memory_bound``: the compute.Bound the parent set (recorded; default: computed here)."""
@@ -104,27 +104,27 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     t0 = time.perf_counter()
     table = json.loads(table_file.read_text())
     table_layers = {l["name"]: l for l in table["layers"]}
-    plan_doc = records.read_plan(plan_file, list(table_layers)).as_doc()
+    plan = records.read_plan(plan_file, list(table_layers))
     model_config = json.loads((model_dir / "config.json").read_text())
     baseline = quant.weight_format == "none"  # the unquantized baseline: exported as it is, nothing to gate
-    check_rules(plan_doc, quant, build, model_config, table_layers)
+    check_rules(plan, quant, build, model_config, table_layers)
 
     calib = torch.as_tensor(load_file(str(calibration_file))[artifacts.TOKENS_KEY])
     evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
     ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
-    kept = kept_layers(plan_doc)
+    kept = kept_layers(plan)
     if device == "cuda" and not stream:
         stream = gpu_streams(model_dir, quant, compute.layer_streaming, ref_dtype, gpu_bounds(compute))
     if stream:
         from pipeline.quant import streaming
 
         log.info("layer streaming: one decoder layer at a time")
-        res = streaming.quantize_streamed(model_dir, calib, evals=evals, plan_doc=plan_doc, quant=quant, build=build,
+        res = streaming.quantize_streamed(model_dir, calib, evals=evals, plan=plan, quant=quant, build=build,
                                           model_config=model_config, ckpt=ckpt, scratch=out_dir / "layer_exports",
                                           device=device, dtype_name=ref_dtype, table_layers=table_layers,
                                           baseline=baseline)
         shared = share_tied_embedding(ckpt, model_config)
-        streamed_export = {**check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size),
+        streamed_export = {**check_export(ckpt, plan, quant, model_config, build.tensor_parallel_size),
                            **_embedding_facts(ckpt, shared)}
         from safetensors.torch import save_file
 
@@ -143,7 +143,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
 
     import modelopt.torch.quantization as mtq
 
-    cfg = None if baseline else modelopt_config(plan_doc, quant)
+    cfg = None if baseline else modelopt_config(plan, quant)
 
     passes = 0
 
@@ -156,7 +156,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     if not baseline:
         with torch.no_grad():
             mtq.quantize(model, cfg, forward_loop)
-            for algorithm, layers in calibration_phases(plan_doc, quant):
+            for algorithm, layers in calibration_phases(plan, quant):
                 log.info("calibrating %d layer(s) with %s", len(layers), algorithm)
                 calibrate_phase(model, algorithm, layers, forward_loop)
     t_quant = time.perf_counter() - t0
@@ -167,7 +167,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     generations = greedy_generations(original, model, tokenizer) if quant.greedy_generations else []
     log.info("accuracy: %s", accuracy)
     if not baseline:
-        check_gate(accuracy, quant, plan_doc, table_layers)
+        check_gate(accuracy, quant, plan, table_layers)
 
     steps.advance(what="quantize: export")
     from modelopt.torch.export import (
@@ -188,7 +188,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
             export_tensorrt_llm_checkpoint(model, fam.decoder_type, dtype, export_dir=ckpt,
                                            inference_tensor_parallel=build.tensor_parallel_size)
         shared = share_tied_embedding(ckpt, model_config)
-        exported = {**check_export(ckpt, plan_doc, quant, model_config, build.tensor_parallel_size),
+        exported = {**check_export(ckpt, plan, quant, model_config, build.tensor_parallel_size),
                     **_embedding_facts(ckpt, shared)}
     hf_exported = None
     if hf_source is not None:
@@ -201,7 +201,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
         for name in artifacts.TOKENIZER_FILES:  # the LLM API serves the folder on its own
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, hf_dir / name)
-        hf_exported = check_hf_export(hf_dir, plan_doc, quant, model_config, build.target)
+        hf_exported = check_hf_export(hf_dir, plan, quant, model_config, build.target)
     steps.advance(what="quantize: read back")
     from_ckpt = read_facts = None
     if exported is not None:
@@ -224,7 +224,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     assert from_ckpt is not None and read_facts is not None
     steps.stop()
     return _finish(out_dir, accuracy, from_ckpt=from_ckpt, read_facts=read_facts, exported=exported,
-                   hf_exported=hf_exported, generations=generations, plan_doc=plan_doc,
+                   hf_exported=hf_exported, generations=generations, plan=plan,
                    calibration_tokens=int(calib.numel()), evaluation_tokens=int(evals.numel()),
                    compute_record=comp.compute_record(device, ref_dtype, bound), t_quant=t_quant, t0=t0)
 
@@ -264,7 +264,7 @@ READ_BACK_REFERENCE = "read_back_reference.safetensors"  # the streamed pass's o
 
 
 def finish_streamed(model_dir: Path, evaluation_file: Path, *, plan_file: Path, table_file: Path, out_dir: Path,
-                    partial: dict) -> dict:
+                    partial: dict) -> QuantizeFigures:
     """The read-back of a streamed quantize, in a second child process (a fresh interpreter: the streamed
     pass's heap and libraries do not add to its peak); returns the stage's summary."""
     import torch
@@ -277,8 +277,8 @@ def finish_streamed(model_dir: Path, evaluation_file: Path, *, plan_file: Path, 
     t0 = time.perf_counter() - partial["elapsed_s"]
     comp.return_freed_memory_to_the_os()
     table_layers = {l["name"]: l for l in json.loads(table_file.read_text())["layers"]}
-    plan_doc = records.read_plan(plan_file, list(table_layers)).as_doc()
-    kept = kept_layers(plan_doc)
+    plan = records.read_plan(plan_file, list(table_layers))
+    kept = kept_layers(plan)
     evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
     reference = out_dir / READ_BACK_REFERENCE
     hidden = load_torch(str(reference))["hidden"].to(partial["device"])
@@ -291,7 +291,7 @@ def finish_streamed(model_dir: Path, evaluation_file: Path, *, plan_file: Path, 
     comp.trim_heap()
     generations = _streamed_generations(model_dir, ckpt, kept) if partial["greedy_generations"] else []
     return _finish(out_dir, partial["accuracy"], from_ckpt=from_ckpt, read_facts=read_facts,
-                   exported=partial["exported"], hf_exported=None, generations=generations, plan_doc=plan_doc,
+                   exported=partial["exported"], hf_exported=None, generations=generations, plan=plan,
                    calibration_tokens=partial["calibration_tokens"], evaluation_tokens=evaluation_tokens,
                    compute_record=partial["compute"], t_quant=partial["calibrate_s"], t0=t0, streamed=True)
 
@@ -314,7 +314,7 @@ def _streamed_generations(model_dir: Path, ckpt: Path, kept: set[str]) -> list[d
 
 def run_stage(model_dir: Path, calibration_file: Path, *, evaluation_file: Path, plan_file: Path, table_file: Path,
               quant: QuantizationSection, build: BuildSection, out_dir: Path, compute: ComputeSection, stream: bool,
-              bound, log_path: Path) -> tuple[dict, int]:
+              bound, log_path: Path) -> tuple[QuantizeFigures, int]:
     """The stage in child processes: (summary, peak RSS of the largest). A streamed quantize reads its
     checkpoint back in a second child."""
     from pipeline.child import run_in_child
@@ -332,9 +332,9 @@ def run_stage(model_dir: Path, calibration_file: Path, *, evaluation_file: Path,
 
 
 def _finish(out_dir: Path, accuracy: dict, *, from_ckpt: dict, read_facts: dict, exported: dict, hf_exported,
-            generations: list[dict], plan_doc: dict, calibration_tokens: int, evaluation_tokens: int,
+            generations: list[dict], plan: records.Plan, calibration_tokens: int, evaluation_tokens: int,
             compute_record: dict, t_quant: float, t0: float,
-            streamed: bool = False) -> dict:
+            streamed: bool = False) -> QuantizeFigures:
     """The accuracy files, and the stage's summary."""
     ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
     if not ckpt.is_dir():  # a family exported as the HF unified checkpoint only
@@ -349,7 +349,7 @@ def _finish(out_dir: Path, accuracy: dict, *, from_ckpt: dict, read_facts: dict,
     return {"accuracy": accuracy, "checkpoint": {**exported, "read_back": read_facts},
             "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),
             "hf_checkpoint": hf_exported, "layer_streaming": streamed,
-            "kept_high_precision": sum(e["format"] == HIGH_PRECISION for e in plan_doc["layers"].values()),
+            "kept_high_precision": len(plan.kept_high_precision()),
             "calibration_tokens": calibration_tokens, "evaluation_tokens": evaluation_tokens,
             "compute": compute_record,
             "timing_s": {"calibrate": round(t_quant, 1), "total": round(time.perf_counter() - t0, 1)}}

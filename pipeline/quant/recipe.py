@@ -11,6 +11,7 @@ import json
 
 from pipeline.config import QuantizationSection
 from pipeline.formats import AWQ_FORMATS, FORMATS, HIGH_PRECISION
+from pipeline.records import Plan
 
 # our format -> ModelOpt preset, and the quant_algo its TensorRT-LLM export writes
 # TensorRT-LLM splits these on their input dim under tensor parallelism (row-parallel)
@@ -39,13 +40,9 @@ def trtllm_name(hf_name: str, moe=None) -> str:
     return f"{layer}.{TRTLLM_MODULE[parts[-1]]}"
 
 
-def kept_layers(plan_doc: dict) -> set[str]:
+def kept_layers(plan: Plan) -> set[str]:
     """The layers the plan keeps in high precision (HF names)."""
-    return {n for n, e in plan_doc["layers"].items() if e["format"] == HIGH_PRECISION}
-
-
-def quantized_formats(plan_doc: dict) -> set[str]:
-    return {e["format"] for e in plan_doc["layers"].values()} - {HIGH_PRECISION}
+    return set(plan.kept_high_precision())
 
 
 def _algorithm(fmt: str, quant: QuantizationSection):
@@ -75,7 +72,7 @@ def _layer_entries(name: str, fmt: str, group: int) -> list[dict]:
     return entries
 
 
-def modelopt_config(plan_doc: dict, quant: QuantizationSection) -> dict:
+def modelopt_config(plan: Plan, quant: QuantizationSection) -> dict:
     """The ordered ModelOpt quantization config for the plan (later entries win, as in ModelOpt).
 
     The base format's preset first; then, per layer, entries for a format other than the base (and for
@@ -90,13 +87,13 @@ def modelopt_config(plan_doc: dict, quant: QuantizationSection) -> dict:
     if base in AWQ_FORMATS:
         for e in entries:
             set_block_size(e.get("cfg"), quant.awq_group_size)
-    for name, entry in plan_doc["layers"].items():
-        fmt = entry["format"]
+    for name, layer in plan.layers.items():
+        fmt = layer.format
         if fmt == HIGH_PRECISION:
             entries.append({"quantizer_name": f"{name}.*", "enable": False})
         elif fmt != base or name == "lm_head":
             entries += _layer_entries(name, fmt, quant.awq_group_size)
-    formats = quantized_formats(plan_doc)
+    formats = plan.quantized_formats()
     if len(formats) > 1:  # mixed: max for all first, then each algorithm on its own layers (calibration_phases)
         cfg["algorithm"] = "max"
     elif formats and formats != {base}:  # every layer moved off the base format: calibrate as that format
@@ -108,16 +105,16 @@ def modelopt_config(plan_doc: dict, quant: QuantizationSection) -> dict:
     return cfg
 
 
-def calibration_phases(plan_doc: dict, quant: QuantizationSection) -> list[tuple[object, list[str]]]:
+def calibration_phases(plan: Plan, quant: QuantizationSection) -> list[tuple[object, list[str]]]:
     """For a plan that mixes formats: (algorithm, layers) to run after the first ``max`` calibration, one per
     algorithm other than max (SmoothQuant, AWQ-lite), each on the layers whose format uses it."""
-    if len(quantized_formats(plan_doc)) < 2:
+    if len(plan.quantized_formats()) < 2:
         return []
     phases: dict[str, tuple[object, list[str]]] = {}
-    for name, entry in plan_doc["layers"].items():
-        if entry["format"] == HIGH_PRECISION:
+    for name, layer in plan.layers.items():
+        if layer.format == HIGH_PRECISION:
             continue
-        algorithm = _algorithm(entry["format"], quant)
+        algorithm = _algorithm(layer.format, quant)
         if algorithm in ("max", None) or (isinstance(algorithm, dict) and algorithm.get("method") == "max"):
             continue
         key = json.dumps(algorithm, sort_keys=True)

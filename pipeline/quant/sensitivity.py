@@ -43,6 +43,7 @@ from typing import Any, Optional
 from pipeline import console, families, targets
 from pipeline.config import ComputeSection, QuantizationSection, SensitivitySection
 from pipeline.errors import InputError
+from pipeline.summaries import SensitivityFigures
 
 log = logging.getLogger(__name__)
 
@@ -631,7 +632,7 @@ def expert_summary(layers: list[dict], formats: tuple[str, ...]) -> list[dict]:
 
 def run_analysis(model_dir: Path, calibration_file: Path, *, section: SensitivitySection,
                  quant: QuantizationSection, out_dir: Path, decision: str | None, target: str,
-                 compute: Optional[ComputeSection] = None, memory_bound=None) -> dict:
+                 compute: Optional[ComputeSection] = None, memory_bound=None) -> SensitivityFigures:
     """The stage's work (runs in a child process): table JSON + Markdown + heatmap; returns the summary.
     ``memory_bound``: the compute.Bound the parent set (recorded; default: computed here)."""
     import json
@@ -662,7 +663,7 @@ def run_analysis(model_dir: Path, calibration_file: Path, *, section: Sensitivit
     col = decision or section.formats[0]
     (out_dir / artifacts.SENSITIVITY_TABLE_MD).write_text(table_markdown(table, section.threshold, col))
     heatmap_png(table, section.formats, out_dir / artifacts.SENSITIVITY_HEATMAP_PNG)
-    over = {f: sum(1 for l in table["layers"] if l["errors"][f]["error"] > section.threshold)
+    over: dict[str, int] = {f: sum(1 for l in table["layers"] if l["errors"][f]["error"] > section.threshold)
             for f in section.formats}
     return {
         "layers": len(table["layers"]),

@@ -60,6 +60,7 @@ from pipeline.compute import return_freed_memory_to_the_os, trim_heap
 from pipeline.errors import InputError, StageFailed
 from pipeline.formats import AWQ_FORMATS
 from pipeline.quant import gate, recipe
+from pipeline.records import Plan
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +355,7 @@ def assemble(exports: list[Path], ckpt: Path, tp: int) -> dict:
     return {"layers": n, "tensors": tensors}
 
 
-def quantize_streamed(model_dir: Path, calib, *, evals, plan_doc: dict, quant, build, model_config: dict,
+def quantize_streamed(model_dir: Path, calib, *, evals, plan: Plan, quant, build, model_config: dict,
                       ckpt: Path, scratch: Path, device: str, dtype_name: str, table_layers: dict,
                       baseline: bool) -> dict:
     """Calibrate, gate and export layer by layer; returns {"accuracy", "calibrate_s", "assembled",
@@ -371,7 +372,7 @@ def quantize_streamed(model_dir: Path, calib, *, evals, plan_doc: dict, quant, b
     export_dtype = torch.bfloat16 if build.dtype == "bfloat16" else torch.float16
     config = AutoConfig.from_pretrained(model_dir)
     config._attn_implementation = "sdpa"
-    if any(e["format"] in AWQ_FORMATS for e in plan_doc["layers"].values()) and config.vocab_size % EXPORT_VOCAB:
+    if plan.quantized_formats().intersection(AWQ_FORMATS) and config.vocab_size % EXPORT_VOCAB:
         raise InputError(f"layer streaming cannot export INT4 AWQ layers of a model whose vocabulary "
                          f"({config.vocab_size}) is not a multiple of 64 (ModelOpt pads it when it exports the "
                          f"whole model); use compute.layer_streaming: never on a machine with more memory")
@@ -382,9 +383,9 @@ def quantize_streamed(model_dir: Path, calib, *, evals, plan_doc: dict, quant, b
     from modelopt.torch.quantization.plugins.custom import register_custom_model_plugins_on_the_fly
 
     register_custom_model_plugins_on_the_fly(model)
-    cfg = None if baseline else recipe.modelopt_config(plan_doc, quant)
-    quantized = set(plan_doc["layers"]) - recipe.kept_layers(plan_doc)
-    phases = [] if baseline else recipe.calibration_phases(plan_doc, quant)
+    cfg = None if baseline else recipe.modelopt_config(plan, quant)
+    quantized = set(plan.layers) - recipe.kept_layers(plan)
+    phases = [] if baseline else recipe.calibration_phases(plan, quant)
     decoder = families.FAMILIES[model_config["model_type"]].decoder_type
     tp = build.tensor_parallel_size
     t0 = time.perf_counter()
@@ -467,7 +468,7 @@ def quantize_streamed(model_dir: Path, calib, *, evals, plan_doc: dict, quant, b
         accuracy = score.result()
         log.info("accuracy (peak RSS %s): %s", _peak(), accuracy)
         if not baseline:
-            gate.check_gate(accuracy, quant, plan_doc, table_layers)
+            gate.check_gate(accuracy, quant, plan, table_layers)
 
         tied = store.head_name() == "model.embed_tokens.weight"
         del final_q, quantized_hidden

@@ -60,6 +60,7 @@ from pipeline.fsutil import (
     sha256_file,
 )
 from pipeline.serving.image_tags import trtllm_version_of_tag
+from pipeline.summaries import PublishSummary
 
 log = logging.getLogger(__name__)
 
@@ -557,7 +558,8 @@ def destination(config, work_dir: Path) -> Path:
     return dest
 
 
-def publish(config, config_name: str, *, work_dir: Path, build_dir: Path, model_dir: Path, out_dir: Path) -> dict:
+def publish(config, config_name: str, *, work_dir: Path, build_dir: Path, model_dir: Path,
+            out_dir: Path) -> PublishSummary:
     """The publish stage: check, write a new version into the live repository, snapshot it into out_dir.
 
     ``model_dir``: the HF model folder (its tokenizer); the cpu target uses the copy inside its bundle."""

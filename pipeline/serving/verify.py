@@ -38,6 +38,7 @@ from pipeline.errors import InputError, StageFailed
 from pipeline.serving.publish import model_names
 from pipeline.serving.serve import server_for_target
 from pipeline.serving.server import TritonServer
+from pipeline.summaries import VerifySummary
 
 if TYPE_CHECKING:
     from pipeline.engines.reference import Greedy, LoadedReference
@@ -396,7 +397,7 @@ def latency_summary(latency_ms: dict[str, list[float]]) -> dict:
 
 def verify(publish_dir: Path, out_dir: Path, *, prompts: tuple[str, ...] = PROMPTS,
            max_tokens: int = MAX_TOKENS, concurrent: int = CONCURRENT_REQUESTS,
-           vllm_frontends: tuple[str, ...] = ("openai", "triton")) -> dict:
+           vllm_frontends: tuple[str, ...] = ("openai", "triton")) -> VerifySummary:
     """The verify stage. Raises StageFailed (after logging every check) when any check fails."""
     from transformers import AutoTokenizer
 

@@ -39,6 +39,7 @@ from pipeline import artifacts, console, records
 from pipeline.engines.vllm.engine_args import METRIC_SERIES
 from pipeline.engines.vllm.target import CHECK_FILE
 from pipeline.errors import InputError, StageFailed
+from pipeline.summaries import VerifySummary
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ class VllmVerifier:
 
 
 def verify_vllm(repo: Path, prov: records.Provenance, *, out_dir: Path, prompts: tuple[str, ...], max_tokens: int,
-                concurrent: int, frontends: tuple[str, ...] = ("openai", "triton")) -> dict:
+                concurrent: int, frontends: tuple[str, ...] = ("openai", "triton")) -> VerifySummary:
     """The verify stage on a published vllm repository, each frontend in turn; StageFailed (after every check
     ran) when one fails."""
     from transformers import AutoTokenizer

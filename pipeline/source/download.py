@@ -26,6 +26,7 @@ from pipeline.config import (
 )
 from pipeline.errors import InputError
 from pipeline.fsutil import HashCache, list_files
+from pipeline.summaries import ModelSummary
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def _wanted_local(rel: str) -> bool:
     return "/" not in rel and any(fnmatch.fnmatch(name, p) for p in constants.HUB_DEFAULT_INCLUDE)
 
 
-def prepare_model(section: ModelSection, out_dir: Path) -> dict:
+def prepare_model(section: ModelSection, out_dir: Path) -> ModelSummary:
     """Write the HF-format model into out_dir/hf_model; return the summary recorded in the manifest."""
     model_dir = out_dir / artifacts.MODEL_DIR
     model_dir.mkdir(parents=True)

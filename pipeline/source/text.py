@@ -25,6 +25,7 @@ from pipeline.config import DatasetText, FilesText, LoadedConfig, PydocTopicsTex
 from pipeline.errors import EnvironmentProblem, InputError
 from pipeline.fsutil import HashCache, sha256_bytes
 from pipeline.source.hub import offline
+from pipeline.summaries import TextSummary
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ def text_fingerprint(loaded: LoadedConfig, hash_cache: HashCache) -> dict:
     return {"documents": len(docs), "sha256": sha256_bytes("\0".join(d.doc_id + "\n" + d.text for d in docs).encode())}
 
 
-def prepare_text(section: TextSection, tokenizer_dir: Path, out_dir: Path) -> dict:
+def prepare_text(section: TextSection, tokenizer_dir: Path, out_dir: Path) -> TextSummary:
     import numpy as np
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
@@ -248,7 +249,7 @@ def prepare_text(section: TextSection, tokenizer_dir: Path, out_dir: Path) -> di
         )
     assert not set(ev_docs) & set(cal_docs)
 
-    summary = {"tokenizer_eos_id": sep, "source_documents": len(docs)}
+    sets: dict[str, dict] = {}
     for name, stream, used, ts, tensor_file, text_file in (
         ("evaluation", ev_stream, ev_docs, ev, artifacts.EVALUATION_TOKENS_FILE, artifacts.EVALUATION_TEXT_FILE),
         ("calibration", cal_stream, cal_docs, cal, artifacts.CALIBRATION_TOKENS_FILE, artifacts.CALIBRATION_TEXT_FILE),
@@ -260,7 +261,8 @@ def prepare_text(section: TextSection, tokenizer_dir: Path, out_dir: Path) -> di
         with open(out_dir / text_file, "w", encoding="utf-8") as f:
             for i, row in enumerate(ids):
                 f.write(json.dumps({"index": i, "text": tok.decode(row.tolist())}, ensure_ascii=False) + "\n")
-        summary[name] = {"num_samples": ts.num_samples, "seq_len": ts.seq_len, "tokens": int(ids.size),
+        sets[name] = {"num_samples": ts.num_samples, "seq_len": ts.seq_len, "tokens": int(ids.size),
                          "documents": used}
     log.info("text: evaluation %d docs, calibration %d docs", len(ev_docs), len(cal_docs))
-    return summary
+    return {"tokenizer_eos_id": sep, "source_documents": len(docs), "calibration": sets["calibration"],
+            "evaluation": sets["evaluation"]}

@@ -14,6 +14,7 @@ mtq = pytest.importorskip("modelopt.torch.quantization")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from pipeline import records  # noqa: E402
 from pipeline.config import QuantizationSection  # noqa: E402
 from pipeline.errors import IntegrityError  # noqa: E402
 from pipeline.formats import HIGH_PRECISION  # noqa: E402
@@ -60,7 +61,7 @@ def checkpoint(tiny_model_dir, ids, tmp_path_factory):
         layers |= {"lm_head": {"format": head}, "model.layers.0.mlp.down_proj": {"format": HIGH_PRECISION}}
         if other:
             layers["model.layers.1.mlp.down_proj"] = {"format": other}
-        plan = {"layers": layers}
+        plan = records.Plan.model_validate({"format_version": records.PLAN_FORMAT_VERSION, "layers": layers})
         quant = QuantizationSection(weight_format=base, kv_cache=kv, awq_group_size=32)
 
         def loop(m):

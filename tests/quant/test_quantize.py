@@ -12,6 +12,7 @@ from conftest import tiny_config as _tiny_config
 from safetensors import safe_open
 from upstream_facts import UPSTREAM
 
+from pipeline import records
 from pipeline.config import load_config
 from pipeline.errors import InputError, StageFailed
 from pipeline.runner import Runner
@@ -240,12 +241,16 @@ def test_tensor_parallel_2_writes_two_ranks_that_read_back_to_the_tp1_logits(tmp
     assert torch.allclose(logits_tp1, logits_tp2, rtol=0, atol=1e-3 * float(logits_tp1.abs().max()))
 
 
+def _plan(layers: dict) -> records.Plan:
+    return records.Plan.model_validate({"format_version": records.PLAN_FORMAT_VERSION, "layers": layers})
+
+
 def _rules(plan_layers: dict, table: dict, model_config=None, **quant):
     from pipeline.config import BuildSection, QuantizationSection
     from pipeline.quant.export_checks import check_rules
 
     tp = quant.pop("tp", 1)
-    check_rules({"layers": plan_layers}, QuantizationSection(**quant),
+    check_rules(_plan(plan_layers), QuantizationSection(**quant),
                 BuildSection(target="tensorrt", tensor_parallel_size=tp),
                 model_config or {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3}, table)
 
@@ -304,10 +309,10 @@ def test_modelopt_config_for_a_mixed_plan_gives_each_layer_its_format_and_each_a
     from pipeline.config import QuantizationSection
     from pipeline.quant.recipe import calibration_phases, modelopt_config
 
-    plan = {"layers": {"model.layers.0.mlp.down_proj": {"format": "int8_sq"},
-                       "model.layers.0.mlp.up_proj": {"format": "int4_awq"},
-                       "model.layers.0.mlp.gate_proj": {"format": "int8_wo"},
-                       "lm_head": {"format": "high_precision"}}}
+    plan = _plan({"model.layers.0.mlp.down_proj": {"format": "int8_sq"},
+                  "model.layers.0.mlp.up_proj": {"format": "int4_awq"},
+                  "model.layers.0.mlp.gate_proj": {"format": "int8_wo"},
+                  "lm_head": {"format": "high_precision"}})
     quant = QuantizationSection(weight_format="int4_awq", kv_cache="int8", awq_group_size=32, smoothquant_alpha=0.8)
     cfg = modelopt_config(plan, quant)
     entries = cfg["quant_cfg"]
@@ -323,7 +328,7 @@ def test_modelopt_config_for_a_mixed_plan_gives_each_layer_its_format_and_each_a
     assert [(a if isinstance(a, str) else a["method"], layers) for a, layers in phases] == [
         ("awq_lite", ["model.layers.0.mlp.up_proj"]), ("smoothquant", ["model.layers.0.mlp.down_proj"])]
     assert phases[1][0]["alpha"] == 0.8
-    single = {"layers": {"model.layers.0.mlp.up_proj": {"format": "int4_awq"}}}
+    single = _plan({"model.layers.0.mlp.up_proj": {"format": "int4_awq"}})
     assert calibration_phases(single, quant) == []
 
 
@@ -331,9 +336,9 @@ def test_modelopt_config_disables_kept_layers_and_adds_kv_quantizers():
     from pipeline.config import QuantizationSection
     from pipeline.quant.recipe import modelopt_config
 
-    plan = {"layers": {"model.layers.0.mlp.down_proj": {"format": "high_precision"},
-                       "model.layers.0.mlp.up_proj": {"format": "int8_sq"},
-                       "lm_head": {"format": "high_precision"}}}
+    plan = _plan({"model.layers.0.mlp.down_proj": {"format": "high_precision"},
+                  "model.layers.0.mlp.up_proj": {"format": "int8_sq"},
+                  "lm_head": {"format": "high_precision"}})
     cfg = modelopt_config(plan, QuantizationSection(weight_format="int8_sq", kv_cache="fp8", smoothquant_alpha=0.8))
     entries = cfg["quant_cfg"]
     assert {"quantizer_name": "model.layers.0.mlp.down_proj.*", "enable": False} in entries
@@ -341,7 +346,7 @@ def test_modelopt_config_disables_kept_layers_and_adds_kv_quantizers():
     kv = [e for e in entries if e.get("quantizer_name") == "*[kv]_bmm_quantizer"]
     assert kv and kv[-1]["cfg"]["num_bits"] == (4, 3)
     assert cfg["algorithm"] == {"method": "smoothquant", "alpha": 0.8}
-    awq = modelopt_config({"layers": {}}, QuantizationSection(weight_format="int4_awq", kv_cache="none",
+    awq = modelopt_config(_plan({}), QuantizationSection(weight_format="int4_awq", kv_cache="none",
                                                               awq_group_size=64))
     blocks = [e["cfg"]["block_sizes"] for e in awq["quant_cfg"] if isinstance(e.get("cfg"), dict)
               and "block_sizes" in e["cfg"]]

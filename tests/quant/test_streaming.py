@@ -166,7 +166,7 @@ def test_the_read_back_takes_the_reference_in_a_gpus_bfloat16(tmp_path, tiny_mod
         hidden = model.model(evals).last_hidden_state
     table = json.loads((work / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON).read_text())
     names = [l["name"] for l in table["layers"]]
-    kept = kept_layers(read_plan(work / "plan" / artifacts.PLAN_FILE, names).as_doc())
+    kept = kept_layers(read_plan(work / "plan" / artifacts.PLAN_FILE, names))
     ckpt = out / artifacts.TRTLLM_CHECKPOINT_DIR
     fp32, _ = streaming.read_back_streamed(ckpt, tiny_model_dir, kept=kept, evals=evals, reference_final_hidden=hidden,
                                            device="cpu")

@@ -23,6 +23,7 @@ from pipeline.engines.edgellm import device, env
 from pipeline.errors import InputError, StageFailed
 from pipeline.formats import EDGE_INT4_ALIGN, HIGH_PRECISION
 from pipeline.procs import foreign_python_env, run_group
+from pipeline.summaries import BuildSummary, PublishSummary
 
 WORKER = Path(__file__).with_name("worker.py")
 EXPORT_TIMEOUT_S = 3600
@@ -112,7 +113,7 @@ def compare(check: dict, planned: dict[str, str]) -> tuple[dict[str, str], list[
     return found, problems
 
 
-def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
+def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> BuildSummary:
     """Export, read back, write the device bundle and build_settings.json."""
     from pipeline.targets.edge import platform_of
 
@@ -179,7 +180,7 @@ def _size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def publish_stage(ctx) -> dict:
+def publish_stage(ctx) -> PublishSummary:
     """The device bundle, as the build left it, into the publish stage's folder (what is copied to the device)."""
     build = ctx.upstream("build")
     settings = records.read_build_settings(build)

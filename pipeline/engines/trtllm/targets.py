@@ -55,6 +55,7 @@ from pipeline.engines.trtllm.rules import (
 )
 from pipeline.errors import ConfigError, StageFailed
 from pipeline.fsutil import atomic_write_json, atomic_write_text
+from pipeline.summaries import BuildSummary
 
 log = logging.getLogger(__package__)  # "pipeline.engines.trtllm": log lines name the package, as before the split
 
@@ -196,7 +197,7 @@ def _check_inputs(cfg, ckpt_dir: Path,
     return env, gpu, facts
 
 
-def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> dict:
+def build_tensorrt(ckpt_dir: Path, cfg, out_dir: Path) -> BuildSummary:
     """trtllm-build the TensorRT-LLM checkpoint into out_dir/engine (a child process, log beside it), check
     the engine directory, record provenance, write out_dir/build_settings.json; returns the stage summary."""
     t0 = time.perf_counter()
@@ -312,7 +313,7 @@ def serving_llm_api_options(opts: dict, triton) -> dict:
     return out
 
 
-def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
+def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> BuildSummary:
     """out_dir/llm_api: the HF unified checkpoint and llm_api_options.yaml for TensorRT-LLM's LLM API;
     plus out_dir/build_settings.json. Nothing is compiled: the server loads the checkpoint with these options."""
     t0 = time.perf_counter()
@@ -336,11 +337,11 @@ def build_pytorch(hf_ckpt_dir: Path, cfg, out_dir: Path) -> dict:
             "timing_s": round(time.perf_counter() - t0, 1)}
 
 
-def build_tensorrt_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
+def build_tensorrt_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> BuildSummary:
     """The tensorrt target's build (pipeline.targets.tensorrt): trtllm-build on the TensorRT-LLM checkpoint."""
     return build_tensorrt(ckpt_dir, ctx.config, ctx.out_dir)
 
 
-def build_pytorch_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
+def build_pytorch_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> BuildSummary:
     """The pytorch target's build (pipeline.targets.pytorch): LLM-API options beside the HF unified checkpoint."""
     return build_pytorch(ckpt_dir, ctx.config, ctx.out_dir)

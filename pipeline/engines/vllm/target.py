@@ -30,6 +30,7 @@ from pathlib import Path
 from pipeline import artifacts, console, records
 from pipeline.constants import CHECK_PROMPTS as PROMPTS
 from pipeline.errors import InputError, StageFailed
+from pipeline.summaries import BuildSummary
 
 EXPORT_DIR = artifacts.VLLM_MODEL_DIR
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_file: Path, cfg, out_dir: Path,
-               hf_checkpoint: bool = False) -> dict:
+               hf_checkpoint: bool = False) -> BuildSummary:
     """Export, write the engine arguments, check the export in vLLM, write build_settings.json. ``hf_checkpoint``:
     ``ckpt_dir`` is the HF unified checkpoint (a family with no TensorRT-LLM checkpoint here), exported by
     pipeline.engines.vllm.export_hf."""
@@ -210,7 +211,7 @@ def build_vllm(ckpt_dir: Path, model_dir: Path, *, eval_tokens: Path, accuracy_f
             "timing_s": round(time.perf_counter() - t0, 1)}
 
 
-def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> dict:
+def build_stage(ctx, ckpt_dir: Path, hf_checkpoint: bool = False) -> BuildSummary:
     """The vllm target's build (pipeline.targets.vllm): export ``ckpt_dir`` and check it in vLLM against the
     quantize stage's accuracy figures."""
     return build_vllm(ckpt_dir, ctx.upstream("model") / artifacts.MODEL_DIR,

@@ -16,6 +16,7 @@ from pipeline.release.report.document import Doc
 from pipeline.release.report.sections import add_sections
 from pipeline.release.report.summary import build_summary, five_lines, hash_chain
 from pipeline.release.report.workdir import read_manifests
+from pipeline.summaries import ReportSummary
 
 
 def render(work_dir: Path, out_dir: Path, description: str = "", alerts=None) -> dict:
@@ -39,7 +40,7 @@ def render(work_dir: Path, out_dir: Path, description: str = "", alerts=None) ->
     return summary
 
 
-def write_report(work_dir: Path, out_dir: Path, loaded=None) -> dict:
+def write_report(work_dir: Path, out_dir: Path, loaded=None) -> ReportSummary:
     """The report stage's entry point; the manifest's summary: the five lines and the key flags."""
     summary = render(work_dir, out_dir, loaded.config.description if loaded is not None else "",
                      loaded.config.alerts if loaded is not None else None)

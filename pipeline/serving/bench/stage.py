@@ -64,6 +64,7 @@ from pipeline.serving.bench.target import (
 )
 from pipeline.serving.serve import server_for_target
 from pipeline.serving.server import log_tail
+from pipeline.summaries import BenchSummary
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ THIS, BASELINE = "this build", "baseline"  # target labels
 
 
 def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, build_dir: Optional[Path],
-              out_dir: Path) -> dict:
+              out_dir: Path) -> BenchSummary:
     """The bench stage: sweep this build (and the comparison baseline, if configured); write results and plots."""
     cfg, sla = config.bench, config.sla.bounds()
     targets = _resolve_targets(config, publish_dir, build_dir)
@@ -343,11 +344,11 @@ def _pairs(targets: list[Target]) -> tuple[Optional[Target], dict[str, Target]]:
 
 
 def _summary(targets: list[Target], knees: dict[str, dict], choices: dict[str, dict], sustained: dict[str, dict],
-             bench_s: float) -> dict:
+             bench_s: float) -> BenchSummary:
     """The stage's manifest summary: this build's levels in brief, its peak and knee, and the ratios if compared."""
     main = targets[0]
     top = max(main.levels, key=lambda l: l["output_tokens_per_s"])
-    summary = {
+    summary: BenchSummary = {
         "levels": [_level_summary(l) for l in main.levels],
         "peak_output_tokens_per_s": round(top["output_tokens_per_s"], 2),
         "peak_at_concurrency": top["concurrency"],
