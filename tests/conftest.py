@@ -176,8 +176,9 @@ def _group(item) -> str:
     by = getattr(item.module, "GROUP_PER_PARAM", None)
     callspec = getattr(item, "callspec", None)
     if by and callspec is not None and by in callspec.params:
-        return f"{file}[{callspec.params[by]}]"
-    return file
+        file = f"{file}::{callspec.params[by]}"
+    # xdist reads the group back from after the nodeid's last "@", and only where no "]" follows it
+    return file.replace("@", "_").replace("]", ")").replace("[", "(")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group marks into work units

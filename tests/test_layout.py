@@ -7,9 +7,11 @@ run of the suite gives each test file one worker."""
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -206,3 +208,40 @@ def test_a_parallel_run_gives_each_test_file_one_worker():
         assert group == test.split("::")[0], nodeid  # its file is its group
         workers.setdefault(group, set()).add(worker)
     assert sorted(workers) == sorted(files) and all(len(w) == 1 for w in workers.values()), workers
+
+
+def test_a_parallel_run_gives_each_value_of_a_split_fixture_one_worker_and_one_setup(tmp_path):
+    """A file that sets GROUP_PER_PARAM (tests/conftest.py) is one unit per value of that module fixture: each
+    value's tests run on one worker, and its fixture is set up once (a group name xdist cannot parse back, such as
+    one ending in "]", made every test its own unit and set the fixture up again)."""
+    setups = tmp_path / "setups"
+    (tmp_path / "test_chains.py").write_text(textwrap.dedent(f"""
+        import pytest
+
+        GROUP_PER_PARAM = "chain"
+
+
+        @pytest.fixture(scope="module", params=["a", "b", "c"])
+        def chain(request):
+            with open({str(setups)!r}, "a") as f:
+                f.write(request.param + "\\n")
+            return request.param
+
+
+        @pytest.mark.parametrize("step", [1, 2, 3])
+        def test_step(chain, step):
+            pass
+        """))
+    # tests/conftest.py as a plugin, so its grouping applies to this file outside the tree
+    r = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "conftest", "-n", "2",
+                        "--dist", "loadgroup", "--no-loadscope-reorder", "--rootdir", str(tmp_path), str(tmp_path)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ran = [line.split() for line in r.stdout.splitlines() if line.startswith("[gw") and " PASSED " in line]
+    assert len(ran) == 9, r.stdout[-3000:]
+    workers: dict[str, set[str]] = {}
+    for worker, *_, nodeid in ran:
+        workers.setdefault(nodeid.rpartition("@")[2], set()).add(worker)
+    assert sorted(workers) == [f"test_chains.py::{v}" for v in "abc"] and all(len(w) == 1 for w in workers.values())
+    assert sorted(setups.read_text().split()) == ["a", "b", "c"]  # each value's fixture once
