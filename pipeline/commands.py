@@ -102,7 +102,7 @@ def sweep_dead_runs() -> list[Path]:
     temporary folders a dead run's record lists, pipeline.reaper; Triton's, named after their dead starter),
     and say so. What is not provably ours is left alone and named in the log."""
     removed, _ = reap_dead_runs()
-    removed += remove_stale_leftovers()
+    removed += remove_stale_leftovers(quiet=True)  # said once, below
     if removed:
         print(f"note: removed {len(removed)} leftover(s) of dead runs: {', '.join(p.name for p in removed)}")
     return removed

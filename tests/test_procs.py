@@ -280,6 +280,25 @@ def test_the_sweep_a_run_starts_with_says_what_it_removed(tmp_path, monkeypatch,
         procs.remove_files([shm])
 
 
+def test_the_sweep_names_a_dead_servers_leftover_once_on_a_quiet_console():
+    """A Triton server's temporary folder whose starter is dead (pipeline.serving.server's leftovers): the sweep
+    removes it and the quiet console names it in one line, not again as a log line of the server module."""
+    from pipeline.serving.server import TMP_PREFIX
+
+    dead_pid, _ = _dead_process()
+    left = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{dead_pid}-"))
+    try:
+        r = subprocess.run([sys.executable, "-c", "from pipeline import commands, console\n"
+                            "console.configure()\ncommands.sweep_dead_runs()\nconsole.finish()"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert not left.exists()
+        said = [line for line in (r.stdout + r.stderr).splitlines() if left.name in line]
+        assert len(said) == 1 and said[0].startswith("note: removed"), said
+    finally:
+        shutil.rmtree(left, ignore_errors=True)
+
+
 def test_a_group_run_to_its_end_leaves_no_member_behind_and_its_output_in_the_log(tmp_path):
     """run_group (the vLLM worker's and Edge-LLM's runs): the exit code, the output appended to the log, and a
     child the command left running ended with it, also when the wait times out."""

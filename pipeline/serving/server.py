@@ -165,9 +165,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_leftovers() -> list[Path]:
+def remove_stale_leftovers(*, quiet: bool = False) -> list[Path]:
     """Remove the shared-memory regions and temporary folders of servers whose starting process is dead (a run
-    of this pipeline killed before it could stop its server); returns what was removed."""
+    of this pipeline killed before it could stop its server); returns what was removed, and logs it unless
+    ``quiet`` (the caller says it itself)."""
     removed = []
     candidates = [(p, p.name[len(SHM_PREFIX):].split("_", 1)[0]) for p in SHM_DIR.glob(f"{SHM_PREFIX}*_*")] \
         if SHM_DIR.is_dir() else []
@@ -181,7 +182,7 @@ def remove_stale_leftovers() -> list[Path]:
             removed.append(path)
         except OSError:
             pass
-    if removed:
+    if removed and not quiet:
         log.info("removed %d leftover(s) of dead servers: %s", len(removed), ", ".join(p.name for p in removed))
     return removed
 
