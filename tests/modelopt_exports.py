@@ -13,7 +13,7 @@ from pipeline import families, records
 from pipeline.config import QuantizationSection
 from pipeline.formats import HIGH_PRECISION
 from pipeline.quant.export_checks import check_export
-from pipeline.quant.recipe import calibrate_phase, calibration_phases, kept_layers, modelopt_config
+from pipeline.quant.recipe import calibrate_phase, calibration_phases, modelopt_config
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -35,7 +35,7 @@ def plan_for(base: str, other: str | None) -> records.Plan:
 
 
 def kept(plan: records.Plan) -> set[str]:
-    return kept_layers(plan)
+    return set(plan.kept_high_precision())
 
 
 def quantize_and_export(original, case: str, calib, evals, out_of_tp, kv_cache: str = "none") -> dict:

@@ -11,7 +11,7 @@ from pipeline import artifacts, families, targets
 from pipeline.config import BuildSection, QuantizationSection
 from pipeline.errors import InputError, StageFailed
 from pipeline.formats import AWQ_FORMATS, HIGH_PRECISION, KV_CACHE_ALGOS, MOE_EXPORT_FORMATS, TRTLLM_QUANT_ALGO
-from pipeline.quant.recipe import ROW_PARALLEL, kept_layers, trtllm_name
+from pipeline.quant.recipe import ROW_PARALLEL, trtllm_name
 from pipeline.records import Plan
 
 
@@ -129,7 +129,7 @@ def check_export(ckpt: Path, plan: Plan, quant: QuantizationSection, model_confi
     q = cfg.get("quantization", {})
     problems = []
     moe = families.FAMILIES[model_config["model_type"]].moe
-    kept = {trtllm_name(n, moe) for n in kept_layers(plan)}
+    kept = {trtllm_name(n, moe) for n in plan.kept_high_precision()}
     formats = plan.quantized_formats()
     if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
         problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} "
@@ -199,7 +199,7 @@ def check_hf_export(hf_dir: Path, plan: Plan, quant: QuantizationSection, model_
     q = json.loads(path.read_text()).get("quantization", {})
     formats = plan.quantized_formats()
     layers = list(plan.layers)
-    kept = kept_layers(plan)
+    kept = set(plan.kept_high_precision())
     if q.get("kv_cache_quant_algo") != KV_CACHE_ALGOS[quant.kv_cache]:
         problems.append(f"kv_cache_quant_algo {q.get('kv_cache_quant_algo')} "
                         f"(expected {KV_CACHE_ALGOS[quant.kv_cache]})")

@@ -57,7 +57,7 @@ from pipeline.quant.gate import (
     input_device,
 )
 from pipeline.quant.memory import gpu_bounds, gpu_streams
-from pipeline.quant.recipe import calibrate_phase, calibration_phases, kept_layers, modelopt_config
+from pipeline.quant.recipe import calibrate_phase, calibration_phases, modelopt_config
 from pipeline.quant.tied_head import embedding_bytes, share_tied_embedding
 from pipeline.summaries import QuantizeFigures
 
@@ -112,7 +112,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     calib = torch.as_tensor(load_file(str(calibration_file))[artifacts.TOKENS_KEY])
     evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
     ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
-    kept = kept_layers(plan)
+    kept = set(plan.kept_high_precision())
     if device == "cuda" and not stream:
         stream = gpu_streams(model_dir, quant, compute.layer_streaming, ref_dtype, gpu_bounds(compute))
     if stream:
@@ -278,7 +278,7 @@ def finish_streamed(model_dir: Path, evaluation_file: Path, *, plan_file: Path, 
     comp.return_freed_memory_to_the_os()
     table_layers = {l["name"]: l for l in json.loads(table_file.read_text())["layers"]}
     plan = records.read_plan(plan_file, list(table_layers))
-    kept = kept_layers(plan)
+    kept = set(plan.kept_high_precision())
     evals = torch.as_tensor(load_file(str(evaluation_file))[artifacts.TOKENS_KEY])
     reference = out_dir / READ_BACK_REFERENCE
     hidden = load_torch(str(reference))["hidden"].to(partial["device"])

@@ -40,11 +40,6 @@ def trtllm_name(hf_name: str, moe=None) -> str:
     return f"{layer}.{TRTLLM_MODULE[parts[-1]]}"
 
 
-def kept_layers(plan: Plan) -> set[str]:
-    """The layers the plan keeps in high precision (HF names)."""
-    return set(plan.kept_high_precision())
-
-
 def _algorithm(fmt: str, quant: QuantizationSection):
     """The calibration algorithm a format gets on its own (its ModelOpt preset's; SmoothQuant with our alpha)."""
     import modelopt.torch.quantization as mtq

@@ -384,7 +384,7 @@ def quantize_streamed(model_dir: Path, calib, *, evals, plan: Plan, quant, build
 
     register_custom_model_plugins_on_the_fly(model)
     cfg = None if baseline else recipe.modelopt_config(plan, quant)
-    quantized = set(plan.layers) - recipe.kept_layers(plan)
+    quantized = set(plan.layers) - set(plan.kept_high_precision())
     phases = [] if baseline else recipe.calibration_phases(plan, quant)
     decoder = families.FAMILIES[model_config["model_type"]].decoder_type
     tp = build.tensor_parallel_size

@@ -155,7 +155,6 @@ def test_the_read_back_takes_the_reference_in_a_gpus_bfloat16(tmp_path, tiny_mod
 
     from pipeline import artifacts
     from pipeline.quant import streaming
-    from pipeline.quant.recipe import kept_layers
     from pipeline.records import read_plan
 
     out = _quantize(_tiny_config(tmp_path, tiny_model_dir), tmp_path / "w", "never", *LOOSE)
@@ -166,7 +165,7 @@ def test_the_read_back_takes_the_reference_in_a_gpus_bfloat16(tmp_path, tiny_mod
         hidden = model.model(evals).last_hidden_state
     table = json.loads((work / "sensitivity" / artifacts.SENSITIVITY_TABLE_JSON).read_text())
     names = [l["name"] for l in table["layers"]]
-    kept = kept_layers(read_plan(work / "plan" / artifacts.PLAN_FILE, names))
+    kept = set(read_plan(work / "plan" / artifacts.PLAN_FILE, names).kept_high_precision())
     ckpt = out / artifacts.TRTLLM_CHECKPOINT_DIR
     fp32, _ = streaming.read_back_streamed(ckpt, tiny_model_dir, kept=kept, evals=evals, reference_final_hidden=hidden,
                                            device="cpu")
