@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
-from pipeline import targets
+from pipeline import targets, tenancy
 from pipeline.config.base import SafeName, Strict
 from pipeline.config.build import BuildSection, VllmSection
 from pipeline.config.quantization import ComputeSection, PlanSection, QuantizationSection, SensitivitySection
 from pipeline.config.release import AlertsSection, ImageSection
-from pipeline.config.serving import BenchSection, SlaSection, TritonSection, TuneSection, VerifySection
+from pipeline.config.serving import BenchSection, SlaSection, TenantSection, TritonSection, TuneSection, VerifySection
 from pipeline.config.sources import ModelSection, TextSection
+from pipeline.errors import InputError
 from pipeline.formats import DECISION_COLUMN
 from pipeline.targets.cpu import ADAPTIVE_BATCH_WHAT
 
@@ -36,6 +37,7 @@ class PipelineConfig(Strict):
     sla: SlaSection = SlaSection()
     bench: BenchSection = BenchSection()
     tune: TuneSection = TuneSection()
+    tenants: list[TenantSection] = []
     alerts: AlertsSection = AlertsSection()
     image: ImageSection = ImageSection()
 
@@ -61,6 +63,7 @@ class PipelineConfig(Strict):
                 f"add {decision} to sensitivity.formats (now {list(self.sensitivity.formats)})"
             )
         _check_serving_keys(self.triton, b, self.sla)
+        _check_tenants(self.tenants, self.triton, b)
         if max(self.bench.concurrency) > b.max_batch_size * self.triton.instance_count * 4:
             raise ValueError(
                 f"bench.concurrency goes up to {max(self.bench.concurrency)}, far beyond what "
@@ -100,3 +103,23 @@ def _check_serving_keys(t: TritonSection, b: BuildSection, sla: SlaSection) -> N
     if unread:
         raise ValueError(f"triton.{unread[0]} sets TensorRT-LLM's executor (build.target: tensorrt or pytorch); "
                          f"the {b.target} target has no such setting")
+
+
+def _check_tenants(tenants: list[TenantSection], t: TritonSection, b: BuildSection) -> None:
+    """Tenants on a target whose runtime partitions its KV pool, named once each, their shares within the pool the
+    runtime will hold (max_running or max_batch_size sequences of max_seq_len), their classes among the levels."""
+    if not tenants:
+        return
+    target = targets.get(b.target)
+    if "tenants" not in target.serving_settings:
+        raise ValueError(f"tenants: the cpu runtime partitions its KV pool per tenant; the {b.target} target does not "
+                         f"(yet){target.serving_setting_note('tenants')}. Serve tenants with build.target: cpu")
+    for i, x in enumerate(tenants):
+        if x.priority_level is not None and x.priority_level > (t.priority_levels or 0):
+            raise ValueError(f"tenants[{i}].priority_level {x.priority_level}: must be one of the levels "
+                             f"1..triton.priority_levels ({t.priority_levels or 'not set'})")
+    pool = (t.max_running or b.max_batch_size) * -(-b.max_seq_len // b.kv_cache.tokens_per_block)
+    try:
+        tenancy.TenantBook(tenancy.specs_from(tenants), pool)
+    except InputError as e:
+        raise ValueError(str(e)) from None

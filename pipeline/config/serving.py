@@ -92,6 +92,27 @@ class TritonSection(Strict):
         return v
 
 
+class TenantSection(Strict):
+    """One tenant of a shared deployment (the top-level ``tenants:`` list; pipeline/tenancy.py,
+    docs/serving/tenants.md). cpu target: its requests are admitted only while their KV blocks (prompt and max
+    tokens, at full length) fit its share of the runtime's pool; the tenant ``default`` (requests naming none) takes
+    the blocks no tenant has."""
+
+    name: SafeName
+    kv_share: Optional[float] = Field(None, gt=0, le=1)  # a fraction of the KV pool's blocks
+    kv_blocks: Optional[int] = Field(None, ge=1)  # or a count of them
+    priority_level: Optional[int] = Field(None, ge=1)  # its request class (triton.priority_levels), when it sends none
+    max_concurrency: Optional[int] = Field(None, ge=1)  # requests in flight (waiting or running); more are refused
+    tokens_per_minute: Optional[int] = Field(None, ge=1)  # prompt plus max tokens, a bucket of one minute's
+
+    @model_validator(mode="after")
+    def _one_share(self) -> "TenantSection":
+        if (self.kv_share is None) == (self.kv_blocks is None):
+            raise ValueError(f"tenant {self.name}: give exactly one of kv_share (a fraction of the KV pool) and "
+                             f"kv_blocks (a block count)")
+        return self
+
+
 class VerifySection(Strict):
     """`invoke verify` (pipeline/serving/verify.py): how much each check asks of the server."""
 

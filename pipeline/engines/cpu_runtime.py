@@ -36,13 +36,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from pipeline import artifacts, families
 from pipeline.errors import InputError, IntegrityError
 from pipeline.quant.quant_math import FP8_MAX
+from pipeline.tenancy import DEFAULT_TENANT, TenantBook, TenantSpec
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,11 @@ class _StepCache:
 class Request:
     """One submitted prompt: stream its tokens, wait for all of them, or cancel it (thread-safe)."""
 
-    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, priority: int = 0):
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+                 tenant: str = DEFAULT_TENANT, on_finish: Optional[Callable[["Request"], None]] = None):
         self.id, self.prompt_ids, self.params, self.priority = request_id, prompt_ids, params, priority
+        self.tenant = tenant
+        self._on_finish = on_finish  # the runtime's: its tenant's blocks and place in flight come back
         self.output_ids: list[int] = []
         self.first_token_at: Optional[float] = None  # time.perf_counter() when its first token came out
         self.finished_at: Optional[float] = None  # time.perf_counter() when it ended
@@ -259,6 +263,8 @@ class Request:
         if self._done.is_set():
             return
         self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
+        if self._on_finish is not None:
+            self._on_finish(self)
         self._tokens.put(_DONE)
         self._done.set()
 
@@ -332,11 +338,14 @@ class CpuRuntime:
     per scheduler step, in the same forward as the running sequences' next tokens (chunked prefill, as
     TensorRT-LLM's chunked context: a running sequence then waits for one chunk's compute between two of its
     tokens, not for every admitted prompt whole); None: each admitted prompt is prefilled whole, in a forward
-    of its own, in the step that admits it."""
+    of its own, in the step that admits it.
+
+    ``tenants``: partitions of the KV pool (``pipeline.tenancy``): a tenant's requests are admitted only while the
+    blocks of their full lengths fit its share, and wait otherwise; other tenants' requests go past them."""
 
     def __init__(self, model, pool: KVBlockPool, *, settings: dict, eos_token_id: Optional[int],
                  adaptive: Optional[AdaptiveBatchLimit] = None, max_running: Optional[int] = None,
-                 prefill_chunk: Optional[int] = None):
+                 prefill_chunk: Optional[int] = None, tenants: Sequence[TenantSpec] = ()):
         if prefill_chunk is not None and prefill_chunk < 1:
             raise InputError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
         self.model, self.pool, self.settings = model, pool, settings
@@ -350,6 +359,7 @@ class CpuRuntime:
         self.max_input_len = settings["max_input_len"]
         self.max_seq_len = settings["max_seq_len"]
         self.tokens_per_block = settings["tokens_per_block"]
+        self.tenants = TenantBook(tenants, pool.num_blocks) if tenants else None
         self._waiting: list[Request] = []
         self._prefilling: list[_Sequence] = []  # admitted; their prompts partly in the pool (chunked prefill)
         self._running: list[_Sequence] = []
@@ -368,13 +378,15 @@ class CpuRuntime:
     @classmethod
     def load(cls, bundle_dir: Path | str, *, quantize_kv_cache: bool = True, threads: Optional[int] = None,
              layer_streaming: Optional[str] = None, adaptive_target_ms: Optional[float] = None,
-             max_running: Optional[int] = None, prefill_chunk: Optional[int] = None) -> "CpuRuntime":
+             max_running: Optional[int] = None, prefill_chunk: Optional[int] = None,
+             tenants: Sequence[TenantSpec] = ()) -> "CpuRuntime":
         """``quantize_kv_cache=False`` keeps the KV cache in fp32 (for comparisons with the unquantized cache).
         ``layer_streaming`` (auto | always | never) overrides the bundle's ``runtime.json``: see
         ``weights_streamed``. ``adaptive_target_ms``: keep the step latency there with an
         ``AdaptiveBatchLimit`` (None: run up to the limit at once, always). ``max_running``: at most this many
         sequences at once (None: the build's max_batch_size; more is refused); the KV pool is sized for them.
-        ``prefill_chunk``: prompt tokens prefilled per step (None: whole prompts)."""
+        ``prefill_chunk``: prompt tokens prefilled per step (None: whole prompts). ``tenants``: the KV pool's
+        partitions (none: one pool for every request)."""
         bundle = Path(bundle_dir)
         settings = read_settings(bundle)
         limit = running_limit(settings, max_running)
@@ -400,19 +412,24 @@ class CpuRuntime:
         adaptive = (AdaptiveBatchLimit(adaptive_target_ms, limit, chunk=prefill_chunk,
                                        max_chunk=settings["max_input_len"]) if adaptive_target_ms else None)
         rt = cls(model, pool, settings=settings, eos_token_id=eos, adaptive=adaptive, max_running=limit,
-                 prefill_chunk=prefill_chunk)
+                 prefill_chunk=prefill_chunk, tenants=tenants)
         rt.layer_streaming = streamed
         return rt
 
     # -- public API
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), priority: int = 0) -> Request:
+    def submit(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), priority: int = 0,
+               tenant: Optional[str] = None) -> Request:
         """Queue a prompt. ``priority``: the lower, the sooner it is admitted (and prefilled) among the waiting
         requests, as Triton's priority levels (1 the highest) and vLLM's priority order; equal priorities go first
         come, first served. When every slot is taken, a request of a more urgent class pauses the least urgent
         running sequence of a less urgent one (the latest admitted among equals), as TensorRT-LLM's scheduler
         pauses requests: its KV blocks stay in the pool, and it resumes, ahead of its class's waiting requests, when
-        a slot frees. A sequence is only paused where the pool holds the urgent request's full length beside it."""
+        a slot frees. A sequence is only paused where the pool holds the urgent request's full length beside it.
+
+        ``tenant``: with tenants, the request's (none: the default tenant); an unknown one, or a request its share
+        could never hold, is an InputError; a tenant at its concurrency or token-rate limit gets
+        ``pipeline.tenancy.TenantLimitError``, which says when to retry."""
         prompt = [int(t) for t in prompt_ids]
         params.check()
         vocab = self.model.config.vocab_size
@@ -427,10 +444,16 @@ class CpuRuntime:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InputError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        if self.tenants is None and tenant:
+            raise InputError(f"unknown tenant {tenant!r}: this deployment has no tenants (send none)")
+        name = self.tenants.resolve(tenant) if self.tenants is not None else DEFAULT_TENANT
         with self._lock:
             if self._closed:
                 raise RuntimeError("the runtime is closed")
-            req = Request(self._next_id, prompt, params, int(priority))
+            req = Request(self._next_id, prompt, params, int(priority), tenant=name,
+                          on_finish=self._tenant_done if self.tenants is not None else None)
+            if self.tenants is not None:
+                self.tenants.accept(name, req.id, len(prompt) + params.max_new_tokens, self._full_blocks(req))
             self._next_id += 1
             self._waiting.append(req)
             self._lock.notify()
@@ -452,7 +475,8 @@ class CpuRuntime:
                 "requests_waiting": waiting, "requests_paused": paused, "requests_generating": len(self._running),
                 "requests_max": self.max_running, "batch_limit": self._batch_limit(),
                 "kv_fragmentation": 1 - held / slots if slots else 0.0,
-                "decode_computed_tokens": computed, "decode_real_tokens": real}
+                "decode_computed_tokens": computed, "decode_real_tokens": real,
+                **({"tenants": self.tenants.stats()} if self.tenants is not None else {})}
 
     def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> list[int]:
         return self.submit(prompt_ids, params).result()
@@ -522,13 +546,19 @@ class CpuRuntime:
         A request is admitted only where the pool holds its full length (prompt and max_new_tokens) beside the
         full lengths of every admitted sequence, paused ones included: a running sequence never finds the pool
         empty. Where the most urgent request does not fit, nothing waiting overtakes it, but paused sequences
-        resume into free slots (their blocks are already theirs), so the blocks they hold come back."""
+        resume into free slots (their blocks are already theirs), so the blocks they hold come back.
+
+        With tenants, a waiting request whose tenant's share cannot hold it beside its tenant's admitted requests
+        is passed over: it waits for its own tenant's blocks, never another's, and holds no one else back."""
         self._paused = self._without_cancelled(self._paused)
+        self._waiting = self._waiting_not_cancelled()
         admit: list[Request] = []
-        while self._waiting or self._paused:
-            key, i, is_paused = min([((r.priority, r.id), i, False) for i, r in enumerate(self._waiting)]
-                                    + [((s.request.priority, s.request.id), i, True)
-                                       for i, s in enumerate(self._paused)])
+        while True:
+            candidates = [((r.priority, r.id), i, False) for i, r in enumerate(self._waiting) if self._tenant_fits(r)]
+            candidates += [((s.request.priority, s.request.id), i, True) for i, s in enumerate(self._paused)]
+            if not candidates:
+                break
+            key, i, is_paused = min(candidates)
             if not is_paused and self._full_blocks(self._waiting[i]) > self._spare_blocks(admit):
                 slots = self._batch_limit() - len(self._prefilling) - len(self._running) - len(admit)
                 self._paused.sort(key=lambda s: (s.request.priority, s.request.id))
@@ -546,8 +576,29 @@ class CpuRuntime:
             if is_paused:
                 self._running.append(self._paused.pop(i))
             else:
-                admit.append(self._waiting.pop(i))
+                req = self._waiting.pop(i)
+                if self.tenants is not None:
+                    self.tenants.reserve(req.tenant, req.id, self._full_blocks(req))
+                admit.append(req)
         return admit
+
+    def _tenant_fits(self, req: Request) -> bool:
+        return self.tenants is None or self.tenants.fits(req.tenant, self._full_blocks(req))
+
+    def _tenant_done(self, req: Request) -> None:
+        if self.tenants is not None:
+            self.tenants.finish(req.tenant, req.id)
+
+    def _waiting_not_cancelled(self) -> list[Request]:
+        """The waiting requests less those cancelled before admission, which end here (with tenants, one may
+        wait long for its tenant's blocks)."""
+        keep = []
+        for req in self._waiting:
+            if req._cancelled.is_set():
+                req._finish("cancelled")
+            else:
+                keep.append(req)
+        return keep
 
     def _batch_limit(self) -> int:
         return self.adaptive.limit if self.adaptive is not None else self.max_running

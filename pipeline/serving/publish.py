@@ -44,7 +44,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import yaml
 
@@ -61,6 +61,7 @@ from pipeline.fsutil import (
 )
 from pipeline.serving.image_tags import trtllm_version_of_tag
 from pipeline.summaries import PublishSummary
+from pipeline.targets.base import tenant_parameters
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ def _batching(msg, triton) -> None:
 
 
 # the client-facing inputs shared by the ensemble and the streaming model
-def _text_inputs(triton) -> list:
+def _text_inputs(triton, tenanted: bool) -> list:
     return [
         _inp("text_input", "STRING", [1]),
         _inp("max_tokens", "INT32", [1]),
@@ -173,6 +174,7 @@ def _text_inputs(triton) -> list:
         _inp("top_p", "FP32", [1], optional=True),
         _inp("seed", "UINT64", [1], optional=True),
         *_priority_input(triton),
+        *_tenant_input(tenanted),
     ]
 
 
@@ -181,7 +183,12 @@ def _priority_input(triton, **kwargs) -> list:
     return [_inp("priority", "INT32", [1], optional=True, **kwargs)] if triton.priority_levels else []
 
 
-def _llm_io(msg, triton, reshape: bool = True, streaming: bool = True) -> None:
+def _tenant_input(tenanted: bool, **kwargs) -> list:
+    """The tenant a request belongs to (none: the default tenant), where the config has tenants."""
+    return [_inp("tenant", "STRING", [1], optional=True, **kwargs)] if tenanted else []
+
+
+def _llm_io(msg, triton, tenanted: bool, reshape: bool = True, streaming: bool = True) -> None:
     """The tensorrtllm backend's inputs/outputs; the Python variants take exactly these too."""
     scalar: dict[str, list[int]] = dict(reshape=[]) if reshape else {}
     msg.input.extend([
@@ -196,6 +203,7 @@ def _llm_io(msg, triton, reshape: bool = True, streaming: bool = True) -> None:
         _inp("runtime_top_p", "FP32", [1], optional=True, **scalar),
         _inp("seed", "UINT64", [1], optional=True, **scalar),
         *_priority_input(triton, **scalar),
+        *_tenant_input(tenanted, **scalar),
     ])
     if streaming:
         msg.input.append(_inp("streaming", "BOOL", [1], optional=True, **scalar))
@@ -203,8 +211,11 @@ def _llm_io(msg, triton, reshape: bool = True, streaming: bool = True) -> None:
 
 
 def build_model_configs(triton, settings: records.BuildSettings, *, names: ModelNames, version: int, serving_root: str,
-                        adaptive_target_ms: Optional[float] = None) -> dict:
-    """{model name: ModelConfig message} for the built target (``settings``: build_settings.json)."""
+                        adaptive_target_ms: Optional[float] = None, tenants: Sequence[Any] = ()) -> dict:
+    """{model name: ModelConfig message} for the built target (``settings``: build_settings.json). ``tenants``: the
+    config's (a ``tenant`` input on every client-facing model and the engine model, and the engine model's
+    ``tenants`` parameter; the config admits them only on a target whose runtime reads them)."""
+    tenanted = bool(tenants)
     pb = _pb()
     target = settings.target
     bs = settings.max_batch_size
@@ -231,12 +242,12 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
     engine = targets.get(target)
     llm = _base(names.tensorrt_llm, bs, backend=engine.triton_backend)
     llm.model_transaction_policy.decoupled = triton.decoupled
-    _llm_io(llm, triton)
+    _llm_io(llm, triton, tenanted)
     _batching(llm, triton)
     params, count, kind = engine.llm_model(triton, settings, serving_root=serving_root, llm_model=names.tensorrt_llm,
                                            preprocessing=names.preprocessing, version=version,
                                            adaptive_target_ms=adaptive_target_ms)
-    _params(llm, params)
+    _params(llm, {**params, **tenant_parameters(tenants)})
     _instances(llm, count, kind)
     out[llm.name] = llm
 
@@ -252,7 +263,7 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
     if triton.decoupled:
         unary = _base(names.unary, bs, backend="python")
         # no "streaming" input: one response is the point; no reshape: its tensors go on to tensorrt_llm as they came
-        _llm_io(unary, triton, reshape=False, streaming=False)
+        _llm_io(unary, triton, tenanted, reshape=False, streaming=False)
         _params(unary, {"tensorrt_llm_model": names.tensorrt_llm})
         _instances(unary, triton.instance_count)
         _batching(unary, triton)
@@ -260,7 +271,7 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
 
         stream = _base(names.stream, bs, backend="python")
         stream.model_transaction_policy.decoupled = True
-        stream.input.extend(_text_inputs(triton))
+        stream.input.extend(_text_inputs(triton, tenanted))
         stream.output.extend([_out("text_output", "STRING", [1]), _out("output_ids", "INT32", [-1])])
         _params(stream, {"preprocessing_model": names.preprocessing, "tensorrt_llm_model": names.tensorrt_llm,
                          "postprocessing_model": names.postprocessing})
@@ -268,7 +279,7 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
         out[stream.name] = stream
 
     ens = _base(names.ensemble, bs, platform="ensemble")
-    ens.input.extend(_text_inputs(triton))
+    ens.input.extend(_text_inputs(triton, tenanted))
     ens.output.extend([_out("text_output", "STRING", [-1]), _out("output_ids", "INT32", [-1, -1]),
                        _out("sequence_length", "INT32", [-1])])
     step = pb.ModelEnsembling.Step
@@ -281,7 +292,8 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
     for name in ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list"):
         llm_step.input_map[name] = f"_{name}"
     for theirs, ours in (("temperature", "temperature"), ("runtime_top_k", "top_k"), ("runtime_top_p", "top_p"),
-                         ("seed", "seed"), *((("priority", "priority"),) if triton.priority_levels else ())):
+                         ("seed", "seed"), *((("priority", "priority"),) if triton.priority_levels else ()),
+                         *((("tenant", "tenant"),) if tenanted else ())):
         llm_step.input_map[theirs] = ours
     llm_step.output_map["output_ids"] = "output_ids"
     llm_step.output_map["sequence_length"] = "sequence_length"
@@ -473,6 +485,7 @@ def assemble(config, settings: records.BuildSettings, *, artifact: Path, tokeniz
     name: its ModelConfig}."""
     adaptive = config.sla.p99_itl_ms if config.triton.adaptive_batch else None
     configs = build_model_configs(config.triton, settings, names=names, version=version, serving_root=serving_root,
+                                  tenants=config.tenants,
                                   adaptive_target_ms=adaptive)
     texts = {name: config_text(msg) for name, msg in configs.items()}
     for name, src in ((names.preprocessing, "preprocessing"), (names.postprocessing, "postprocessing")):

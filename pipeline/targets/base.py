@@ -32,7 +32,7 @@ SERVER_TRITON_VLLM = "triton-vllm"  # the same server, its Python models in vLLM
 SERVER_VLLM_OPENAI = "vllm-openai"  # vLLM's own OpenAI server
 SERVER_IMAGE_TRITON = "image-triton"  # the Triton TensorRT-LLM image's tritonserver, one per GPU rank where needed
 SERVING_SETTINGS = ("adaptive_batch", "max_running", "prefill_chunk_tokens", "priority_levels", "scheduler_policy",
-                    "kv_cache_free_gpu_memory_fraction")
+                    "kv_cache_free_gpu_memory_fraction", "tenants")
 # What a target needs of this machine to build and serve it (Target.requirements), each one check of `invoke
 # doctor` (pipeline.doctor, which says how to get what is missing):
 NEEDS_TRITON = "triton-server"  # nvidia-pytriton's tritonserver (SERVER_TRITON, SERVER_TRITON_VLLM)
@@ -194,6 +194,14 @@ def priority_parameters(triton: Any) -> dict[str, int]:
     class."""
     return {"priority_levels": triton.priority_levels or 0,
             "default_priority_level": triton.default_priority_level or triton.priority_levels or 0}
+
+
+def tenant_parameters(tenants: Any) -> dict[str, str]:
+    """The config's tenants as the Python engine models read them (a JSON list; triton_repo/common/llm_serving.py):
+    none, no parameter."""
+    import json
+
+    return {"tenants": json.dumps([x.model_dump(exclude_none=True) for x in tenants])} if tenants else {}
 
 
 def watchdog_parameters(triton: Any) -> dict[str, float]:

@@ -23,7 +23,8 @@ class CpuTarget(Target):
     model_code = "tensorrt_llm_cpu"
     build_entry = "pipeline.engines.build:build_stage"
     kv_formats = ("int8", "fp8", "none")
-    serving_settings = frozenset({"adaptive_batch", "max_running", "prefill_chunk_tokens", "priority_levels"})
+    serving_settings = frozenset({"adaptive_batch", "max_running", "prefill_chunk_tokens", "priority_levels",
+                                  "tenants"})
     single_process = True
     reference_runtime = True
     report_note = ("Target `cpu`: the CPU reference runtime (pipeline.engines.cpu_runtime) serving the exported "

@@ -19,6 +19,7 @@ from pipeline.errors import InputError
 from pipeline.quant import quant_math as qm
 from pipeline.runner import Runner
 from pipeline.stages import STAGES
+from pipeline.tenancy import TenantLimitError, TenantSpec
 
 pytest.importorskip("modelopt.torch.quantization")
 
@@ -433,3 +434,81 @@ def test_with_chunked_prefill_a_more_urgent_prompt_is_prefilled_first(bundle):
                 reqs = {"batch": rt.submit(PROMPTS[2], params, 2), "urgent": rt.submit(PROMPTS[1], params, urgency)}
             assert [len(r.result(timeout=120)) for r in reqs.values()] == [4, 4]
             assert _by_first_token(reqs) == expected
+
+
+# ---------------------------------------------------------------- tenants: the pool partitioned
+
+
+def _held_by(rt: CpuRuntime, tenant: str) -> int:
+    """KV blocks the tenant's sequences hold in the pool now."""
+    with rt._lock:
+        return sum(len(s.blocks) for s in rt._prefilling + rt._running + rt._paused if s.request.tenant == tenant)
+
+
+def _flood_then_interactive(rt: CpuRuntime, **tenant_of) -> tuple[list, object, list[int]]:
+    """Four long requests (27 blocks each at full length), then one short one, queued in one go; the most blocks
+    the long ones' tenant held at once, sampled until all are answered."""
+    long, short = SamplingParams(max_new_tokens=100, end_id=-1), SamplingParams(max_new_tokens=6, end_id=-1)
+    with rt._lock:
+        hogs = [rt.submit(PROMPTS[0], long, tenant=tenant_of.get("hogs")) for _ in range(4)]
+        quick = rt.submit(PROMPTS[1], short, tenant=tenant_of.get("quick"))
+    held = []
+    while not all(r.done for r in [*hogs, quick]):
+        held.append(_held_by(rt, tenant_of.get("hogs") or "default"))
+        time.sleep(0.005)
+    return hogs, quick, held
+
+
+def test_a_tenant_never_holds_more_than_its_share_and_another_tenants_request_goes_past_its_queue(bundle, runtime):
+    """A pool of 128 blocks (4 sequences of 32): tenant a has 40 blocks, room for one 107-token request (27 blocks)
+    at a time; b a quarter. a floods with four; b's short request, queued behind them, is admitted at once and
+    answered while a's first still runs. In one shared pool the four take every slot and the short request waits
+    for the first to end. The answers are the plain runtime's either way, and every block comes back."""
+    tenants = [TenantSpec("a", kv_blocks=40), TenantSpec("b", kv_share=0.25)]
+    with CpuRuntime.load(bundle / "cpu_bundle", tenants=tenants) as rt:
+        assert rt.pool.num_blocks == 128
+        assert {n: t["quota_blocks"] for n, t in rt.stats()["tenants"].items()} == {"a": 40, "b": 32, "default": 56}
+        hogs, quick, held = _flood_then_interactive(rt, hogs="a", quick="b")
+        assert max(held) <= 40 and max(held) >= 26  # one at a time, at up to its full length
+        assert quick.finished_at < hogs[0].finished_at
+        assert all(hogs[i].finished_at < hogs[i + 1].first_token_at for i in range(3))
+        got = [r.result() for r in [*hogs, quick]]
+        stats = rt.stats()["tenants"]
+        assert stats["a"] == {"quota_blocks": 40, "reserved_blocks": 0, "in_flight": 0, "accepted": 4, "rejected": 0}
+        assert stats["b"]["accepted"] == 1 and rt.pool.free_blocks == rt.pool.num_blocks
+    with CpuRuntime.load(bundle / "cpu_bundle") as shared:
+        hogs, quick, held = _flood_then_interactive(shared)
+        assert max(held) > 40 and quick.first_token_at > hogs[0].finished_at
+    expected = runtime.generate(PROMPTS[0], SamplingParams(max_new_tokens=100, end_id=-1))
+    assert got == [expected] * 4 + [runtime.generate(PROMPTS[1], SamplingParams(max_new_tokens=6, end_id=-1))]
+
+
+def test_tenant_requests_are_refused_with_what_to_fix_or_when_to_retry(bundle, runtime):
+    """An unknown tenant, a request the tenant's share could never hold, a tenant named where there are none: input
+    errors. b at its max_concurrency: a TenantLimitError with a retry hint, counted; a request cancelled while it
+    waits for its tenant's blocks gives its place back."""
+    params = SamplingParams(max_new_tokens=6, end_id=-1)
+    with pytest.raises(InputError, match="unknown tenant 'a': this deployment has no tenants"):
+        runtime.submit(PROMPTS[1], params, tenant="a")
+    tenants = [TenantSpec("a", kv_blocks=30), TenantSpec("b", kv_blocks=8, max_concurrency=1)]
+    with CpuRuntime.load(bundle / "cpu_bundle", tenants=tenants) as rt:
+        with pytest.raises(InputError, match=r"unknown tenant 'c': this deployment serves a, b"):
+            rt.submit(PROMPTS[1], params, tenant="c")
+        with pytest.raises(InputError, match="needs 27 KV blocks at its full length, more than tenant b's share of 8"):
+            rt.submit(PROMPTS[0], SamplingParams(max_new_tokens=100, end_id=-1), tenant="b")
+        with rt._lock:
+            first = rt.submit(PROMPTS[1], params, tenant="b")
+            with pytest.raises(TenantLimitError, match="tenant b has 1 requests in flight") as e:
+                rt.submit(PROMPTS[1], params, tenant="b")
+        assert e.value.retry_after_s >= 1 and len(first.result(timeout=60)) == 6
+        assert len(rt.submit(PROMPTS[1], params, tenant="b").result(timeout=60)) == 6  # its place came back
+        with rt._lock:
+            running = rt.submit(PROMPTS[0], SamplingParams(max_new_tokens=80, end_id=-1), tenant="a")
+            waiting = rt.submit(PROMPTS[0], SamplingParams(max_new_tokens=80, end_id=-1), tenant="a")
+        next(running.stream())
+        waiting.cancel()
+        assert len(running.result(timeout=120)) == 80 and waiting.result(timeout=60) == []
+        assert waiting.finish_reason == "cancelled"
+        stats = rt.stats()["tenants"]
+        assert (stats["b"]["accepted"], stats["b"]["rejected"]) == (2, 1)
+        assert stats["a"]["in_flight"] == stats["a"]["reserved_blocks"] == 0

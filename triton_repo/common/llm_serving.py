@@ -7,7 +7,8 @@ inputs (with the batch dimension; one sequence per request): ``input_ids`` INT32
 INT32 [1], ``request_output_len`` INT32 [1]; optional ``end_id``, ``pad_id`` INT32 [1], ``temperature`` FP32
 [1], ``runtime_top_k`` INT32 [1], ``runtime_top_p`` FP32 [1], ``seed`` UINT64 [1], ``streaming`` BOOL
 [1], ``stop_words_list`` INT32 [2, -1]; with request classes (parameter ``priority_levels``: cpu, vllm)
-``priority`` INT32 [1]: a level 1..N, 1 the highest (Triton's convention), none or 0 the default level;
+``priority`` INT32 [1]: a level 1..N, 1 the highest (Triton's convention), none or 0 the default level; with
+tenants (parameter ``tenants``, a JSON list: cpu) ``tenant`` BYTES [1], none the default tenant;
 outputs: ``output_ids`` INT32 [-1, -1] (beam x generated tokens, the prompt excluded), ``sequence_length``
 INT32 [-1] (tokens per beam in this response).
 
@@ -61,6 +62,15 @@ PIPELINE_FAMILY, PIPELINE_LABEL = "trtllm_pipeline_model_metrics", "metric_type"
 PIPELINE_VALUES = ("kv_fragmentation", "padding_factor", "failed_requests_last_minute", "resident_memory_bytes",
                    "resident_memory_growth_bytes_per_s", "watchdog_tripped", "latency_p50_ms", "latency_p99_ms",
                    "latency_p99_over_p50", "latency_jitter", "token_gap_jitter")
+# With tenants (the engine's stats() has "tenants"), one series per tenant, label "tenant" (the seeds' names for the
+# quota pair; pipeline/release/alerts.py's TENANT_SERIES lists them for the rules and the dashboard):
+# tenant_quota_usage: KV blocks reserved by its admitted requests (each at its full length), tenant_quota_limit: its
+# share; tenant_requests_total / tenant_rejections_total (counters): requests accepted / refused at its limit;
+# tenant_latency_p99_ms, tenant_first_token_p99_ms: over its requests answered in the last minute.
+TENANT_GAUGES = {"tenant_quota_usage": "reserved_blocks", "tenant_quota_limit": "quota_blocks"}
+TENANT_COUNTERS = {"tenant_requests_total": "accepted", "tenant_rejections_total": "rejected"}
+TENANT_QOS = ("tenant_latency_p99_ms", "tenant_first_token_p99_ms")
+DEFAULT_TENANT = "default"  # pipeline.tenancy.DEFAULT_TENANT: requests naming no tenant
 
 
 class BadRequest(ValueError):
@@ -79,6 +89,7 @@ class Job:
     streaming: bool
     stop_words: list[list[int]]
     priority: int = 0  # the request's class, 1 the highest (0: one class for all)
+    tenant: str = ""  # the tenant it names ("": none, the default tenant)
 
 
 class Handle:
@@ -112,6 +123,10 @@ class GenerationModel:
             on_trip=lambda cause: watchdog.stop_server(name, cause))
         self.faults = watchdog.Faults()
         self.latency = watchdog.LatencyWindow()
+        tenants = json.loads(self.params.get("tenants") or "[]")
+        self._tenant_levels = {t["name"]: int(t.get("priority_level") or 0) for t in tenants}
+        # per tenant: end-to-end and first-token latency windows (TENANT_QOS), made as tenants are seen
+        self._tenant_qos: dict[str, tuple] = {}
         self._memory_growth = 0.0
         threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
         self._start_metrics(name, args["model_version"])
@@ -157,10 +172,13 @@ class GenerationModel:
         for value in PIPELINE_VALUES:
             ours[value] = fam.Metric(labels={PIPELINE_LABEL: value, **labels})
 
+        tenant_series = self._tenant_metrics(labels)
+
         def refresh() -> None:
             before = (0, 0)
             while True:
                 figures = self.stats() or {}
+                tenant_series(figures.get("tenants") or {})
                 for key, gauge in gauges.items():
                     gauge.set(float(figures.get(key, 0)))
                 used, most = figures.get("kv_used_blocks", 0), figures.get("kv_max_blocks", 0)
@@ -179,6 +197,50 @@ class GenerationModel:
                 time.sleep(METRICS_S)
 
         threading.Thread(target=refresh, name="metrics", daemon=True).start()
+
+    def _tenant_metrics(self, labels: dict):
+        """The per-tenant families (TENANT_GAUGES, TENANT_COUNTERS, TENANT_QOS) where the model has tenants; returns
+        the refresh for one stats() reading of them ({tenant: figures})."""
+        if not self._tenant_levels:
+            return lambda tenants: None
+        kinds = [(TENANT_GAUGES, pb_utils.MetricFamily.GAUGE), (TENANT_COUNTERS, pb_utils.MetricFamily.COUNTER),
+                 (dict.fromkeys(TENANT_QOS), pb_utils.MetricFamily.GAUGE)]
+        families = {}
+        for names, kind in kinds:
+            for name in names:
+                families[name] = pb_utils.MetricFamily(name=name, description=f"{name} per tenant (llm_serving.py)",
+                                                       kind=kind)
+        self._metric_families += list(families.values())
+        metrics: dict[tuple[str, str], object] = {}
+        counted: dict[tuple[str, str], float] = {}
+
+        def metric(name: str, tenant: str):
+            if (name, tenant) not in metrics:
+                metrics[name, tenant] = families[name].Metric(labels={"tenant": tenant, **labels})
+            return metrics[name, tenant]
+
+        def refresh(tenants: dict) -> None:
+            for tenant, figures in tenants.items():
+                for name, key in TENANT_GAUGES.items():
+                    metric(name, tenant).set(float(figures.get(key, 0)))
+                for name, key in TENANT_COUNTERS.items():
+                    now, before = float(figures.get(key, 0)), counted.get((name, tenant), 0.0)
+                    counter = metric(name, tenant)  # exported from 0 on, before the first request
+                    if now > before:
+                        counter.increment(now - before)
+                    counted[name, tenant] = now
+                e2e, first = self._qos_of(tenant)
+                metric("tenant_latency_p99_ms", tenant).set(e2e.figures()["latency_p99_ms"])
+                metric("tenant_first_token_p99_ms", tenant).set(first.figures()["latency_p99_ms"])
+
+        return refresh
+
+    def _qos_of(self, tenant: str) -> tuple:
+        """The tenant's (end-to-end, first-token) latency windows."""
+        with self._lock:
+            if tenant not in self._tenant_qos:
+                self._tenant_qos[tenant] = (watchdog.LatencyWindow(), watchdog.LatencyWindow())
+            return self._tenant_qos[tenant]
 
     def submit(self, job: Job) -> Handle:
         raise NotImplementedError
@@ -202,6 +264,14 @@ class GenerationModel:
                 sender.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
                 continue
             except Exception as e:  # noqa: BLE001 - answered, logged by the server
+                retry_after = getattr(e, "retry_after_s", None)  # a tenant at its limit: pipeline.tenancy
+                if retry_after is not None:
+                    # Triton's HTTP frontend answers UNAVAILABLE with 503 and sets no header from a model, so the
+                    # time travels in the message (a gateway in front answers 429 and Retry-After:
+                    # docs/serving/tenants.md)
+                    sender.send(_error(f"{e}; retry after {retry_after} s", pb_utils.TritonError.UNAVAILABLE),
+                                flags=FINAL)
+                    continue
                 sender.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
                 self.watchdog.error()
                 continue
@@ -231,6 +301,8 @@ class GenerationModel:
         end_id = llm_io.scalar(get("end_id"))
         seed = llm_io.scalar(get("seed"))
         words = get("stop_words_list")
+        tenant = llm_io.scalar(get("tenant"), b"")
+        tenant = tenant.decode("utf-8", "replace") if isinstance(tenant, bytes) else str(tenant)
         return Job(
             prompt=[int(t) for t in ids.reshape(-1)[:n]],
             max_new_tokens=int(llm_io.scalar(get("request_output_len"))),
@@ -241,7 +313,8 @@ class GenerationModel:
             seed=int(seed) if seed is not None else None,
             streaming=streaming,
             stop_words=llm_io.list_to_words(words.as_numpy()[0] if words is not None else None),
-            priority=self._priority(llm_io.scalar(get("priority"), 0)),
+            priority=self._priority(llm_io.scalar(get("priority"), 0) or self._tenant_levels.get(tenant, 0)),
+            tenant=tenant,
         )
 
     def _priority(self, level) -> int:
@@ -273,6 +346,10 @@ class GenerationModel:
                 sender.send(_tokens(tokens), flags=FINAL)
             if times:
                 self.latency.add(times[-1] - arrived, [b - a for a, b in zip(times, times[1:])])
+                if self._tenant_levels:
+                    e2e, first = self._qos_of(job.tenant or DEFAULT_TENANT)
+                    e2e.add(times[-1] - arrived, [])
+                    first.add(times[0] - arrived, [])
         except Exception as e:  # noqa: BLE001 - the request gets the error; the model keeps serving
             handle.cancel()
             sender.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)

@@ -26,9 +26,10 @@ import llm_io  # noqa: E402
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PRE_INPUTS = ("text_input", "max_tokens", "stop_words", "apply_chat_template", "end_id")
 PRE_OUTPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list")
-# the ensemble's inputs passed on to tensorrt_llm as its inputs (priority: only where request classes are on)
+# the ensemble's inputs passed on to tensorrt_llm as its inputs (priority: only where request classes are on;
+# tenant: only where the config has tenants)
 SAMPLING = {"temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
-            "seed": "seed", "priority": "priority"}
+            "seed": "seed", "priority": "priority", "tenant": "tenant"}
 CONTEXT_TOKENS = 8  # tokens of already-shown text passed to postprocessing as decoding context
 
 

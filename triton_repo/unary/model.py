@@ -20,7 +20,7 @@ import llm_io  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "temperature",
-          "runtime_top_k", "runtime_top_p", "seed", "priority")
+          "runtime_top_k", "runtime_top_p", "seed", "priority", "tenant")
 
 
 class TritonPythonModel:

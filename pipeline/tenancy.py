@@ -1,0 +1,193 @@
+"""Tenants on one deployment: each tenant's share of the KV-cache pool and its limits, and the book that holds a
+runtime to them.
+
+A tenant (the config's ``tenants:`` section; docs/serving/tenants.md) has a KV share (``kv_share``, a fraction of
+the pool's blocks, or ``kv_blocks``, a count), an optional request class (``priority_level``), an optional limit on
+its requests in flight (``max_concurrency``: waiting and running) and an optional token rate
+(``tokens_per_minute``: prompt plus requested output tokens, a token bucket holding one minute's worth). The
+tenant ``default`` takes the blocks no named tenant has; a request that names no tenant is its.
+
+:class:`TenantBook` is the runtime's accounting (the cpu runtime's scheduler, ``pipeline.engines.cpu_runtime``):
+
+- ``accept`` at submit: an unknown tenant, or a request its share could never hold, is an ``InputError`` (a 4xx);
+  a tenant at its concurrency or token-rate limit gets :class:`TenantLimitError`, which says when to retry;
+- ``fits`` / ``reserve`` at admission: a request runs only while the blocks of its full length (prompt and max
+  tokens), with those its tenant's running requests hold at theirs, fit the tenant's share;
+- ``finish``: its blocks and its place in flight come back.
+
+It imports nothing heavy (no torch): the config checks shares with :func:`resolve_blocks` at load.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from pipeline.errors import InputError
+
+DEFAULT_TENANT = "default"
+RATE_WINDOW_S = 60.0  # tokens_per_minute: the bucket holds one minute's tokens
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """One tenant, as the config's ``tenants:`` list gives it (exactly one of kv_share, kv_blocks)."""
+
+    name: str
+    kv_share: Optional[float] = None  # a fraction of the pool's blocks, (0, 1]
+    kv_blocks: Optional[int] = None
+    priority_level: Optional[int] = None
+    max_concurrency: Optional[int] = None
+    tokens_per_minute: Optional[int] = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def specs_from(items: Sequence[object]) -> list[TenantSpec]:
+    """TenantSpecs from config sections or plain dicts (a serving model's JSON parameter)."""
+    out = []
+    for item in items:
+        d = item if isinstance(item, dict) else item.model_dump()  # type: ignore[attr-defined]
+        out.append(TenantSpec(**{k: v for k, v in d.items() if v is not None}))
+    return out
+
+
+def resolve_blocks(specs: Sequence[TenantSpec], pool_blocks: int) -> dict[str, int]:
+    """{tenant: KV blocks} for a pool of ``pool_blocks``: a fraction rounds down; ``default`` gets the rest.
+    Shares that sum past the pool are an InputError naming each one."""
+    out: dict[str, int] = {}
+    for i, s in enumerate(specs):
+        out[s.name] = s.kv_blocks if s.kv_blocks is not None else int(math.floor((s.kv_share or 0) * pool_blocks))
+        if out[s.name] < 1:
+            raise InputError(f"tenants[{i}] ({s.name}): kv_share {s.kv_share} of the pool's {pool_blocks} KV blocks "
+                             f"is less than one block; give it a larger share or kv_blocks")
+    total = sum(out.values())
+    if total > pool_blocks:
+        parts = ", ".join(f"tenants[{i}].{'kv_blocks' if s.kv_blocks is not None else 'kv_share'} "
+                          f"{s.kv_blocks if s.kv_blocks is not None else s.kv_share} ({s.name}: {out[s.name]})"
+                          for i, s in enumerate(specs))
+        raise InputError(f"tenants: the KV shares sum to {total} blocks, past the pool's {pool_blocks} ({parts}); "
+                         f"lower them, or raise the pool (build.max_batch_size or build.max_seq_len, a rebuild)")
+    out[DEFAULT_TENANT] = pool_blocks - total
+    return out
+
+
+class TenantLimitError(Exception):
+    """A tenant at its concurrency or token-rate limit: retry after ``retry_after_s`` (HTTP's Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class _Tenant:
+    spec: TenantSpec
+    quota_blocks: int
+    reserved_blocks: int = 0
+    in_flight: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    bucket: float = 0.0  # tokens left (tokens_per_minute)
+    refilled_at: float = 0.0
+    mean_request_s: float = 1.0  # a moving average of its requests' time in flight: concurrency's retry hint
+    _started: dict = field(default_factory=dict)  # request key -> (time accepted, blocks reserved)
+
+
+class TenantBook:
+    """Each tenant's share and what it holds (thread-safe). ``pool_blocks``: the runtime's KV pool."""
+
+    def __init__(self, specs: Sequence[TenantSpec], pool_blocks: int, clock: Callable[[], float] = time.monotonic):
+        names = [s.name for s in specs]
+        if DEFAULT_TENANT in names or len(set(names)) != len(names):
+            raise InputError(f"tenants: names must be unique and not {DEFAULT_TENANT!r} (the unassigned remainder), "
+                             f"got {names}")
+        blocks = resolve_blocks(specs, pool_blocks)
+        self.clock = clock
+        self._lock = threading.Lock()
+        now = clock()
+        self.tenants = {s.name: _Tenant(s, blocks[s.name], bucket=float(s.tokens_per_minute or 0), refilled_at=now)
+                        for s in specs}
+        self.tenants[DEFAULT_TENANT] = _Tenant(TenantSpec(DEFAULT_TENANT), blocks[DEFAULT_TENANT], refilled_at=now)
+
+    def resolve(self, name: Optional[str]) -> str:
+        """The tenant a request names (none or empty: ``default``); an unknown one is an InputError."""
+        name = name or DEFAULT_TENANT
+        named = sorted(n for n in self.tenants if n != DEFAULT_TENANT)
+        if name not in self.tenants:
+            raise InputError(f"unknown tenant {name!r}: this deployment serves {', '.join(named)} (or no tenant "
+                             f"named: the default tenant)")
+        if self.tenants[name].quota_blocks == 0:
+            raise InputError(f"every KV block is assigned to a named tenant: name one of {', '.join(named)} in the "
+                             f"request's tenant input")
+        return name
+
+    def priority_level(self, name: str) -> Optional[int]:
+        return self.tenants[name].spec.priority_level
+
+    def accept(self, name: str, key: object, tokens: int, full_blocks: int) -> None:
+        """Count a submitted request in (``tokens``: prompt plus max tokens; ``full_blocks``: its blocks at that
+        length), or refuse it: InputError where its share could never hold it, TenantLimitError at a limit."""
+        with self._lock:
+            t = self.tenants[name]
+            if full_blocks > t.quota_blocks:
+                raise InputError(f"the request needs {full_blocks} KV blocks at its full length, more than tenant "
+                                 f"{name}'s share of {t.quota_blocks}: send a shorter prompt or fewer max tokens")
+            rate = t.spec.tokens_per_minute
+            if rate is not None and tokens > rate:
+                raise InputError(f"the request's {tokens} tokens (prompt plus max tokens) exceed tenant {name}'s "
+                                 f"tokens_per_minute of {rate}: it could never be admitted")
+            try:
+                if t.spec.max_concurrency is not None and t.in_flight >= t.spec.max_concurrency:
+                    raise TenantLimitError(f"tenant {name} has {t.in_flight} requests in flight, its max_concurrency",
+                                           max(1, math.ceil(t.mean_request_s)))
+                if rate is not None:
+                    now = self.clock()
+                    t.bucket = min(float(rate), t.bucket + (now - t.refilled_at) * rate / RATE_WINDOW_S)
+                    t.refilled_at = now
+                    if tokens > t.bucket:
+                        wait = (tokens - t.bucket) * RATE_WINDOW_S / rate
+                        raise TenantLimitError(f"tenant {name} is past its tokens_per_minute of {rate}",
+                                               max(1, math.ceil(wait)))
+                    t.bucket -= tokens
+            except TenantLimitError:
+                t.rejected += 1
+                raise
+            t.in_flight += 1
+            t.accepted += 1
+            t._started[key] = (self.clock(), 0)
+
+    def fits(self, name: str, full_blocks: int) -> bool:
+        with self._lock:
+            t = self.tenants[name]
+            return t.reserved_blocks + full_blocks <= t.quota_blocks
+
+    def reserve(self, name: str, key: object, full_blocks: int) -> None:
+        """An accepted request admitted to run: its full length's blocks are its tenant's until it finishes."""
+        with self._lock:
+            t = self.tenants[name]
+            started, held = t._started[key]
+            t.reserved_blocks += full_blocks - held
+            t._started[key] = (started, full_blocks)
+
+    def finish(self, name: str, key: object) -> None:
+        """A request ended (answered, cancelled or failed): its blocks and its place in flight come back."""
+        with self._lock:
+            t = self.tenants[name]
+            if key not in t._started:
+                return
+            started, held = t._started.pop(key)
+            t.reserved_blocks -= held
+            t.in_flight -= 1
+            t.mean_request_s = 0.8 * t.mean_request_s + 0.2 * (self.clock() - started)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """{tenant: quota_blocks, reserved_blocks, in_flight, accepted, rejected}."""
+        with self._lock:
+            return {n: {"quota_blocks": t.quota_blocks, "reserved_blocks": t.reserved_blocks,
+                        "in_flight": t.in_flight, "accepted": t.accepted, "rejected": t.rejected}
+                    for n, t in self.tenants.items()}
