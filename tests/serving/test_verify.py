@@ -9,6 +9,7 @@ process's id in their shared-memory prefix (``tps<pid>_``), which is what the cl
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -659,6 +660,85 @@ def test_the_watchdog_stops_a_failing_and_a_leaking_server_and_the_supervisor_re
     finally:
         _kill(proc)
     assert not _leftovers(proc.pid)
+
+
+TENANTS = "tenants=[{name: a, kv_blocks: 30, max_concurrency: 2}, {name: b, kv_share: 0.25}]"
+
+
+def _tenant_request(http_url: str, tenant: str, text: str, max_tokens: int) -> tuple[int, list[int] | str]:
+    """(HTTP status, the output ids or the server's error text) of one infer request to the ensemble naming
+    ``tenant``. The infer endpoint, not generate: Triton's generate endpoint answers every error 400."""
+    inputs = [("text_input", "BYTES", text), ("max_tokens", "INT32", max_tokens), ("end_id", "INT32", -1),
+              ("tenant", "BYTES", tenant)]
+    # every output (asking for output_ids alone, a refused request came back as the ensemble's "unexpected
+    # deadlock" instead of the model's error)
+    body = {"inputs": [{"name": n, "shape": [1, 1], "datatype": t, "data": [v]} for n, t, v in inputs]}
+    req = urllib.request.Request(f"http://{http_url}/v2/models/llm/infer", method="POST",
+                                 data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return 200, next(o["data"] for o in json.loads(r.read())["outputs"] if o["name"] == "output_ids")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def test_tenants_hold_a_flooding_tenant_to_its_limit_and_answer_the_others_unchanged(tiny):
+    """Tenants a (30 of the pool's 128 blocks, at most 2 requests in flight) and b (a quarter). a sends six
+    105-token requests at once (27 blocks each: one runs at a time); those past its two in flight are refused over
+    HTTP (503, Triton's status for UNAVAILABLE, the retry time in the message), and over gRPC (UNAVAILABLE). b's
+    request, sent with them, gets the answer it gets with no tenant; an unknown tenant is a 400. The per-tenant
+    series count all of it."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    cfg, work_root, work, _ = tiny
+    _run(cfg, work_root, "publish", TENANTS)
+    repo = work / "publish" / "model_repository"
+    for model in ("llm", "llm_stream", "llm_tensorrt_llm", "llm_tensorrt_llm_unary"):
+        assert "tenant" in {i.name for i in pub.read_config(repo / model / "config.pbtxt").input}, model
+    with TritonServer(repo) as server:
+        http, metrics = server.http_url, server.metrics_url
+        alone = _generate(http, "llm", "Tenant b asks:", max_tokens=8, end_id=-1)["output_ids"]
+        status, text = _tenant_request(http, "zz", "Who?", 4)
+        assert status == 400 and "unknown tenant 'zz': this deployment serves a, b" in text, text
+        with pytest.raises(urllib.error.HTTPError) as unknown:  # generate: 400, as every error there
+            _generate(http, "llm", "Who?", tenant="zz")
+        assert unknown.value.code == 400
+        with concurrent.futures.ThreadPoolExecutor(7) as pool:
+            floods = [pool.submit(_tenant_request, http, "a", f"Tenant a, story {i}:", 100) for i in range(6)]
+            quick = pool.submit(_tenant_request, http, "b", "Tenant b asks:", 8)
+            outcomes = [f.result() for f in floods]
+            status, answer = quick.result()
+        assert status == 200 and answer == alone
+        answered = [a for s, a in outcomes if s == 200]
+        refused = [a for s, a in outcomes if s != 200]
+        assert len(answered) >= 2 and refused and all(len(a) == 100 for a in answered), outcomes
+        for s, text in ((s, a) for s, a in outcomes if s != 200):
+            assert s == 503 and "tenant a has 2 requests in flight, its max_concurrency" in text, text
+            assert re.search(r"retry after \d+ s", text), text
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # gRPC: two in flight, a third refused
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            inputs = [grpcclient.InferInput("text_input", [1, 1], "BYTES"),
+                      grpcclient.InferInput("max_tokens", [1, 1], "INT32"),
+                      grpcclient.InferInput("tenant", [1, 1], "BYTES")]
+            for inp, value in zip(inputs, (np.array([[b"Tenant a, by gRPC:"]], dtype=object),
+                                           np.array([[100]], dtype=np.int32), np.array([[b"a"]], dtype=object))):
+                inp.set_data_from_numpy(value)
+            calls = [pool.submit(client.infer, "llm", inputs) for _ in range(3)]
+            errors = [f.exception() for f in calls if f.exception() is not None]
+            client.close()
+        assert errors and all(e.status() == "StatusCode.UNAVAILABLE" and "retry after" in str(e) for e in errors)
+        time.sleep(1.0)  # the gauges are refreshed every 0.5 s
+        got = {name: metric(metrics, name, "tenant", "a") for name in
+               ("tenant_quota_usage", "tenant_quota_limit", "tenant_requests_total", "tenant_rejections_total")}
+        assert got == {"tenant_quota_usage": 0, "tenant_quota_limit": 30,
+                       "tenant_requests_total": len(answered) + 3 - len(errors),
+                       "tenant_rejections_total": len(refused) + len(errors)}
+        assert metric(metrics, "tenant_quota_limit", "tenant", "b") == 32
+        assert metric(metrics, "tenant_requests_total", "tenant", "b") == 1
+        assert metric(metrics, "tenant_quota_limit", "tenant", "default") == 128 - 30 - 32
+        assert metric(metrics, "tenant_latency_p99_ms", "tenant", "a") > metric(metrics, "tenant_first_token_p99_ms",
+                                                                                "tenant", "a") > 0
 
 
 @pytest.mark.e2e

@@ -7,6 +7,7 @@ environment serves the models, and must not import the pipeline package.
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 import numpy as np
@@ -116,10 +117,37 @@ def as_str(value) -> str:
     return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else str(value)
 
 
+# A model calling another through BLS gets the callee's error with its code reset (triton-inference-server/server
+# issue 7804: always INTERNAL), so the models that relay the engine model's errors (unary, stream) restore the code
+# from the message, which llm_serving.py words by kind: a request refused for now (a tenant at its limit, the
+# watchdog's stop) carries one of UNAVAILABLE_MARKS, an engine failure starts with its exception's class name, and
+# anything else is the client's input (INVALID_ARG).
+RETRY_MARK = "; retry after "
+NOT_READY = "the model is not ready"
+UNAVAILABLE_MARKS = (RETRY_MARK, NOT_READY)
+_FAILURE = re.compile(r"^[A-Za-z_]\w*(Error|Exception|Interrupt|Exit): ")
+
+
+def relayed_error(error, pb_utils):
+    """The error to send on for one a BLS call to the engine model returned, its code restored (see RETRY_MARK)."""
+    message = error.message()
+    if any(mark in message for mark in UNAVAILABLE_MARKS):
+        code = pb_utils.TritonError.UNAVAILABLE
+    elif _FAILURE.match(message):
+        code = pb_utils.TritonError.INTERNAL
+    else:
+        code = pb_utils.TritonError.INVALID_ARG
+    return pb_utils.TritonError(message, code)
+
+
 def scalar(tensor, default=None):
-    """The first element of an optional [batch, 1] input (None when the request omitted it)."""
+    """The first element of an optional [batch, 1] input (None when the request omitted it); a BYTES input's is
+    the bytes object itself (its array holds objects, not numpy scalars)."""
     if tensor is None:
         return default
     arr = tensor.as_numpy() if hasattr(tensor, "as_numpy") else np.asarray(tensor)
-    return arr.reshape(-1)[0].item() if arr.size else default
+    if not arr.size:
+        return default
+    first = arr.reshape(-1)[0]
+    return first.item() if isinstance(first, np.generic) else first
 

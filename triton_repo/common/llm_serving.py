@@ -253,7 +253,7 @@ class GenerationModel:
             arrived = time.monotonic()
             sender = request.get_response_sender()
             if self.watchdog.tripped:
-                sender.send(_error(f"the model is not ready: its watchdog stopped the server "
+                sender.send(_error(f"{llm_io.NOT_READY}: its watchdog stopped the server "
                                    f"({self.watchdog.tripped}); retry once it is restarted",
                                    pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
                 continue
@@ -269,7 +269,7 @@ class GenerationModel:
                     # Triton's HTTP frontend answers UNAVAILABLE with 503 and sets no header from a model, so the
                     # time travels in the message (a gateway in front answers 429 and Retry-After:
                     # docs/serving/tenants.md)
-                    sender.send(_error(f"{e}; retry after {retry_after} s", pb_utils.TritonError.UNAVAILABLE),
+                    sender.send(_error(f"{e}{llm_io.RETRY_MARK}{retry_after} s", pb_utils.TritonError.UNAVAILABLE),
                                 flags=FINAL)
                     continue
                 sender.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
@@ -301,8 +301,7 @@ class GenerationModel:
         end_id = llm_io.scalar(get("end_id"))
         seed = llm_io.scalar(get("seed"))
         words = get("stop_words_list")
-        tenant = llm_io.scalar(get("tenant"), b"")
-        tenant = tenant.decode("utf-8", "replace") if isinstance(tenant, bytes) else str(tenant)
+        tenant = llm_io.as_str(llm_io.scalar(get("tenant"), b""))
         return Job(
             prompt=[int(t) for t in ids.reshape(-1)[:n]],
             max_new_tokens=int(llm_io.scalar(get("request_output_len"))),

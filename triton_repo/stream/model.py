@@ -104,7 +104,7 @@ class _Failed(Exception):
 
 def _check(response):
     if response.has_error():
-        raise _Failed(response.error())
+        raise _Failed(llm_io.relayed_error(response.error(), pb_utils))
     return response
 
 

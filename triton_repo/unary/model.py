@@ -42,7 +42,7 @@ class TritonPythonModel:
             answer = None
             for response in stream:
                 if response.has_error():
-                    answer = pb_utils.InferenceResponse(error=response.error())
+                    answer = pb_utils.InferenceResponse(error=llm_io.relayed_error(response.error(), pb_utils))
                     break
                 if pb_utils.get_output_tensor_by_name(response, "output_ids") is not None:
                     answer = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
