@@ -30,6 +30,9 @@ class AlertsSection(Strict):
     # (cpu and pytorch targets; triton_repo/common/llm_serving.py): end-to-end P99 / P50, and jitter (std / mean)
     latency_p99_over_p50: float = Field(3.0, gt=1)
     latency_jitter: float = Field(0.5, gt=0)
+    # a tenant's KV-cache blocks reserved / its share of the pool, per pod (deployments with a `tenants:` section);
+    # 0.8: the number operators watch (tenant_quota_usage / tenant_quota_limit > 0.8)
+    tenant_quota_fraction: float = Field(0.8, gt=0, le=1)
 
 
 class ImageSection(Strict):

@@ -9,6 +9,9 @@ Every expression reads a series a real exporter writes, named where it is define
 - ``trtllm_pipeline_model_metrics{metric_type="latency_p99_over_p50"|"latency_jitter"}``: the Python-backend serving
   models' quality-of-service gauges over the last minute's requests (triton_repo/common/llm_serving.py; cpu and
   pytorch targets: the tensorrt target's C++ backend exports none, so those two rules stay silent there);
+- the per-tenant series of ``TENANT_SERIES`` (``tenant_quota_usage`` / ``tenant_quota_limit``: KV-cache blocks
+  reserved and the tenant's share, per pod), which the cpu target's serving model exports only on a deployment
+  whose config has a ``tenants:`` section: elsewhere ``TenantQuotaNearlyFull`` reads nothing and stays silent;
 - ``up`` (Prometheus itself: 0 when a scrape fails; the PodMonitor scrapes every ``SCRAPE_INTERVAL_S``);
 - ``kube_pod_container_status_restarts_total`` (kube-state-metrics);
 - NVIDIA dcgm-exporter's default counters (etc/default-counters.csv at commit 00d6d344ea4a):
@@ -32,6 +35,13 @@ from __future__ import annotations
 
 SCRAPE_INTERVAL_S = 15  # deploy/base/podmonitor.yaml
 GROUP = "trtllm-pipeline.serving"
+# The per-tenant series (labels tenant, model, version) triton_repo/common/llm_serving.py exports when the config
+# has a `tenants:` section, and only then; tenant "default" is the pool's unassigned remainder. Gauges: KV-cache
+# blocks reserved by the tenant's admitted requests (each at its full length), the tenant's share of the pool in
+# blocks, and P99 latency and time to first token over its requests answered in the last minute (ms); counters:
+# requests its queue accepted, and requests refused at its limit (concurrency or token rate).
+TENANT_SERIES = ("tenant_quota_usage", "tenant_quota_limit", "tenant_requests_total", "tenant_rejections_total",
+                 "tenant_latency_p99_ms", "tenant_first_token_p99_ms")
 
 
 def _duration(seconds: int) -> str:
@@ -83,8 +93,24 @@ def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[
               runbook="Latency is unpredictable: mixed prompt and output lengths under load; see "
                       "TritonLatencyTail's runbook, and compare the token-gap jitter on the dashboard (high: decode "
                       "steps stall)."),
+        _tenant_rule(section, pods, hold),
     ]
     return out + _pod_rules(section, name, "Triton") + (_gpu_rules(section) if gpu else [])
+
+
+def _tenant_rule(section, pods: str, hold: str) -> dict:
+    """A tenant whose admitted requests hold most of its KV-cache share, per pod; a tenant with no share (limit 0)
+    is left out rather than divided by zero."""
+    by = "sum by (namespace, pod, tenant)"
+    used = f"{by} (tenant_quota_usage{{{pods}}})"
+    share = f"({by} (tenant_quota_limit{{{pods}}}) > 0)"
+    return _rule("TenantQuotaNearlyFull", f"{used} / {share} > {section.tenant_quota_fraction}", hold=hold,
+                 severity="warning",
+                 summary=f"Tenant {{{{ $labels.tenant }}}} has reserved over {section.tenant_quota_fraction:.0%} of "
+                         f"its KV-cache share in {{{{ $labels.pod }}}} for {hold}.",
+                 runbook="The tenant's admitted requests hold nearly all of its KV-cache share, so its next ones may "
+                         "not fit: raise its kv share in the `tenants:` section, lower its concurrency there, or "
+                         "add replicas.")
 
 
 def _vllm_rules(section, name: str) -> list[dict]:

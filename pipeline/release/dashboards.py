@@ -1,4 +1,5 @@
-"""A Grafana dashboard for a served build, in three rows: hardware, the inference pipeline, quality of service.
+"""A Grafana dashboard for a served build, in four rows: hardware, the inference pipeline, quality of service,
+tenants.
 
 `invoke deploy-manifests` writes it as a ConfigMap labelled ``grafana_dashboard: "1"`` (the label Grafana's
 dashboard sidecar, as kube-prometheus-stack runs it, loads dashboards from) and as plain JSON to import by hand.
@@ -15,14 +16,17 @@ Every panel reads a series a real exporter writes (the same sources as pipeline/
   over preprocessing, the LLM and postprocessing, and requests per execution), the tensorrtllm backend's
   request, inflight-batcher (paused requests) and KV-cache families, and the padding factor;
 - quality of service: end-to-end P50 / P99, P99 / P50, jitter and token-gap jitter over the last minute,
-  failed requests, the scrape heartbeat (``up``), watchdog stops and pod restarts.
+  failed requests, the scrape heartbeat (``up``), watchdog stops and pod restarts;
+- tenants: the per-tenant series of ``pipeline.release.alerts.TENANT_SERIES`` (KV-cache share used, requests
+  accepted and refused, P99 latency and time to first token), which the serving model exports only on a
+  deployment whose config has a ``tenants:`` section (elsewhere the row's panels show no data).
 
 The vllm target's OpenAI server exports vLLM's own series instead, and gets its own dashboard
 (``dashboard(name, engine="vllm")``) on the series its alert rules read (pipeline/release/alerts.py, each in
 ``pipeline.engines.vllm.engine_args.METRIC_SERIES``, which verify's ``metrics`` check finds on the real server):
 an engine row (requests waiting and running, KV cache used, preemptions), a quality-of-service row (API
 answers by status, the 5xx share, the heartbeat, restarts) and, with ``vllm.device: cuda``, the DCGM row.
-Each dashboard shows every series its alert rules read (tests/test_alerts.py holds them to it).
+Each dashboard shows every series its alert rules read (tests/release/test_alerts.py holds them to it).
 """
 
 from __future__ import annotations
@@ -141,8 +145,30 @@ def dashboard(name: str, engine: str = "triton", gpu: bool = True) -> dict:
             ("Watchdog stops", {"watchdog tripped {{pod}}": f"max by (pod) ({ours.format('watchdog_tripped')})"},
              "short", "The model's watchdog stopping its server (a restart follows)"),
         ],
+        "Tenants": _tenant_panels(pods),
     }
     return _board(name, rows, "triton")
+
+
+def _tenant_panels(pods: str) -> list:
+    """Per tenant (a deployment with a ``tenants:`` section; "default" is the pool's unassigned remainder): its
+    KV-cache share used on its fullest pod, its requests accepted and refused, its P99 latency and time to first
+    token on its slowest pod."""
+    by = "sum by (pod, tenant)"
+    used = f"{by} (tenant_quota_usage{{{pods}}}) / ({by} (tenant_quota_limit{{{pods}}}) > 0)"
+    return [
+        ("Tenant KV-cache share used", {"{{tenant}}": f"max by (tenant) ({used})"},
+         "percentunit", "KV-cache blocks the tenant's admitted requests reserve (each at its full length) out of "
+                        "its share, on its fullest pod (alert: TenantQuotaNearlyFull)"),
+        ("Tenant requests", {"accepted {{tenant}}": f"sum by (tenant) (rate(tenant_requests_total{{{pods}}}[5m]))",
+                             "refused {{tenant}}": f"sum by (tenant) (rate(tenant_rejections_total{{{pods}}}[5m]))"},
+         "reqps", "Requests each tenant's queue accepted, and those refused at its limit (concurrency or token "
+                  "rate)"),
+        ("Tenant latency", {"P99 {{tenant}}": f"max by (tenant) (tenant_latency_p99_ms{{{pods}}})",
+                            "P99 first token {{tenant}}": f"max by (tenant) (tenant_first_token_p99_ms{{{pods}}})"},
+         "ms", "P99 end-to-end latency and time to first token over each tenant's requests answered in the last "
+               "minute, on its slowest pod"),
+    ]
 
 
 def _vllm_rows(name: str, gpu: bool) -> dict:

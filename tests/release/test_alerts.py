@@ -64,6 +64,15 @@ CASES = {
          (f'trtllm_pipeline_model_metrics{{namespace="ns",pod="{GOOD}",model="llm",version="1",'
           f'metric_type="latency_jitter"}}', "0.2x200")],
         "15s", "4m", "6m", {"namespace": "ns", "pod": BAD}, "0.8"),
+    "TenantQuotaNearlyFull": (  # one pod: tenant A holds 90 of its 100 blocks from t=0, for 5m; B's 30 of 100 and
+        # the default tenant's 4 blocks with no share left (limit 0: left out, not divided by zero) stay quiet
+        [(f'tenant_quota_usage{{namespace="ns",pod="{BAD}",model="llm",version="1",tenant="A"}}', "90x200"),
+         (f'tenant_quota_limit{{namespace="ns",pod="{BAD}",model="llm",version="1",tenant="A"}}', "100x200"),
+         (f'tenant_quota_usage{{namespace="ns",pod="{BAD}",model="llm",version="1",tenant="B"}}', "30x200"),
+         (f'tenant_quota_limit{{namespace="ns",pod="{BAD}",model="llm",version="1",tenant="B"}}', "100x200"),
+         (f'tenant_quota_usage{{namespace="ns",pod="{BAD}",model="llm",version="1",tenant="default"}}', "4x200"),
+         (f'tenant_quota_limit{{namespace="ns",pod="{BAD}",model="llm",version="1",tenant="default"}}', "0x200")],
+        "15s", "4m", "6m", {"namespace": "ns", "pod": BAD, "tenant": "A"}, ""),
     "TritonTargetDown": (  # scrapes fail from t=15s: three missed scrapes (45 s) later it fires
         [(f'up{{job="ns/triton",namespace="ns",pod="{BAD}"}}', "1 0x200"),
          (f'up{{job="ns/triton",namespace="ns",pod="{GOOD}"}}', "1x200")],
@@ -181,7 +190,9 @@ def test_the_triton_rules_read_only_series_verify_finds_on_a_real_triton_server(
     """Every series name in the Triton rules (bar the target and restart ones, Prometheus's and
     kube-state-metrics', and the GPU ones, dcgm-exporter's) is one verify's Triton metrics check requires of a
     build served by the project's own models (cpu, pytorch, vllm); the tensorrt target's C++ backend is held to
-    all of them but the pipeline's latency family."""
+    all of them but the pipeline's latency family. The per-tenant series exist only on a deployment with a
+    ``tenants:`` section, so verify cannot require them of every build: the rules may read them only from the
+    declared list (alerts.TENANT_SERIES); the tenanted real-server check is in tests/serving."""
     import re
 
     from pipeline.serving.verify import PIPELINE_SERIES, metric_series
@@ -190,8 +201,10 @@ def test_the_triton_rules_read_only_series_verify_finds_on_a_real_triton_server(
              if r["alert"] not in ("TritonTargetDown", "TritonPodRestarting")]
     read = {m for e in exprs for m in re.findall(r"([a-z_:]+)\{", e)}
     read |= {m for e in exprs for names in re.findall(r'__name__=~"([^"]+)"', e) for m in names.split("|")}
+    tenant = {m for m in read if m.startswith("tenant_")}
+    assert tenant == {"tenant_quota_usage", "tenant_quota_limit"} and tenant <= set(alerts.TENANT_SERIES)
     required = {family for family, _, _ in metric_series("cpu")}
-    assert read and read <= required, read - required
+    assert read - tenant and read - tenant <= required, read - tenant - required
     assert set(metric_series("tensorrt")) == set(metric_series("cpu")) - set(PIPELINE_SERIES)
 
 
@@ -208,13 +221,23 @@ def _series(exprs: list[str]) -> set[str]:
 EXTERNAL = {"up", "kube_pod_container_status_restarts_total"}
 
 
+def test_the_tenant_series_are_the_six_the_tenanted_model_exports():
+    """The declared per-tenant list: quota used and limit (gauges, KV-cache blocks), requests accepted and
+    refused (counters), P99 latency and time to first token (gauges, ms)."""
+    assert sorted(alerts.TENANT_SERIES) == sorted(["tenant_quota_usage", "tenant_quota_limit",
+                                                   "tenant_requests_total", "tenant_rejections_total",
+                                                   "tenant_latency_p99_ms", "tenant_first_token_p99_ms"])
+
+
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_each_frontends_dashboard_shows_every_series_its_alerts_read_and_only_what_verify_finds(engine):
     """Triton's and vLLM's OpenAI server's dashboards: every series an alert rule reads is on a panel. vLLM's: every
     series a panel reads from the server is one verify's metrics check requires on the real server
     (engine_args.METRIC_SERIES), so the dashboard is held to the alerts and both to the exporter. Triton's reads
     more of Triton's own families than verify requires: the watchdog test (tests/test_verify.py) finds each on
-    a real server's endpoint."""
+    a real server's endpoint. Triton's also has a tenants row on every series of alerts.TENANT_SERIES, which only
+    a deployment with a ``tenants:`` section exports (so verify cannot require them of every build; the tenanted
+    real-server check is in tests/serving): every tenant series a panel or rule reads is on that list."""
     from pipeline.engines.vllm.engine_args import METRIC_SERIES
     from pipeline.release import dashboards
     from pipeline.serving.verify import metric_series
@@ -225,12 +248,14 @@ def test_each_frontends_dashboard_shows_every_series_its_alerts_read_and_only_wh
     shown = _series([t["expr"] for p in board["panels"] for t in p.get("targets", [])])
     assert _series([r["expr"] for r in _rules(engine)]) <= shown
     served = set(METRIC_SERIES) if kind == "vllm" else {family for family, _, _ in metric_series("cpu")}
-    from_server = {s for s in shown - EXTERNAL if not s.startswith("DCGM_")}
+    tenant = {s for s in shown | _series([r["expr"] for r in _rules(engine)]) if s.startswith("tenant_")}
+    assert tenant == (set(alerts.TENANT_SERIES) if kind == "triton" else set()), tenant
+    from_server = {s for s in shown - EXTERNAL - tenant if not s.startswith("DCGM_")}
     assert from_server and (kind != "vllm" or from_server <= served), from_server - served
-    assert _series([r["expr"] for r in _rules(engine)]) - EXTERNAL - {s for s in shown if s.startswith("DCGM_")} \
-        <= served
+    assert _series([r["expr"] for r in _rules(engine)]) - EXTERNAL - tenant - \
+        {s for s in shown if s.startswith("DCGM_")} <= served
     assert any(s.startswith("DCGM_") for s in shown) == gpu
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert rows == (["Hardware"] if gpu else []) + (["Engine"] if kind == "vllm" else ["Inference pipeline"]) + [
-        "Quality of service"]
+        "Quality of service"] + (["Tenants"] if kind == "triton" else [])
     assert board["tags"] == ["trtllm-pipeline", kind]

@@ -243,9 +243,9 @@ def _checkov() -> Path:
     return exe
 
 
-def test_the_dashboard_has_three_rows_and_promql_that_prometheus_parses(rendered_gpu, tmp_path):
+def test_the_dashboard_has_four_rows_and_promql_that_prometheus_parses(rendered_gpu, tmp_path):
     """The rendered ConfigMap (Grafana's sidecar label) holds the same dashboard as monitoring/dashboard.json:
-    rows hardware, pipeline, quality of service; every panel's query parses (promtool checks each as a
+    rows hardware, pipeline, quality of service, tenants; every panel's query parses (promtool checks each as a
     recording rule). That the serving model exports the series it reads is checked on a real server
     (test_verify.py, the watchdog test)."""
 
@@ -258,7 +258,7 @@ def test_the_dashboard_has_three_rows_and_promql_that_prometheus_parses(rendered
     board = json.loads(text)
     assert board == json.loads((out / deploy.DASHBOARD_FILE).read_text())
     assert [p["title"] for p in board["panels"] if p["type"] == "row"] == ["Hardware", "Inference pipeline",
-                                                                           "Quality of service"]
+                                                                           "Quality of service", "Tenants"]
     exprs = dashboard_exprs(board)
     assert len(exprs) >= 15 and all(f'pod=~"triton-{DEFAULT_NAME}-.*"' in e for e in exprs if "DCGM" not in e)
     assert any("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" in e for e in exprs) and dashboards.OURS in " ".join(exprs)
