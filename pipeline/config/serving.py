@@ -98,7 +98,7 @@ class TenantSection(Strict):
     tokens, at full length) fit its share of the runtime's pool; the tenant ``default`` (requests naming none) takes
     the blocks no tenant has."""
 
-    name: SafeName
+    name: SafeName  # as requests name it (their tenant input)
     kv_share: Optional[float] = Field(None, gt=0, le=1)  # a fraction of the KV pool's blocks
     kv_blocks: Optional[int] = Field(None, ge=1)  # or a count of them
     priority_level: Optional[int] = Field(None, ge=1)  # its request class (triton.priority_levels), when it sends none

@@ -477,6 +477,33 @@ def test_stop_words_layout_round_trips():
     assert llm_io.ends_with_any([1, 8, 9, 10], words) and not llm_io.ends_with_any([9, 10, 1], words)
 
 
+class _TritonError:
+    """The two members of pb_utils.TritonError that relayed_error uses: pb_utils exists only inside a Triton
+    Python-backend stub process (the relay through a real server: test_verify.py's tenants test)."""
+
+    INTERNAL, INVALID_ARG, UNAVAILABLE = "INTERNAL", "INVALID_ARG", "UNAVAILABLE"
+
+    def __init__(self, message, code=INTERNAL):
+        self._message, self.code = message, code
+
+    def message(self):
+        return self._message
+
+
+def test_a_relayed_engine_error_gets_its_kind_back_from_its_words():
+    """BLS resets a callee's error code (server issue 7804); the relaying models restore it from how the engine
+    model words each kind (triton_repo/common/llm_serving.py)."""
+    llm_io = _llm_io()
+    pb = type("pb_utils", (), {"TritonError": _TritonError})
+    cases = {"tenant a has 2 requests in flight, its max_concurrency; retry after 3 s": "UNAVAILABLE",
+             "the model is not ready: its watchdog stopped the server (x); retry once it is restarted": "UNAVAILABLE",
+             "RuntimeError: cpu runtime failed on request 3": "INTERNAL",
+             "KeyError: 'x'": "INTERNAL",
+             "unknown tenant 'zz': this deployment serves a, b": "INVALID_ARG",
+             "priority 5 is outside 1..2 (1 the highest; 0 or none: the default level 2)": "INVALID_ARG"}
+    assert {m: llm_io.relayed_error(_TritonError(m), pb).code for m in cases} == cases
+
+
 def test_streamed_pieces_concatenate_to_the_full_decode(tiny_tokenizer_dir):
     """The streaming model's rule: decode new ids in the context of the last shown ones, hold back a piece
     that ends inside a multi-byte character."""

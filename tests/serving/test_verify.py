@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -525,51 +526,59 @@ def test_a_real_prometheus_fires_the_queue_alert_under_overload_and_the_target_a
     (2) requests waiting, so TritonQueueBacklog goes pending, then firing once it has held for_minutes (1); it
     resolves after the load stops. With the server stopped, TritonTargetDown fires after its missed scrapes."""
     from pipeline.config import AlertsSection
-    from pipeline.procs import stop_process_group
-    from pipeline.release import alerts
 
     cfg, work_root, work, _ = tiny
     _run(cfg, work_root, "publish", "triton.max_running=1")
     section = AlertsSection(queue_waiting=2, for_minutes=1, missed_scrapes=1)
-    prom_dir = work_root / "prometheus"
+    stop = threading.Event()
+    with TritonServer(work / "publish" / "model_repository") as server, \
+            _prometheus(server, work_root / "prometheus", section) as prom_url:
+        failed: list[str] = []
+        load = threading.Thread(target=asyncio.run, args=(_overload(server.grpc_url, stop, failed),))
+        load.start()
+        try:
+            seen = _wait_for(prom_url, {"TritonQueueBacklog": "firing"}, 240)
+        finally:
+            stop.set()
+            load.join()
+        assert not failed, failed[:3]  # every request of the overload answered
+        assert any(s.get("TritonQueueBacklog") == "pending" for s in seen), seen  # pending before firing
+        assert {a for s in seen for a, state in s.items() if state == "firing"} == {"TritonQueueBacklog"}, seen
+        _wait_for(prom_url, {"TritonQueueBacklog": None}, 120)
+        server.stop()
+        seen = _wait_for(prom_url, {"TritonTargetDown": "firing"}, 120)
+        assert any(s.get("TritonTargetDown") == "pending" for s in seen), seen
+
+
+@contextlib.contextmanager
+def _prometheus(server, prom_dir: Path, section):
+    """A real Prometheus on a free port, loaded with the rules deploy-manifests renders for release "tiny" and
+    scraping ``server`` every 2 s as pod tiny-0 (the rules select pods by name); yields its URL, stops it after."""
+    from pipeline.procs import stop_process_group
+    from pipeline.release import alerts
+
     shutil.rmtree(prom_dir, ignore_errors=True)
     prom_dir.mkdir()
     (prom_dir / "rules.yml").write_text(yaml.safe_dump(alerts.rule_file(section, "tiny", gpu=False)))
-    stop = threading.Event()
-    with TritonServer(work / "publish" / "model_repository") as server:
-        metrics = server.metrics_url.removeprefix("http://").removesuffix("/metrics")
-        (prom_dir / "prometheus.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "2s", "evaluation_interval": "1s"},
-            "rule_files": [str(prom_dir / "rules.yml")],
-            "scrape_configs": [{"job_name": "triton", "static_configs": [
-                {"targets": [metrics], "labels": {"namespace": "test", "pod": "tiny-0"}}]}]}))
-        port = free_port()
-        prom = subprocess.Popen([PROMETHEUS, f"--config.file={prom_dir / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={prom_dir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=subprocess.DEVNULL, stderr=(prom_dir / "prometheus.log").open("w"),
-                                start_new_session=True)
-        prom_url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while _status_of(f"{prom_url}/-/ready") != 200 and time.monotonic() < deadline:
-                time.sleep(0.5)
-            failed: list[str] = []
-            load = threading.Thread(target=asyncio.run, args=(_overload(server.grpc_url, stop, failed),))
-            load.start()
-            try:
-                seen = _wait_for(prom_url, {"TritonQueueBacklog": "firing"}, 240)
-            finally:
-                stop.set()
-                load.join()
-            assert not failed, failed[:3]  # every request of the overload answered
-            assert any(s.get("TritonQueueBacklog") == "pending" for s in seen), seen  # pending before firing
-            assert {a for s in seen for a, state in s.items() if state == "firing"} == {"TritonQueueBacklog"}, seen
-            _wait_for(prom_url, {"TritonQueueBacklog": None}, 120)
-            server.stop()
-            seen = _wait_for(prom_url, {"TritonTargetDown": "firing"}, 120)
-            assert any(s.get("TritonTargetDown") == "pending" for s in seen), seen
-        finally:
-            stop_process_group(prom, "prometheus")
+    metrics = server.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    (prom_dir / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "2s", "evaluation_interval": "1s"},
+        "rule_files": [str(prom_dir / "rules.yml")],
+        "scrape_configs": [{"job_name": "triton", "static_configs": [
+            {"targets": [metrics], "labels": {"namespace": "test", "pod": "tiny-0"}}]}]}))
+    port = free_port()
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={prom_dir / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={prom_dir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=(prom_dir / "prometheus.log").open("w"),
+                            start_new_session=True)
+    prom_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while _status_of(f"{prom_url}/-/ready") != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        yield prom_url
+    finally:
+        stop_process_group(prom, "prometheus")
 
 
 def _wait_ready(http_url: str, want: bool, timeout_s: float) -> None:
@@ -739,6 +748,58 @@ def test_tenants_hold_a_flooding_tenant_to_its_limit_and_answer_the_others_uncha
         assert metric(metrics, "tenant_quota_limit", "tenant", "default") == 128 - 30 - 32
         assert metric(metrics, "tenant_latency_p99_ms", "tenant", "a") > metric(metrics, "tenant_first_token_p99_ms",
                                                                                 "tenant", "a") > 0
+
+
+@pytest.mark.e2e  # minutes: the alert must hold for one before it fires
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Prometheus (Debian: apt-get install prometheus; "
+                                               "scripts/setup-env does it as root)")
+def test_a_real_prometheus_fires_the_tenant_quota_alert_for_the_flooding_tenant_only(tiny):
+    """Tenants a (30 blocks) and b (a quarter of 128) on a real server scraped by a real Prometheus with the rules
+    deploy-manifests renders (for_minutes 1). Three closed-loop clients of a keep one 105-token request (27
+    blocks, 0.9 of its share) admitted and two waiting; b sends a short request now and then. TenantQuotaNearlyFull
+    goes pending, then fires, for tenant a and never for b or default; it resolves once a's load stops."""
+    from pipeline.config import AlertsSection
+
+    cfg, work_root, work, _ = tiny
+    _run(cfg, work_root, "publish", "tenants=[{name: a, kv_blocks: 30}, {name: b, kv_share: 0.25}]")
+    stop, answered = threading.Event(), {"a": 0, "b": 0}
+
+    def client(tenant: str, max_tokens: int, pause_s: float) -> None:
+        while not stop.is_set():
+            status, got = _tenant_request(server.http_url, tenant, f"Tenant {tenant}:", max_tokens)
+            assert status == 200, got
+            answered[tenant] += 1
+            time.sleep(pause_s)
+
+    def firing() -> dict[str, str]:
+        """{tenant: state} of the TenantQuotaNearlyFull alerts now."""
+        with urllib.request.urlopen(f"{prom_url}/api/v1/alerts", timeout=10) as r:
+            return {a["labels"].get("tenant", "?"): a["state"] for a in json.loads(r.read())["data"]["alerts"]
+                    if a["labels"]["alertname"] == "TenantQuotaNearlyFull"}
+
+    with TritonServer(work / "publish" / "model_repository") as server, \
+            _prometheus(server, work_root / "prometheus", AlertsSection(for_minutes=1)) as prom_url:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            clients = [pool.submit(client, "a", 100, 0.0) for _ in range(3)] + [pool.submit(client, "b", 8, 2.0)]
+            seen: list[dict[str, str]] = []
+            deadline = time.monotonic() + 240
+            try:
+                while not seen or seen[-1] != {"a": "firing"}:
+                    assert time.monotonic() < deadline, f"never fired for a alone; seen: {seen}"
+                    assert not any(c.done() for c in clients), [c.exception() for c in clients if c.done()]
+                    now = firing()
+                    if not seen or seen[-1] != now:
+                        seen.append(now)
+                    time.sleep(1)
+            finally:
+                stop.set()
+                [c.result() for c in clients]
+        assert {"a": "pending"} in seen and all(set(s) <= {"a"} for s in seen), seen
+        assert answered["a"] > 3 and answered["b"] > 3, answered
+        deadline = time.monotonic() + 120
+        while firing():
+            assert time.monotonic() < deadline, f"still held after a's load stopped: {firing()}"
+            time.sleep(1)
 
 
 @pytest.mark.e2e
