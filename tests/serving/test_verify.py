@@ -750,6 +750,34 @@ def test_tenants_hold_a_flooding_tenant_to_its_limit_and_answer_the_others_uncha
                                                                                 "tenant", "a") > 0
 
 
+def test_a_tenants_priority_level_is_its_requests_class(tiny):
+    """triton.priority_levels 2, max_running 2, max_seq_len 512 (a pool of 256 blocks): tenant a (210 blocks,
+    level 2) runs a 105- and a 405-token request, every slot taken. Tenant b (level 1) and c (no level: the
+    default, 2) each send a short request naming no priority. b's pauses one of a's and is answered before either
+    of a's ends; c's waits for a slot, the shorter a's, like any request of a's class."""
+    cfg, work_root, work, _ = tiny
+    _run(cfg, work_root, "publish", "triton.priority_levels=2", "triton.max_running=2", "build.max_seq_len=512",
+         "tenants=[{name: a, kv_blocks: 210, priority_level: 2}, {name: b, kv_blocks: 8, priority_level: 1}, "
+         "{name: c, kv_blocks: 8}]")
+    with TritonServer(work / "publish" / "model_repository") as server, \
+            concurrent.futures.ThreadPoolExecutor(4) as pool:
+        done: dict[str, float] = {}
+
+        def ask(tenant: str, i: int, tokens: int) -> None:
+            status, got = _tenant_request(server.http_url, tenant, f"Tenant {tenant} {i}:", tokens)
+            assert status == 200 and len(got) == tokens, got
+            done[f"{tenant}{i}"] = time.monotonic()
+
+        long = [pool.submit(ask, "a", i, tokens) for i, tokens in enumerate((100, 400))]
+        deadline = time.monotonic() + 60
+        while metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type", "scheduled") < 2:
+            assert time.monotonic() < deadline and not any(f.done() for f in long), "a's two never ran together"
+            time.sleep(0.05)
+        short = [pool.submit(ask, tenant, 0, 16) for tenant in ("b", "c")]
+        [f.result() for f in long + short]
+    assert done["b0"] < done["a0"] < done["c0"] < done["a1"], done
+
+
 @pytest.mark.e2e  # minutes: the alert must hold for one before it fires
 @pytest.mark.skipif(PROMETHEUS is None, reason="needs Prometheus (Debian: apt-get install prometheus; "
                                                "scripts/setup-env does it as root)")
