@@ -216,7 +216,7 @@ class _StepCache:
 class Request:
     """One submitted prompt: stream its tokens, wait for all of them, or cancel it (thread-safe)."""
 
-    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+    def __init__(self, request_id: int, prompt_ids: list[int], *, params: SamplingParams, priority: int = 0,
                  tenant: str = DEFAULT_TENANT, on_finish: Optional[Callable[["Request"], None]] = None):
         self.id, self.prompt_ids, self.params, self.priority = request_id, prompt_ids, params, priority
         self.tenant = tenant
@@ -450,7 +450,7 @@ class CpuRuntime:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the runtime is closed")
-            req = Request(self._next_id, prompt, params, int(priority), tenant=name,
+            req = Request(self._next_id, prompt, params=params, priority=int(priority), tenant=name,
                           on_finish=self._tenant_done if self.tenants is not None else None)
             if self.tenants is not None:
                 self.tenants.accept(name, req.id, len(prompt) + params.max_new_tokens, self._full_blocks(req))

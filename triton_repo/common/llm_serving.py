@@ -203,13 +203,11 @@ class GenerationModel:
         the refresh for one stats() reading of them ({tenant: figures})."""
         if not self._tenant_levels:
             return lambda tenants: None
-        kinds = [(TENANT_GAUGES, pb_utils.MetricFamily.GAUGE), (TENANT_COUNTERS, pb_utils.MetricFamily.COUNTER),
-                 (dict.fromkeys(TENANT_QOS), pb_utils.MetricFamily.GAUGE)]
-        families = {}
-        for names, kind in kinds:
-            for name in names:
-                families[name] = pb_utils.MetricFamily(name=name, description=f"{name} per tenant (llm_serving.py)",
-                                                       kind=kind)
+        kinds = {**dict.fromkeys(TENANT_GAUGES, pb_utils.MetricFamily.GAUGE),
+                 **dict.fromkeys(TENANT_COUNTERS, pb_utils.MetricFamily.COUNTER),
+                 **dict.fromkeys(TENANT_QOS, pb_utils.MetricFamily.GAUGE)}
+        families = {name: pb_utils.MetricFamily(name=name, description=f"{name} per tenant (llm_serving.py)",
+                                                kind=kind) for name, kind in kinds.items()}
         self._metric_families += list(families.values())
         metrics: dict[tuple[str, str], object] = {}
         counted: dict[tuple[str, str], float] = {}
