@@ -60,6 +60,10 @@ def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[
                f'request_type=~"|waiting",{pods}}})')
     kv = 'nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="{}",' + pods + '}}'
     failed = f"sum by (namespace, pod) (rate(nv_inference_request_failure{{{pods}}}[5m]))"
+    # a tenant's request refused at its limit is an error answer, which the ensemble counts as a failure
+    # (measured on the nvidia-pytriton server, reason="OTHER"); it is throttling, not a fault, so it is taken out
+    rejected = f"sum by (namespace, pod) (rate(tenant_rejections_total{{{pods}}}[5m]))"
+    faults = f"clamp_min({failed} - ({rejected} or {failed} * 0), 0)"
     qos = 'max by (namespace, pod) (trtllm_pipeline_model_metrics{{metric_type="{}",' + pods + '}})'
     answered = f"sum by (namespace, pod) (rate(nv_inference_request_success{{{pods}}}[5m]))"
     out = [
@@ -74,10 +78,11 @@ def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[
                       f"blocks for {hold}.",
               runbook="New requests wait for blocks: raise build.kv_cache.free_gpu_memory_fraction, quantize the "
                       "KV cache (quantization.kv_cache: fp8), or add replicas."),
-        _rule("TritonErrorRate", f"{failed} / ({failed} + {answered}) > {section.error_ratio}", hold=hold,
+        _rule("TritonErrorRate", f"{faults} / ({failed} + {answered}) > {section.error_ratio}", hold=hold,
               severity="critical",
               summary=f"Over {section.error_ratio:.0%} of requests to {{{{ $labels.pod }}}} failed for {hold}.",
-              runbook="Read the pod's log (bad client input is a 4xx, not a failure here); a model that fails every "
+              runbook="Read the pod's log (the ensemble counts its 4xx answers too; a tenant's refusals are left out); "
+                      "a model that fails every "
                       "request is restarted by its watchdog / liveness probe."),
         _rule("TritonLatencyTail", f"{qos.format('latency_p99_over_p50')} > {section.latency_p99_over_p50}", hold=hold,
               severity="warning",

@@ -21,6 +21,7 @@ needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="needs promtool (Debian: apt-get install prometheus; scripts/setup-env does it as root)")
 NAME = "triton-demo"
 BAD, GOOD = f"{NAME}-7d9f-a", f"{NAME}-7d9f-b"
+THROTTLED = f"{NAME}-7d9f-c"  # a pod whose only errors are a tenant's refusals
 
 
 def _summary(rule: dict, labels: dict, value: str = "") -> str:
@@ -50,7 +51,12 @@ CASES = {
         [(f'nv_inference_request_failure{{namespace="ns",pod="{BAD}",model="m",version="1"}}', "0+10x200"),
          (f'nv_inference_request_success{{namespace="ns",pod="{BAD}",model="m",version="1"}}', "0+10x200"),
          (f'nv_inference_request_failure{{namespace="ns",pod="{GOOD}",model="m",version="1"}}', "0+0x200"),
-         (f'nv_inference_request_success{{namespace="ns",pod="{GOOD}",model="m",version="1"}}', "0+10x200")],
+         (f'nv_inference_request_success{{namespace="ns",pod="{GOOD}",model="m",version="1"}}', "0+10x200"),
+         # half the answers are a tenant's refusals (the ensemble counts them as failures): no alert
+         (f'nv_inference_request_failure{{namespace="ns",pod="{THROTTLED}",model="m",version="1"}}', "0+10x200"),
+         (f'tenant_rejections_total{{namespace="ns",pod="{THROTTLED}",model="m_tensorrt_llm",version="1",'
+          f'tenant="A"}}', "0+10x200"),
+         (f'nv_inference_request_success{{namespace="ns",pod="{THROTTLED}",model="m",version="1"}}', "0+10x200")],
         "15s", "5m", "7m", {"namespace": "ns", "pod": BAD}, ""),
     "TritonLatencyTail": (  # P99 / P50 of 5 from t=0 (3 is the limit), for 5m; 2 stays healthy
         [(f'trtllm_pipeline_model_metrics{{namespace="ns",pod="{BAD}",model="llm",version="1",'
