@@ -208,7 +208,8 @@ def test_the_triton_rules_read_only_series_verify_finds_on_a_real_triton_server(
     read = {m for e in exprs for m in re.findall(r"([a-z_:]+)\{", e)}
     read |= {m for e in exprs for names in re.findall(r'__name__=~"([^"]+)"', e) for m in names.split("|")}
     tenant = {m for m in read if m.startswith("tenant_")}
-    assert tenant == {"tenant_quota_usage", "tenant_quota_limit"} and tenant <= set(alerts.TENANT_SERIES)
+    assert tenant == {"tenant_quota_usage", "tenant_quota_limit", "tenant_rejections_total"}
+    assert tenant <= set(alerts.TENANT_SERIES)
     required = {family for family, _, _ in metric_series("cpu")}
     assert read - tenant and read - tenant <= required, read - tenant - required
     assert set(metric_series("tensorrt")) == set(metric_series("cpu")) - set(PIPELINE_SERIES)
