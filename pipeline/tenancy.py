@@ -13,6 +13,9 @@ tenant ``default`` takes the blocks no named tenant has; a request that names no
   a tenant at its concurrency or token-rate limit gets :class:`TenantLimitError`, which says when to retry;
 - ``fits`` / ``reserve`` at admission: a request runs only while the blocks of its full length (prompt and max
   tokens), with those its tenant's running requests hold at theirs, fit the tenant's share;
+- ``slot_share``: the running slots a tenant is owed, its KV share of the runtime's ``slots`` (at least one): with
+  every slot taken, a request of a tenant below its slot share pauses a sequence of a tenant above its own, so a
+  tenant whose share holds more requests than there are slots cannot keep the others waiting for one;
 - ``finish``: its blocks and its place in flight come back.
 
 It imports nothing heavy (no torch): the config checks shares with :func:`resolve_blocks` at load.
@@ -99,15 +102,17 @@ class _Tenant:
 
 
 class TenantBook:
-    """Each tenant's share and what it holds (thread-safe). ``pool_blocks``: the runtime's KV pool."""
+    """Each tenant's share and what it holds (thread-safe). ``pool_blocks``: the runtime's KV pool; ``slots``: the
+    sequences it runs at once (None: no slot shares)."""
 
-    def __init__(self, specs: Sequence[TenantSpec], pool_blocks: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, specs: Sequence[TenantSpec], pool_blocks: int, *, slots: Optional[int] = None,
+                 clock: Callable[[], float] = time.monotonic):
         names = [s.name for s in specs]
         if DEFAULT_TENANT in names or len(set(names)) != len(names):
             raise InputError(f"tenants: names must be unique and not {DEFAULT_TENANT!r} (the unassigned remainder), "
                              f"got {names}")
         blocks = resolve_blocks(specs, pool_blocks)
-        self.clock = clock
+        self.clock, self.pool_blocks, self.slots = clock, pool_blocks, slots
         self._lock = threading.Lock()
         now = clock()
         self.tenants = {s.name: _Tenant(s, blocks[s.name], bucket=float(s.tokens_per_minute or 0), refilled_at=now)
@@ -125,6 +130,14 @@ class TenantBook:
             raise InputError(f"every KV block is assigned to a named tenant: name one of {', '.join(named)} in the "
                              f"request's tenant input")
         return name
+
+    def slot_share(self, name: str) -> Optional[int]:
+        """The running slots tenant ``name`` is owed: its share of the blocks, of the slots, rounded down, at least
+        one (none for a tenant with no blocks); None without slot shares."""
+        if self.slots is None:
+            return None
+        quota = self.tenants[name].quota_blocks
+        return max(1, self.slots * quota // self.pool_blocks) if quota else 0
 
     def priority_level(self, name: str) -> Optional[int]:
         return self.tenants[name].spec.priority_level

@@ -97,3 +97,10 @@ def test_token_rate_is_a_bucket_of_a_minutes_tokens_and_says_when_enough_has_ref
     book.accept("a", 3, 600, 1)  # refilled to the bucket's size, no more
     with pytest.raises(TenantLimitError):
         book.accept("a", 4, 1, 1)
+
+
+def test_a_tenant_is_owed_its_share_of_the_slots_at_least_one():
+    book = TenantBook([TenantSpec("a", kv_share=0.75), TenantSpec("b", kv_blocks=3)], 100, slots=8)
+    assert {n: book.slot_share(n) for n in book.tenants} == {"a": 6, "b": 1, DEFAULT_TENANT: 1}
+    assert TenantBook([TenantSpec("a", kv_share=1.0)], 100, slots=8).slot_share(DEFAULT_TENANT) == 0
+    assert TenantBook([TenantSpec("a", kv_share=0.5)], 100).slot_share("a") is None  # no slots given

@@ -359,7 +359,7 @@ class CpuRuntime:
         self.max_input_len = settings["max_input_len"]
         self.max_seq_len = settings["max_seq_len"]
         self.tokens_per_block = settings["tokens_per_block"]
-        self.tenants = TenantBook(tenants, pool.num_blocks) if tenants else None
+        self.tenants = TenantBook(tenants, pool.num_blocks, slots=self.max_running) if tenants else None
         self._waiting: list[Request] = []
         self._prefilling: list[_Sequence] = []  # admitted; their prompts partly in the pool (chunked prefill)
         self._running: list[_Sequence] = []
@@ -549,13 +549,19 @@ class CpuRuntime:
         resume into free slots (their blocks are already theirs), so the blocks they hold come back.
 
         With tenants, a waiting request whose tenant's share cannot hold it beside its tenant's admitted requests
-        is passed over: it waits for its own tenant's blocks, never another's, and holds no one else back."""
+        is passed over: it waits for its own tenant's blocks, never another's, and holds no one else back. Slots
+        are shared the same way (``TenantBook.slot_share``): with every slot taken, only a tenant below its slot
+        share is a candidate, and where no less urgent sequence can be paused for it, the latest sequence of a
+        tenant above its slot share is (never a more urgent one)."""
         self._paused = self._without_cancelled(self._paused)
         self._waiting = self._waiting_not_cancelled()
         admit: list[Request] = []
         while True:
-            candidates = [((r.priority, r.id), i, False) for i, r in enumerate(self._waiting) if self._tenant_fits(r)]
-            candidates += [((s.request.priority, s.request.id), i, True) for i, s in enumerate(self._paused)]
+            full = len(self._prefilling) + len(self._running) + len(admit) >= self._batch_limit()
+            candidates = [((r.priority, r.id), i, False) for i, r in enumerate(self._waiting)
+                          if self._tenant_fits(r) and (not full or self._owed_a_slot(r.tenant, admit))]
+            candidates += [((s.request.priority, s.request.id), i, True) for i, s in enumerate(self._paused)
+                           if not full or self._owed_a_slot(s.request.tenant, admit)]
             if not candidates:
                 break
             key, i, is_paused = min(candidates)
@@ -565,8 +571,11 @@ class CpuRuntime:
                 self._running += self._paused[:max(slots, 0)]
                 del self._paused[:max(slots, 0)]
                 break  # it waits for blocks; nothing waiting and less urgent overtakes it
-            if len(self._prefilling) + len(self._running) + len(admit) >= self._batch_limit():
+            if full:
                 victims = [s for s in self._running if s.finish is None and s.request.priority > key[0]]
+                if not victims and self.tenants is not None:  # one of a tenant running past its slot share
+                    victims = [s for s in self._running if s.finish is None and s.request.priority >= key[0]
+                               and not self._owed_a_slot(s.request.tenant, admit, running=True)]
                 if not victims:
                     break
                 victim = max(victims, key=lambda s: (s.request.priority, s.request.id))
@@ -581,6 +590,17 @@ class CpuRuntime:
                     self.tenants.reserve(req.tenant, req.id, self._full_blocks(req))
                 admit.append(req)
         return admit
+
+    def _owed_a_slot(self, tenant: str, admit: list[Request], running: bool = False) -> bool:
+        """Whether ``tenant`` runs fewer sequences than its slot share (``running``: one of them counted out, so
+        True means at most its share: a sequence of a tenant that holds more is one to pause). Without tenants,
+        every request is owed one (slots go by priority alone)."""
+        if self.tenants is None:
+            return True
+        share = self.tenants.slot_share(tenant)
+        held = sum(s.request.tenant == tenant for s in self._prefilling + self._running)
+        held += sum(r.tenant == tenant for r in admit)
+        return share is None or held - running < share
 
     def _tenant_fits(self, req: Request) -> bool:
         return self.tenants is None or self.tenants.fits(req.tenant, self._full_blocks(req))

@@ -512,3 +512,24 @@ def test_tenant_requests_are_refused_with_what_to_fix_or_when_to_retry(bundle, r
         stats = rt.stats()["tenants"]
         assert (stats["b"]["accepted"], stats["b"]["rejected"]) == (2, 1)
         assert stats["a"]["in_flight"] == stats["a"]["reserved_blocks"] == 0
+
+
+def test_a_tenant_whose_share_holds_more_requests_than_slots_leaves_another_its_slot(bundle):
+    """max_running 4, a pool of 128 blocks: a's three quarters hold thirteen 27-token requests (7 blocks each), b's
+    quarter is owed one of the four slots. Eight of a's and one of b's queued in one go: a's four fill the slots,
+    and b's request pauses a's latest, so it is answered before any of a's; the paused one resumes and every answer
+    is whole. With no tenants, the same request waits for one of a's to end."""
+    long, short = SamplingParams(max_new_tokens=20, end_id=-1), SamplingParams(max_new_tokens=6, end_id=-1)
+    tenants = [TenantSpec("a", kv_share=0.75), TenantSpec("b", kv_share=0.25)]
+    for named in (True, False):
+        with CpuRuntime.load(bundle / "cpu_bundle", max_running=4, tenants=tenants if named else ()) as rt:
+            with rt._lock:
+                flood = [rt.submit(PROMPTS[0], long, tenant="a" if named else None) for _ in range(8)]
+                quick = rt.submit(PROMPTS[1], short, tenant="b" if named else None)
+            assert [len(r.result(timeout=120)) for r in flood] == [20] * 8 and len(quick.result(timeout=60)) == 6
+            first_done = min(r.finished_at for r in flood)
+            if named:
+                assert rt.tenants.slot_share("a") == 3 and rt.tenants.slot_share("b") == 1
+                assert quick.finished_at < first_done and rt.steps["paused"] == 1
+            else:
+                assert quick.first_token_at > first_done and rt.steps["paused"] == 0
