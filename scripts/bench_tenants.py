@@ -3,7 +3,7 @@ and with the pool partitioned (``tenants:``, pipeline.tenancy), measured side by
 
     # once: build/smollm2-135m-cpu/build/cpu_bundle
     .venv/bin/invoke build --config engine_configs/smollm2-135m-cpu.yaml
-    .venv/bin/python scripts/bench_tenants.py [--bundle DIR] [--phase-s 30] [--rounds 2] [--a-share 0.15]
+    .venv/bin/python scripts/bench_tenants.py [--bundle DIR] [--phase-s 30] [--rounds 2] [--a-share 0.5]
 
 The runtime runs in this process (``CpuRuntime``, no Triton): this measures the scheduler's admission, not the
 serving path, whose tenant input, limits and refusals the tests check on a real server. Two runtimes are loaded
@@ -20,16 +20,14 @@ Three arms take turns (A B C C B A ... over ``--rounds``), so drifting machine l
 
 - "B alone": B's requests only, on the runtime without tenants;
 - "shared pool": A and B on the runtime without tenants (one pool, first come first served);
-- "partitioned": A and B on the tenanted runtime, each request naming its tenant.
+- "partitioned": A and B on the tenanted runtime, each request naming its tenant (with ``--b-first``, also in
+  their tenants' request classes: B 1, A 2, as ``priority_level`` sets them through Triton).
 
-Tenants partition the KV blocks, not the running slots (max_running). The defaults give A a share that holds fewer
-of its requests (38 blocks: 4 of 9 blocks each) than max_running (8), so 4 slots stay free for B. With A's share at
-0.25 (7 requests) B had one slot; its requests take ~8 decode steps of ~0.5 s beside A's, longer than their 2 s
-mean gap, so they queued on it (P99 TTFT 44 s, against 75 s shared, on 2 busy cores). Where A's share
-holds max_running of its requests or more, A's waiting requests fit its share, A fills every slot, and B waits
-behind A's queue (first come first served among requests that fit) just as in a shared pool; a tenant's
-``max_concurrency`` below max_running (its requests in flight; more are refused, with a retry hint) keeps a slot
-free then.
+Tenants share the running slots (max_running) as they share the blocks: each is owed its share of them (at least
+one), and with every slot taken a request of a tenant below its slot share pauses the latest sequence of one above
+its own (``TenantBook.slot_share``). Before that, a share of A's that held more of its requests than there are
+slots let A's queue fill every slot and B waited behind it as in one shared pool (first measured with this script:
+at --a-share 0.25, B's P99 TTFT 43.6 s partitioned against 74.8 s shared).
 
 An arm sends B's arrivals for ``--phase-s`` seconds while A's clients keep the runtime full; A keeps sending until
 B's last request is answered, then its requests in flight are cancelled. Per arm it prints B's P50 / P99 time to
@@ -83,7 +81,9 @@ class Arm:
         from pipeline.engines.cpu_runtime import SamplingParams
 
         tokens = self.args.a_output_tokens if cls == "a" else self.args.b_output_tokens
-        return self.rt.submit(self.prompts[cls], SamplingParams(max_new_tokens=tokens, end_id=-1),
+        # --b-first: the tenants' request classes (priority_level: b 1, a 2), on the partitioned arm
+        level = {"a": 2, "b": 1}[cls] if self.tenants and self.args.b_first else 0
+        return self.rt.submit(self.prompts[cls], SamplingParams(max_new_tokens=tokens, end_id=-1), priority=level,
                               tenant=cls if self.tenants else None)
 
     def a_client(self) -> None:
@@ -158,8 +158,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the scheduler's forwards)")
     ap.add_argument("--max-running", type=int, default=None, help="sequences at once (default: max_batch_size)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="chunked prefill tokens (default: whole)")
-    ap.add_argument("--a-share", type=float, default=0.15, help="tenant a's kv_share")
+    ap.add_argument("--a-share", type=float, default=0.5, help="tenant a's kv_share")
     ap.add_argument("--b-share", type=float, default=None, help="tenant b's kv_share (default: the rest)")
+    ap.add_argument("--b-first", action="store_true",
+                    help="partitioned arm: tenant b's requests in request class 1, a's in 2 (priority_level)")
     ap.add_argument("--a-clients", type=int, default=0, help="0: 3x max_running")
     ap.add_argument("--a-prompt-tokens", type=int, default=256)
     ap.add_argument("--a-output-tokens", type=int, default=32)
