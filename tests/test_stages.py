@@ -50,3 +50,12 @@ def test_publish_runs_again_when_the_serving_model_code_changes(tmp_path, monkey
     model.write_text(model.read_text() + "\n# changed\n")
     after = runner.compute_inputs(stage)
     assert after["external"]["model_code_sha256"] != before["external"]["model_code_sha256"]
+
+
+def test_publish_runs_again_when_the_tenants_change(tmp_path):
+    """The tenants go into the engine model's parameters and the models' inputs: a changed tenants section is a
+    new repository, not the cached one."""
+    stage = next(s for s in STAGES if s.name == "publish")
+    inputs = [Runner(load_config(DEFAULT_CONFIG, sets), STAGES, tmp_path / "work").compute_inputs(stage)["config"]
+              for sets in ([], ["tenants=[{name: a, kv_share: 0.5}]"], ["tenants=[{name: a, kv_share: 0.25}]"])]
+    assert inputs[0] != inputs[1] != inputs[2]
