@@ -226,7 +226,13 @@ class _Servers:
         label = label_of(settings)
         folder = self.root / "settings" / label.replace(", ", "_").replace("=", "-")
         repo = folder / artifacts.MODEL_REPOSITORY_DIR
-        write_repository(with_triton(self.config, settings), self.config_name, work_dir=self.work_dir,
+        try:
+            candidate = with_triton(self.config, settings)
+        except ValidationError as e:  # e.g. tenants' kv_blocks past the pool of a smaller max_running
+            raise InputError(f"tune's candidate {label} does not validate with this config ({e.errors()[0]['msg']});"
+                             f" give the tenants kv_share fractions (they follow max_running), or narrow the "
+                             f"candidates in the tune section") from None
+        write_repository(candidate, self.config_name, work_dir=self.work_dir,
                          build_dir=self.build_dir,
                          model_dir=artifacts.stage_dir(self.work_dir, "model") / artifacts.MODEL_DIR, repo=repo)
         repo, prov = read_repository(repo)

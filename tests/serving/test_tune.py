@@ -189,6 +189,20 @@ def test_publish_applies_the_tuned_settings_the_config_leaves_unset(tmp_path):
     assert apply_tuned(off, work) == (off, {}) and tuned_fingerprint(off, work) == {}
 
 
+def test_tuned_settings_that_shrink_the_pool_under_the_tenants_block_counts_are_a_clear_error(tmp_path):
+    """Tenants given as block counts fit the pool of build.max_batch_size sequences; tune's max_running 2 holds
+    fewer blocks, so applying it names the tenants' shares instead of serving a model that cannot load."""
+    work = work_dir_with(tmp_path, TUNED)
+    base = load_config(DEFAULT_CPU_CONFIG).config
+    per_seq = -(-base.build.max_seq_len // base.build.kv_cache.tokens_per_block)
+    blocks = per_seq * base.build.max_batch_size // 2 + 1  # fits the whole pool, not two sequences' worth
+    assert base.build.max_batch_size > 2 and blocks > 2 * per_seq
+    cfg = load_config(DEFAULT_CPU_CONFIG, ["sla.p99_itl_ms=250", f"tenants=[{{name: a, kv_blocks: {blocks}}}]"]).config
+    with pytest.raises(InputError, match=rf"do not validate with this config \(.*tenants: the KV shares sum to "
+                                         rf"{blocks} blocks, past the pool's {2 * per_seq}"):
+        apply_tuned(cfg, work)
+
+
 def test_tuned_settings_for_another_sla_or_build_are_not_applied(tmp_path):
     work = work_dir_with(tmp_path, TUNED)
     other_sla = load_config(DEFAULT_CPU_CONFIG, ["sla.p99_itl_ms=100"]).config
