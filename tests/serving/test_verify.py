@@ -771,7 +771,8 @@ def test_a_tenants_priority_level_is_its_requests_class(tiny):
         long = [pool.submit(ask, "a", i, tokens) for i, tokens in enumerate((100, 400))]
         deadline = time.monotonic() + 60
         while metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type", "scheduled") < 2:
-            assert time.monotonic() < deadline and not any(f.done() for f in long), "a's two never ran together"
+            ended = [f.exception() or "answered" for f in long if f.done()]
+            assert time.monotonic() < deadline and not ended, f"a's two never ran together: {ended}"
             time.sleep(0.05)
         short = [pool.submit(ask, tenant, 0, 16) for tenant in ("b", "c")]
         [f.result() for f in long + short]
