@@ -751,32 +751,59 @@ def test_tenants_hold_a_flooding_tenant_to_its_limit_and_answer_the_others_uncha
 
 
 def test_a_tenants_priority_level_is_its_requests_class(tiny):
-    """triton.priority_levels 2, max_running 2, max_seq_len 512 (a pool of 256 blocks): tenant a (210 blocks,
-    level 2) runs a 105- and a 405-token request, every slot taken. Tenant b (level 1) and c (no level: the
-    default, 2) each send a short request naming no priority. b's pauses one of a's and is answered before either
-    of a's ends; c's waits for a slot, the shorter a's, like any request of a's class."""
+    """triton.priority_levels 2, max_running 1, max_seq_len 512 (a pool of 128 blocks): tenant a (112 blocks,
+    level 2) streams a 305-token request in the one slot. Then tenant b (level 1) and c (no level: the default,
+    2) each stream a short request naming no priority. b's pauses a's, a more urgent class, and ends before it;
+    c's waits for the slot, like any request of a's class (every tenant is owed a slot, but only a less urgent or
+    an over-share sequence is paused for one). Token times are taken as the streams deliver them (gRPC, the
+    streaming model)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
     cfg, work_root, work, _ = tiny
-    _run(cfg, work_root, "publish", "triton.priority_levels=2", "triton.max_running=2", "build.max_seq_len=512",
-         "tenants=[{name: a, kv_blocks: 210, priority_level: 2}, {name: b, kv_blocks: 8, priority_level: 1}, "
+    _run(cfg, work_root, "publish", "triton.priority_levels=2", "triton.max_running=1", "build.max_seq_len=512",
+         "tenants=[{name: a, kv_blocks: 112, priority_level: 2}, {name: b, kv_blocks: 8, priority_level: 1}, "
          "{name: c, kv_blocks: 8}]")
-    with TritonServer(work / "publish" / "model_repository") as server, \
-            concurrent.futures.ThreadPoolExecutor(4) as pool:
-        done: dict[str, float] = {}
+    wanted = {"a0": 300, "b0": 16, "c0": 16}
+    times: dict[str, list[float]] = {rid: [] for rid in wanted}
+    errors: list[str] = []
 
-        def ask(tenant: str, i: int, tokens: int) -> None:
-            status, got = _tenant_request(server.http_url, tenant, f"Tenant {tenant} {i}:", tokens)
-            assert status == 200 and len(got) == tokens, got
-            done[f"{tenant}{i}"] = time.monotonic()
+    def on_result(result, error) -> None:
+        if error is not None:
+            errors.append(str(error))
+            return
+        ids = result.as_numpy("output_ids")
+        times[result.get_response().id] += [time.monotonic()] * (ids.size if ids is not None else 0)
 
-        long = [pool.submit(ask, "a", i, tokens) for i, tokens in enumerate((100, 400))]
-        deadline = time.monotonic() + 60
-        while metric(server.metrics_url, "nv_trt_llm_request_metrics", "request_type", "scheduled") < 2:
-            ended = [f.exception() or "answered" for f in long if f.done()]
-            assert time.monotonic() < deadline and not ended, f"a's two never ran together: {ended}"
-            time.sleep(0.05)
-        short = [pool.submit(ask, tenant, 0, 16) for tenant in ("b", "c")]
-        [f.result() for f in long + short]
-    assert done["b0"] < done["a0"] < done["c0"] < done["a1"], done
+    def streamed(*rids: str, timeout_s: float, whole: bool) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(len(times[r]) >= (wanted[r] if whole else 1) for r in rids):
+            assert not errors and time.monotonic() < deadline, (errors, {r: len(t) for r, t in times.items()})
+            time.sleep(0.02)
+
+    with TritonServer(work / "publish" / "model_repository") as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=on_result)
+
+        def send(rid: str) -> None:
+            values = {"text_input": ("BYTES", f"Tenant {rid}:".encode()), "max_tokens": ("INT32", wanted[rid]),
+                      "end_id": ("INT32", -1), "tenant": ("BYTES", rid[0].encode())}
+            inputs = []
+            for name, (kind, value) in values.items():
+                inputs.append(grpcclient.InferInput(name, [1, 1], kind))
+                inputs[-1].set_data_from_numpy(np.array([[value]], dtype=object if kind == "BYTES" else np.int32))
+            client.async_stream_infer("llm_stream", inputs, request_id=rid)
+
+        try:
+            send("a0")
+            streamed("a0", timeout_s=60, whole=False)  # running: the slot taken
+            send("b0")
+            send("c0")
+            streamed(*wanted, timeout_s=600, whole=True)
+        finally:
+            client.stop_stream()
+            client.close()
+    assert times["b0"][-1] < times["a0"][-1] < times["c0"][0], {r: (t[0], t[-1]) for r, t in times.items()}
 
 
 @pytest.mark.e2e  # minutes: the alert must hold for one before it fires
