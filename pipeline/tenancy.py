@@ -46,9 +46,6 @@ class TenantSpec:
     max_concurrency: Optional[int] = None
     tokens_per_minute: Optional[int] = None
 
-    def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
-
 
 def specs_from(items: Sequence[object]) -> list[TenantSpec]:
     """TenantSpecs from config sections or plain dicts (a serving model's JSON parameter)."""
@@ -138,9 +135,6 @@ class TenantBook:
             return None
         quota = self.tenants[name].quota_blocks
         return max(1, self.slots * quota // self.pool_blocks) if quota else 0
-
-    def priority_level(self, name: str) -> Optional[int]:
-        return self.tenants[name].spec.priority_level
 
     def accept(self, name: str, key: object, tokens: int, full_blocks: int) -> None:
         """Count a submitted request in (``tokens``: prompt plus max tokens; ``full_blocks``: its blocks at that
