@@ -82,7 +82,9 @@ def test_off_when_its_limits_are_zero():
 
 def _anonymous_resident_bytes() -> int:
     """RssAnon from /proc/self/status. The watchdog's own figure (statm's resident set) also counts file-backed
-    pages, which the kernel drops under memory pressure: with other workers busy that hid 10 MB of a 40 MB leak."""
+    pages, which the kernel drops under memory pressure: with other workers busy that hid 10 MB of a 40 MB leak.
+    The leak itself maps fresh private pages: a bytearray reused 40 MB that a worker's heap had freed, and RssAnon
+    did not move at all."""
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024

@@ -24,6 +24,7 @@ Pure Python, no Triton import: the tests drive it directly too.
 from __future__ import annotations
 
 import collections
+import mmap
 import os
 import signal
 import sys
@@ -185,7 +186,7 @@ class Faults:
         self.path = path if path is not None else os.environ.get(FAULT_ENV)
         self.raising = False
         self.leak_mb_per_s = 0.0
-        self._held: list[bytearray] = []
+        self._held: list[mmap.mmap] = []
 
     def poll(self) -> None:
         if not self.path:
@@ -199,7 +200,13 @@ class Faults:
         self.leak_mb_per_s = float(words[1]) if words[:1] == ["leak"] and len(words) > 1 else 0.0
 
     def leak(self, seconds: float) -> None:
-        """Allocate (and keep) what the leak rate asks for over ``seconds``: pages written, so resident."""
+        """Allocate (and keep) what the leak rate asks for over ``seconds``, every page written, so resident.
+
+        A fresh anonymous mapping, not a Python object: malloc may hand back a block that an earlier free left
+        resident (a test worker's heap had 40 MB of such), and then nothing grows."""
         n = int(self.leak_mb_per_s * 1e6 * seconds)
         if n > 0:
-            self._held.append(bytearray(b"\x01") * n)
+            block = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would count as shmem
+            for start in range(0, n, mmap.PAGESIZE):
+                block[start] = 1
+            self._held.append(block)
