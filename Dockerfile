@@ -62,7 +62,8 @@ ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "python3", "-m", "pipeline.servi
             "--model-repository=/models", \
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
             "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true", \
-            "--strict-readiness=true", "--disable-auto-complete-config"]
+            "--strict-readiness=true", "--disable-auto-complete-config", \
+            "--http-header-forward-pattern=^x-tenant$", "--grpc-header-forward-pattern=^x-tenant$"]
 CMD []
 ARG IMAGE_TITLE=unset
 ARG IMAGE_VERSION=unset
@@ -135,7 +136,8 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
 ENTRYPOINT ["tritonserver", "--model-repository=/models", "--backend-directory=/opt/venv/tritonserver-backends", \
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
             "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true", \
-            "--pinned-memory-pool-byte-size=0", "--strict-readiness=true", "--disable-auto-complete-config"]
+            "--pinned-memory-pool-byte-size=0", "--strict-readiness=true", "--disable-auto-complete-config", \
+            "--http-header-forward-pattern=^x-tenant$", "--grpc-header-forward-pattern=^x-tenant$"]
 CMD []
 ARG IMAGE_TITLE=unset
 ARG IMAGE_VERSION=unset
@@ -280,7 +282,8 @@ ENTRYPOINT ["/opt/triton/bin/tritonserver", "--model-repository=/models", \
             "--backend-directory=/opt/triton/tritonserver-backends", \
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
             "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true", \
-            "--pinned-memory-pool-byte-size=0", "--strict-readiness=true", "--disable-auto-complete-config"]
+            "--pinned-memory-pool-byte-size=0", "--strict-readiness=true", "--disable-auto-complete-config", \
+            "--http-header-forward-pattern=^x-tenant$", "--grpc-header-forward-pattern=^x-tenant$"]
 CMD []
 ARG IMAGE_TITLE=unset
 ARG IMAGE_VERSION=unset
@@ -364,7 +367,8 @@ ENTRYPOINT ["/usr/local/bin/tritonserver", "--model-repository=/models", \
             "--backend-directory=/opt/triton/pytriton/tritonserver/backends", \
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--allow-http=true", \
             "--allow-grpc=true", "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true", \
-            "--strict-readiness=true", "--disable-auto-complete-config"]
+            "--strict-readiness=true", "--disable-auto-complete-config", \
+            "--http-header-forward-pattern=^x-tenant$", "--grpc-header-forward-pattern=^x-tenant$"]
 CMD []
 ARG IMAGE_TITLE=unset
 ARG IMAGE_VERSION=unset

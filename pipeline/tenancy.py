@@ -32,6 +32,13 @@ from typing import Callable, Optional, Sequence
 from pipeline.errors import InputError
 
 DEFAULT_TENANT = "default"
+# A request may name its tenant in this header instead of its ``tenant`` input, so that a gateway in front of the
+# pods (which authenticates the caller) sets it. tritonserver passes a header to the model as a request parameter
+# only where its command line asks for it (TENANT_HEADER_ARGS): on HTTP infer and gRPC; Triton's generate
+# endpoints forward no headers. An ensemble passes them to its first step alone (measured on the pinned server).
+TENANT_HEADER = "x-tenant"
+TENANT_HEADER_ARGS = (f"--http-header-forward-pattern=^{TENANT_HEADER}$",
+                      f"--grpc-header-forward-pattern=^{TENANT_HEADER}$")
 RATE_WINDOW_S = 60.0  # tokens_per_minute: the bucket holds one minute's tokens
 
 

@@ -228,10 +228,13 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
         _inp("stop_words", "STRING", [-1], optional=True),
         _inp("apply_chat_template", "BOOL", [1], optional=True),
         _inp("end_id", "INT32", [1], optional=True),
+        *_tenant_input(tenanted),
     ])
     pre.output.extend([_out("input_ids", "INT32", [-1]), _out("input_lengths", "INT32", [1]),
                        _out("request_output_len", "INT32", [1]), _out("end_id", "INT32", [1]),
                        _out("pad_id", "INT32", [1]), _out("stop_words_list", "INT32", [2, -1])])
+    if tenanted:  # the tenant input or the x-tenant header, which the ensemble hands to this first step alone
+        pre.output.append(_out("tenant", "STRING", [1]))
     _params(pre, {"tokenizer_dir": artifacts.TOKENIZER_DIR, "add_special_tokens": True,
                   "apply_chat_template": triton.apply_chat_template, "max_input_len": settings.max_input_len,
                   "max_seq_len": settings.max_seq_len})
@@ -284,16 +287,16 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
                        _out("sequence_length", "INT32", [-1])])
     step = pb.ModelEnsembling.Step
     pre_step = step(model_name=names.preprocessing, model_version=-1)
-    for name in ("text_input", "max_tokens", "stop_words", "apply_chat_template", "end_id"):
+    tenant = ("tenant",) if tenanted else ()
+    for name in ("text_input", "max_tokens", "stop_words", "apply_chat_template", "end_id", *tenant):
         pre_step.input_map[name] = name
-    for name in ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list"):
+    for name in ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", *tenant):
         pre_step.output_map[name] = f"_{name}"
     llm_step = step(model_name=names.unary if triton.decoupled else names.tensorrt_llm, model_version=-1)
-    for name in ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list"):
+    for name in ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", *tenant):
         llm_step.input_map[name] = f"_{name}"
     for theirs, ours in (("temperature", "temperature"), ("runtime_top_k", "top_k"), ("runtime_top_p", "top_p"),
-                         ("seed", "seed"), *((("priority", "priority"),) if triton.priority_levels else ()),
-                         *((("tenant", "tenant"),) if tenanted else ())):
+                         ("seed", "seed"), *((("priority", "priority"),) if triton.priority_levels else ())):
         llm_step.input_map[theirs] = ours
     llm_step.output_map["output_ids"] = "output_ids"
     llm_step.output_map["sequence_length"] = "sequence_length"

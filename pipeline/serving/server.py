@@ -46,6 +46,7 @@ from pipeline.errors import EnvironmentProblem, InputError, StageFailed
 from pipeline.procs import SHM_DIR, start_group, stop_process_group
 from pipeline.serving import launch
 from pipeline.serving.ports import LOOPBACK, START_TRIES, fill_ports, lost_port_race
+from pipeline.tenancy import TENANT_HEADER_ARGS
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +308,7 @@ class TritonServer(ServerProcess):
                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                "--disable-auto-complete-config", "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}",
-               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"]
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}", *TENANT_HEADER_ARGS]
         if self.binary is None:  # the CPU server: no GPU to report on, no pinned host memory to pool
             cmd += ["--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0"]
         if self._backends is not None:

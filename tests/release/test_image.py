@@ -25,6 +25,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.fsutil import digest_of_files, list_files, sha256_file
 from pipeline.release import image as img
 from pipeline.serving import image_tags
+from pipeline.tenancy import TENANT_HEADER_ARGS
 
 DOCKERFILE = REPO / "Dockerfile"
 DEFAULT_NAME = DEFAULT_CONFIG.stem
@@ -282,6 +283,7 @@ def test_serving_stages_run_tritonserver_non_root_with_health_metrics_and_proven
         assert any(e.split("/")[-1] == "tritonserver" for e in entry)
         assert f"--model-repository={img.IMAGE_MODEL_REPOSITORY}" in entry
         assert "--allow-metrics=true" in entry and "--allow-http=true" in entry
+        assert set(TENANT_HEADER_ARGS) <= set(entry)  # a gateway's x-tenant header reaches the models
         health = next(a for _, k, a in body if k == "HEALTHCHECK")
         assert "/v2/health/ready" in health and "CMD" in health
         users = [a for _, k, a in body if k == "USER"]

@@ -674,16 +674,18 @@ def test_the_watchdog_stops_a_failing_and_a_leaking_server_and_the_supervisor_re
 TENANTS = "tenants=[{name: a, kv_blocks: 30, max_concurrency: 2}, {name: b, kv_share: 0.25}]"
 
 
-def _tenant_request(http_url: str, tenant: str, text: str, max_tokens: int) -> tuple[int, list[int] | str]:
+def _tenant_request(http_url: str, tenant: str, text: str, max_tokens: int,
+                    headers: dict | None = None) -> tuple[int, list[int] | str]:
     """(HTTP status, the output ids or the server's error text) of one infer request to the ensemble naming
-    ``tenant``. The infer endpoint, not generate: Triton's generate endpoint answers every error 400."""
+    ``tenant`` ("": none) with ``headers``. The infer endpoint, not generate: Triton's generate endpoint answers
+    every error 400."""
     inputs = [("text_input", "BYTES", text), ("max_tokens", "INT32", max_tokens), ("end_id", "INT32", -1),
-              ("tenant", "BYTES", tenant)]
+              *((("tenant", "BYTES", tenant),) if tenant else ())]
     # every output (asking for output_ids alone, a refused request came back as the ensemble's "unexpected
     # deadlock" instead of the model's error)
     body = {"inputs": [{"name": n, "shape": [1, 1], "datatype": t, "data": [v]} for n, t, v in inputs]}
     req = urllib.request.Request(f"http://{http_url}/v2/models/llm/infer", method="POST",
-                                 data=json.dumps(body).encode())
+                                 data=json.dumps(body).encode(), headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return 200, next(o["data"] for o in json.loads(r.read())["outputs"] if o["name"] == "output_ids")
@@ -748,6 +750,57 @@ def test_tenants_hold_a_flooding_tenant_to_its_limit_and_answer_the_others_uncha
         assert metric(metrics, "tenant_quota_limit", "tenant", "default") == 128 - 30 - 32
         assert metric(metrics, "tenant_latency_p99_ms", "tenant", "a") > metric(metrics, "tenant_first_token_p99_ms",
                                                                                 "tenant", "a") > 0
+
+
+def test_a_request_names_its_tenant_in_the_x_tenant_header(tiny):
+    """The x-tenant header (what a gateway in front of the pods sets) names the tenant as the tenant input does:
+    over HTTP infer to the ensemble, and over a gRPC stream to the streaming model; a header and an input naming
+    different tenants is a 400, an unknown tenant in the header an INVALID_ARG. Triton's generate endpoint
+    forwards no headers: a request there belongs to the tenant its body names (here none: the default)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    cfg, work_root, work, _ = tiny
+    _run(cfg, work_root, "publish", TENANTS)
+    with TritonServer(work / "publish" / "model_repository") as server:
+        http, metrics = server.http_url, server.metrics_url
+        alone = _generate(http, "llm", "Tenant b asks:", max_tokens=8, end_id=-1)["output_ids"]
+        assert _tenant_request(http, "", "Tenant b asks:", 8, headers={"X-Tenant": "b"}) == (200, alone)
+        status, text = _tenant_request(http, "a", "Who?", 4, headers={"x-tenant": "b"})
+        assert status == 400 and "names tenant 'a' in its tenant input and 'b' in its x-tenant header" in text
+        _generate(http, "llm", "Who?")  # the header is not read here (and the default tenant takes it)
+
+        def inputs(text: str) -> list:
+            out = []
+            for name, kind, value in (("text_input", "BYTES", text.encode()), ("max_tokens", "INT32", 8),
+                                      ("end_id", "INT32", -1)):
+                out.append(grpcclient.InferInput(name, [1, 1], kind))
+                out[-1].set_data_from_numpy(np.array([[value]], dtype=object if kind == "BYTES" else np.int32))
+            return out
+
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            with pytest.raises(InferenceServerException) as unknown:
+                client.infer("llm", inputs("Who?"), headers={"x-tenant": "zz"})
+            assert unknown.value.status() == "StatusCode.INVALID_ARGUMENT", unknown.value
+            assert "unknown tenant 'zz'" in str(unknown.value)
+            pieces: list = []
+            client.start_stream(callback=lambda result, error: pieces.append(error or result),
+                                headers={"x-tenant": "b"})
+            client.async_stream_infer("llm_stream", inputs("Tenant b asks:"))
+            deadline = time.monotonic() + 60
+            while sum(p.as_numpy("output_ids").size for p in pieces if hasattr(p, "as_numpy")) < len(alone):
+                assert time.monotonic() < deadline and not any(isinstance(p, Exception) for p in pieces), pieces
+                time.sleep(0.02)
+            client.stop_stream()
+            streamed = [int(t) for p in pieces for t in p.as_numpy("output_ids").reshape(-1)]
+        finally:
+            client.close()
+        assert streamed == alone
+        time.sleep(1.0)  # the gauges are refreshed every 0.5 s
+        assert metric(metrics, "tenant_requests_total", "tenant", "b") == 2  # the infer and the stream
+        assert metric(metrics, "tenant_requests_total", "tenant", "default") == 2  # the generate requests
 
 
 def test_a_tenants_priority_level_is_its_requests_class(tiny):

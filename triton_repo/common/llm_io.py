@@ -6,6 +6,7 @@ environment serves the models, and must not import the pipeline package.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Optional
@@ -138,6 +139,24 @@ def relayed_error(error, pb_utils):
     else:
         code = pb_utils.TritonError.INVALID_ARG
     return pb_utils.TritonError(message, code)
+
+
+TENANT_HEADER = "x-tenant"  # pipeline.tenancy.TENANT_HEADER
+
+
+def request_tenant(request, tensor) -> str:
+    """The tenant a request names ("": none): its ``tenant`` input, or the TENANT_HEADER header tritonserver
+    forwarded as a request parameter. A ValueError where the two name different tenants."""
+    body = as_str(scalar(tensor, b""))
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except ValueError:
+        params = {}
+    header = next((as_str(v) for k, v in params.items() if k.lower() == TENANT_HEADER), "")
+    if header and body and header != body:
+        raise ValueError(f"the request names tenant {body!r} in its tenant input and {header!r} in its "
+                         f"{TENANT_HEADER} header: send one of them, or the same tenant in both")
+    return header or body
 
 
 def scalar(tensor, default=None):

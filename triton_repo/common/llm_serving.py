@@ -8,7 +8,8 @@ INT32 [1], ``request_output_len`` INT32 [1]; optional ``end_id``, ``pad_id`` INT
 [1], ``runtime_top_k`` INT32 [1], ``runtime_top_p`` FP32 [1], ``seed`` UINT64 [1], ``streaming`` BOOL
 [1], ``stop_words_list`` INT32 [2, -1]; with request classes (parameter ``priority_levels``: cpu, vllm)
 ``priority`` INT32 [1]: a level 1..N, 1 the highest (Triton's convention), none or 0 the default level; with
-tenants (parameter ``tenants``, a JSON list: cpu) ``tenant`` BYTES [1], none the default tenant;
+tenants (parameter ``tenants``, a JSON list: cpu) ``tenant`` BYTES [1] or the ``x-tenant`` header, none the
+default tenant;
 outputs: ``output_ids`` INT32 [-1, -1] (beam x generated tokens, the prompt excluded), ``sequence_length``
 INT32 [-1] (tokens per beam in this response).
 
@@ -299,7 +300,10 @@ class GenerationModel:
         end_id = llm_io.scalar(get("end_id"))
         seed = llm_io.scalar(get("seed"))
         words = get("stop_words_list")
-        tenant = llm_io.as_str(llm_io.scalar(get("tenant"), b""))
+        try:
+            tenant = llm_io.request_tenant(request, get("tenant")) if self._tenant_levels else ""
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
         return Job(
             prompt=[int(t) for t in ids.reshape(-1)[:n]],
             max_new_tokens=int(llm_io.scalar(get("request_output_len"))),

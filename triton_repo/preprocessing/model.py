@@ -3,10 +3,12 @@
 Inputs (each with the batch dimension): ``text_input`` STRING [1], ``max_tokens`` INT32 [1]; optional
 ``stop_words`` STRING [-1] (strings that end generation), ``apply_chat_template`` BOOL [1] (wrap the text as
 one user turn of the tokenizer's chat template; default: the ``apply_chat_template`` parameter), ``end_id``
-INT32 [1] (overrides the tokenizer's EOS).
+INT32 [1] (overrides the tokenizer's EOS); with tenants, ``tenant`` STRING [1].
 Outputs: ``input_ids`` INT32 [-1] (padded with ``pad_id`` across a batch), ``input_lengths`` INT32 [1],
 ``request_output_len`` INT32 [1], ``end_id`` INT32 [1], ``pad_id`` INT32 [1], ``stop_words_list`` INT32 [2, -1]
-(TensorRT-LLM's layout).
+(TensorRT-LLM's layout); with tenants (a ``tenant`` output in the config), ``tenant`` STRING [1]: the
+request's tenant input or its ``x-tenant`` header (the ensemble hands headers to its first step alone, this one),
+"" for none.
 Parameters: ``tokenizer_dir`` (relative to the version folder), ``add_special_tokens``,
 ``apply_chat_template``, ``max_input_len``, ``max_seq_len``.
 
@@ -40,6 +42,7 @@ class TritonPythonModel:
         self.chat_default = p.get("apply_chat_template", "false") == "true"
         self.max_input_len = int(p["max_input_len"])
         self.max_seq_len = int(p["max_seq_len"])
+        self.tenanted = any(o["name"] == "tenant" for o in self.model_config.get("output", []))
         tok = self.tokenizer
         self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else 0
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
@@ -66,6 +69,10 @@ class TritonPythonModel:
         chat = chat.as_numpy().reshape(batch, -1)[:, 0] if chat is not None else [self.chat_default] * batch
         end = get("end_id")
         end = end.as_numpy().reshape(batch, -1)[:, 0] if end is not None else [self.eos_id] * batch
+        try:
+            tenant = llm_io.request_tenant(request, get("tenant")) if self.tenanted else ""
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
 
         ids, words = [], []
         for i in range(batch):
@@ -111,4 +118,6 @@ class TritonPythonModel:
             pb_utils.Tensor("pad_id", np.full((batch, 1), self.pad_id, dtype=np.int32)),
             pb_utils.Tensor("stop_words_list", stop_list.astype(np.int32)),
         ]
+        if self.tenanted:
+            out.append(pb_utils.Tensor("tenant", np.full((batch, 1), tenant.encode(), dtype=object)))
         return pb_utils.InferenceResponse(output_tensors=out)

@@ -29,7 +29,7 @@ PRE_OUTPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pa
 # the ensemble's inputs passed on to tensorrt_llm as its inputs (priority: only where request classes are on;
 # tenant: only where the config has tenants)
 SAMPLING = {"temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
-            "seed": "seed", "priority": "priority", "tenant": "tenant"}
+            "seed": "seed", "priority": "priority"}
 CONTEXT_TOKENS = 8  # tokens of already-shown text passed to postprocessing as decoding context
 
 
@@ -39,6 +39,7 @@ class TritonPythonModel:
         self.model_config = json.loads(args["model_config"])
         p = llm_io.parameters(self.model_config)
         self.pre, self.llm, self.post = p["preprocessing_model"], p["tensorrt_llm_model"], p["postprocessing_model"]
+        self.tenanted = any(i["name"] == "tenant" for i in self.model_config.get("input", []))
 
     def execute(self, requests):
         for request in requests:
@@ -63,6 +64,13 @@ class TritonPythonModel:
             t = pb_utils.get_input_tensor_by_name(request, ours)
             if t is not None:
                 llm_in.append(pb_utils.Tensor(theirs, t.as_numpy()))
+        if self.tenanted:  # its input or its x-tenant header (which tritonserver hands to this model, not on)
+            try:
+                tenant = llm_io.request_tenant(request, pb_utils.get_input_tensor_by_name(request, "tenant"))
+            except ValueError as e:
+                raise _Failed(pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)) from None
+            if tenant:
+                llm_in.append(pb_utils.Tensor("tenant", np.array([[tenant.encode()]], dtype=object)))
         llm_in.append(pb_utils.Tensor("streaming", np.array([[True]])))
         stream = pb_utils.InferenceRequest(model_name=self.llm, inputs=llm_in,
                                            requested_output_names=["output_ids", "sequence_length"]

@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -20,13 +21,15 @@ import llm_io  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "temperature",
-          "runtime_top_k", "runtime_top_p", "seed", "priority", "tenant")
+          "runtime_top_k", "runtime_top_p", "seed", "priority")
 
 
 class TritonPythonModel:
     def initialize(self, args):
         llm_io.exit_with_server()
-        self.llm = llm_io.parameters(json.loads(args["model_config"]))["tensorrt_llm_model"]
+        config = json.loads(args["model_config"])
+        self.llm = llm_io.parameters(config)["tensorrt_llm_model"]
+        self.tenanted = any(i["name"] == "tenant" for i in config.get("input", []))
 
     def execute(self, requests):
         for request in requests:
@@ -36,6 +39,15 @@ class TritonPythonModel:
     def _forward(self, request, sender):
         try:
             inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in INPUTS) if t is not None]
+            if self.tenanted:  # its input or its x-tenant header (which tritonserver hands to this model, not on)
+                try:
+                    tenant = llm_io.request_tenant(request, pb_utils.get_input_tensor_by_name(request, "tenant"))
+                except ValueError as e:
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
+                    return
+                if tenant:
+                    inputs.append(pb_utils.Tensor("tenant", np.array([[tenant.encode()]], dtype=object)))
             stream = pb_utils.InferenceRequest(model_name=self.llm, inputs=inputs,
                                                requested_output_names=["output_ids", "sequence_length"]
                                                ).exec(decoupled=True)
