@@ -8,7 +8,8 @@ Models (``M`` = ``triton.model_name``; all share one version number per publish)
                         Python model over TensorRT-LLM's LLM API (pytorch), the CPU reference runtime (cpu),
                         vLLM's async engine (vllm; its export is also what vLLM's own OpenAI server loads)
 - ``M_postprocessing``  Python: token ids -> text (incremental, with the tokens already shown as context)
-- ``M_stream``          Python BLS, decoupled: text in, text out token by token (gRPC streams, generate_stream)
+- ``M_stream``          Python BLS, decoupled: text in, text out token by token (gRPC streams, generate_stream);
+                        it turns tokens into text itself, with its own copy of the tokenizer
 - ``M_tensorrt_llm_unary`` Python BLS: ``M_tensorrt_llm`` as one request -> one response. Triton counts an
                         ensemble with a decoupled step as decoupled and refuses it on the HTTP and gRPC infer
                         endpoints, so with ``triton.decoupled`` the ensemble calls this instead.
@@ -277,7 +278,7 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
         stream.input.extend(_text_inputs(triton, tenanted))
         stream.output.extend([_out("text_output", "STRING", [1]), _out("output_ids", "INT32", [-1])])
         _params(stream, {"preprocessing_model": names.preprocessing, "tensorrt_llm_model": names.tensorrt_llm,
-                         "postprocessing_model": names.postprocessing})
+                         "tokenizer_dir": artifacts.TOKENIZER_DIR})
         _instances(stream, triton.instance_count)
         out[stream.name] = stream
 
@@ -507,6 +508,7 @@ def assemble(config, settings: records.BuildSettings, *, artifact: Path, tokeniz
         _link_tree(artifact, llm_dir / engine.artifact_dir)
     if names.stream in configs:
         _copy_sources("stream", repo / names.stream / str(version))
+        _copy_tokenizer(tokenizer_dir, repo / names.stream / str(version) / artifacts.TOKENIZER_DIR)
         _copy_sources("unary", repo / names.unary / str(version))
     (repo / names.ensemble / str(version)).mkdir(parents=True)  # an ensemble's version folder stays empty
     for name in names.all():  # configs last: a model folder is only a model once its config is there
