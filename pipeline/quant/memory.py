@@ -75,7 +75,8 @@ def check_gpu_memory(model_dir: Path, quant: QuantizationSection, dtype: str, bo
             f"quantize in memory on {len(bounds)} GPU(s) holds at least {comp.gib(need)}, {held}; their bound is "
             f"{comp.gib(room)} together ({bounds[0].source}). Give it more GPUs (CUDA_VISIBLE_DEVICES), or set "
             f"compute.layer_streaming: always to quantize one decoder layer at a time"
-            + (" (not with quantization.export_hf_checkpoint)" if quant.export_hf_checkpoint else "") + ".")
+            + (" (not with quantization.export_hf_checkpoint)" if quant.export_hf_checkpoint else "")
+            + (" (not with quantization.accuracy.tasks)" if quant.accuracy.tasks else "") + ".")
     if GPU_MEASURED_PEAK * weights > room:
         log.warning("quantize: the GPUs' bound %s is under the %.1f times the weights (%s) this stage peaked at "
                     "where measured; it may run out of GPU memory", comp.gib(room), GPU_MEASURED_PEAK,
