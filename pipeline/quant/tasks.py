@@ -73,7 +73,8 @@ def _load_one(spec: AccuracyTask, manager, where: str):
             raise InputError(
                 f"quantization.accuracy.tasks: lm-eval could not load task {spec.name!r} from {where} "
                 f"({entry.yaml_path}): {type(e).__name__}: {e}. Check the task's YAML and its data file"
-                + ("" if spec.path is not None else ", and that the dataset revision exists on the Hub") + "."
+                + ("" if spec.path is not None else ", and that the Hub is reachable and has that dataset revision")
+                + "."
             ) from None
     (task,) = loaded.values()
     return task
