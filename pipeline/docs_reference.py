@@ -182,6 +182,8 @@ DESCRIPTIONS = {
     "quantization.accuracy.min_top1_agreement": "smallest share of evaluation tokens whose top-1 prediction "
                                                 "agrees with the original's",
     "quantization.accuracy.max_kl_divergence": "largest mean KL(original || quantized) per token",
+    "quantization.accuracy.min_task_recovery": "smallest share of each task's original score the quantized model "
+                                               "keeps (docs/concepts/accuracy-gate.md)",
     "build.dtype": "the engine's dtype for unquantized parts",
     "build.max_batch_size": "most sequences batched at once",
     "build.max_input_len": "longest prompt, in tokens",

@@ -171,6 +171,7 @@ class AccuracyFigures(_Record):
     perplexity_increase_pct: Optional[float] = None
     top1_agreement: Optional[float] = None
     kl_divergence: Optional[float] = None
+    tasks: Optional[list[dict]] = None  # lm-eval tasks: task, metric, samples, original, quantized, recovery
     from_checkpoint: Optional[dict] = None  # the exported checkpoint read back (the cpu runtime adds its KV cache)
     from_hf_checkpoint: Optional[dict] = None  # the HF unified checkpoint read back, where one was exported
 

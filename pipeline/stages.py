@@ -93,6 +93,30 @@ def _compute_preflight(loaded) -> None:
     check_device(loaded.config.compute)
 
 
+def _quantize_inputs(loaded, hash_cache, work_dir) -> dict:
+    """The content of the local lm-eval task folders the gate scores (their YAML and data files); none without."""
+    tasks = [t for t in loaded.config.quantization.accuracy.tasks if t.path is not None]
+    return {t.name: {str(p.relative_to(t.path)): hash_cache.sha256(p) for p in sorted(t.path.rglob("*"))
+                     if p.is_file()} for t in tasks}
+
+
+def _quantize_preflight(loaded) -> None:
+    _compute_preflight(loaded)
+    tasks = loaded.config.quantization.accuracy.tasks
+    if tasks:  # a task lm-eval cannot find or read stops here, before any stage runs
+        import logging
+
+        from pipeline.quant.tasks import load_tasks
+
+        lm_eval_log = logging.getLogger("lm_eval")
+        level = lm_eval_log.level
+        lm_eval_log.setLevel(logging.ERROR)  # its notes while indexing tasks; there is no stage log to hold them yet
+        try:
+            load_tasks(tasks)
+        finally:
+            lm_eval_log.setLevel(level)
+
+
 def _run_build(ctx: StageContext) -> summaries.BuildSummary:
     import json
 
@@ -233,7 +257,7 @@ STAGES: list[StageDef] = [
     StageDef("quantize", "ModelOpt quantization, TensorRT-LLM checkpoint export, accuracy gate",
              needs=("model", "text", "sensitivity", "plan"),
              sections=("quantization", "build.dtype", "build.tensor_parallel_size", "compute.device"),
-             run=_run_quantize, preflight=_compute_preflight,
+             external_inputs=_quantize_inputs, run=_run_quantize, preflight=_quantize_preflight,
              version=2),  # 2: mixed formats, INT4 and tensor-parallel read-back, HF unified checkpoint
     StageDef("build", "engine / LLM-API options / CPU runtime bundle / vLLM export",
              needs=("model", "text", "quantize"),

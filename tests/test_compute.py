@@ -110,7 +110,8 @@ def test_quantize_on_gpus_refuses_bounds_under_its_copies_of_the_model_and_warns
 
 def test_quantize_on_gpus_streams_under_the_measured_peak_unless_told_not_to_or_exporting_hf(tiny_model_dir):
     """layer_streaming auto streams where the GPUs' bounds are under the measured peak; never (and an HF export,
-    which is not streamed) keeps the model whole: refused under its copies, allowed (with a warning) above."""
+    which is not streamed, or lm-eval tasks) keeps the model whole: refused under its copies, allowed (with a
+    warning) above."""
     from pipeline.config import QuantizationSection
     from pipeline.quant.memory import GPU_MEASURED_PEAK, gpu_streams
 
@@ -127,6 +128,11 @@ def test_quantize_on_gpus_streams_under_the_measured_peak_unless_told_not_to_or_
     assert gpu_streams(tiny_model_dir, hf, "auto", "bfloat16", one(3 * bf16)) is False
     with pytest.raises(InputError, match="the model 3 times.*not with quantization.export_hf_checkpoint"):
         gpu_streams(tiny_model_dir, hf, "auto", "bfloat16", one(3 * bf16 - 1))
+    # lm-eval tasks score the whole models: never streamed either
+    tasks = QuantizationSection(accuracy={"tasks": [{"name": "t", "path": str(tiny_model_dir)}]})
+    assert gpu_streams(tiny_model_dir, tasks, "auto", "bfloat16", one(2 * bf16)) is False
+    with pytest.raises(InputError, match="the model 2 times.*not with quantization.accuracy.tasks"):
+        gpu_streams(tiny_model_dir, tasks, "auto", "bfloat16", one(2 * bf16 - 1))
 
 
 def test_gpus_are_counted_from_the_drivers_proc_entries_else_its_device_nodes(tmp_path, monkeypatch):

@@ -26,6 +26,7 @@ from pipeline.config.base import (
 from pipeline.config.build import BuildSection, CudaGraphs, PagedKVCache, VllmSection
 from pipeline.config.loader import LoadedConfig, gguf_package_file, load_config
 from pipeline.config.quantization import (
+    AccuracyTask,
     AccuracyTolerance,
     ComputeSection,
     PlanBudget,
@@ -60,7 +61,8 @@ from pipeline.config.sources import (
 )
 
 __all__ = [
-    "SAFE_NAME", "AccuracyTolerance", "AlertsSection", "BenchSection", "BuildSection", "ComputeSection", "CudaGraphs",
+    "SAFE_NAME", "AccuracyTask", "AccuracyTolerance", "AlertsSection", "BenchSection", "BuildSection",
+    "ComputeSection", "CudaGraphs",
     "DatasetText", "Dtype", "FilesText", "Frontend", "GGUFFileSource", "GGUFPackageSource", "HubSource",
     "ImageSection", "KVCacheFormat", "LoadedConfig", "LocalSource", "ModelSection", "ModelSource", "PagedKVCache",
     "PipelineConfig", "PlanBudget", "PlanRule", "PlanSection", "PydocTopicsText", "QuantizationSection", "SafeName",

@@ -139,6 +139,10 @@ def _resolve_paths(data: dict, base_dir: Path) -> None:
             node[keys[-1]] = str(base_dir / Path(value).expanduser())
         elif isinstance(value, list):
             node[keys[-1]] = [str(base_dir / Path(v).expanduser()) if isinstance(v, str) else v for v in value]
+    tasks = ((data.get("quantization") or {}).get("accuracy") or {}).get("tasks")
+    for task in tasks if isinstance(tasks, list) else []:  # local lm-eval task folders
+        if isinstance(task, dict) and isinstance(task.get("path"), str):
+            task["path"] = str(base_dir / Path(task["path"]).expanduser())
 
 
 def _deep_merge(base: dict, child: dict) -> dict:
@@ -234,4 +238,11 @@ def _check_sources_exist(cfg: PipelineConfig, origins: dict[str, str]) -> None:
         if missing:
             raise ConfigError(
                 f"{origin_for('text.source', origins)}: text.source.files: no such file(s): {', '.join(missing)}"
+            )
+    for task in cfg.quantization.accuracy.tasks:
+        if task.path is not None and not task.path.is_dir():
+            raise ConfigError(
+                f"{origin_for('quantization.accuracy.tasks', origins) or 'config'}: quantization.accuracy.tasks: task "
+                f"{task.name!r}: no such folder {str(task.path)!r}. Point path at the folder holding the task's "
+                "lm-eval YAML and its data file (relative to the config file)."
             )

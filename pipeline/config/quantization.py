@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 from pydantic import ByteSize, Field, field_validator, model_validator
@@ -77,10 +78,45 @@ class PlanSection(Strict):
         return self
 
 
+class AccuracyTask(Strict):
+    """A task of lm-evaluation-harness the gate scores on the original and the quantized model: a local one (a
+    folder with the task's YAML and its data file, read offline) or one lm-eval registers, its Hub dataset pinned."""
+
+    name: str = Field(min_length=1)  # the task's name: its YAML's `task:`
+    path: Optional[Path] = None  # local: the folder holding the task's YAML and data (relative to this config)
+    dataset_revision: Optional[str] = Field(None, min_length=1)  # registered: the Hub dataset's commit (or tag)
+    # the figure compared, as lm-eval names it: metric, then its filter after a comma where the task has several
+    # (e.g. "exact_match,strict-match" for gsm8k); "acc" means "acc,none"
+    metric: str = Field("acc", min_length=1)
+    limit: Optional[int] = Field(None, gt=0)  # score only the task's first N examples (a CPU takes minutes on MMLU)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "AccuracyTask":
+        if (self.path is None) == (self.dataset_revision is None):
+            raise ValueError(
+                f"task {self.name!r}: set exactly one of path (a local task folder) or dataset_revision (a task "
+                "lm-eval registers, with its Hub dataset pinned to a commit)"
+            )
+        return self
+
+
 class AccuracyTolerance(Strict):
     max_perplexity_increase_pct: float = Field(10.0, ge=0)
     min_top1_agreement: float = Field(0.8, ge=0, le=1)
     max_kl_divergence: float = Field(0.1, ge=0)
+    # lm-evaluation-harness tasks scored on both models (none by default); each must keep at least
+    # min_task_recovery of the original's score (quantized / original, inverted for a lower-is-better metric)
+    tasks: tuple[AccuracyTask, ...] = ()
+    min_task_recovery: float = Field(0.95, gt=0, le=2)
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique(cls, v: tuple[AccuracyTask, ...]) -> tuple[AccuracyTask, ...]:
+        names = [t.name for t in v]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tasks named more than once: {', '.join(twice)}")
+        return v
 
 
 class QuantizationSection(Strict):

@@ -62,6 +62,12 @@ class PipelineConfig(Strict):
                 f"the plan decides {q.weight_format} layers on the sensitivity column {decision}: "
                 f"add {decision} to sensitivity.formats (now {list(self.sensitivity.formats)})"
             )
+        if q.accuracy.tasks and self.compute.layer_streaming == "always":
+            raise ValueError(
+                "quantization.accuracy.tasks scores the whole original and quantized models in memory, and "
+                "compute.layer_streaming: always holds one decoder layer at a time: drop the tasks, or set "
+                "layer_streaming to auto or never (on a machine the model fits)"
+            )
         _check_serving_keys(self.triton, b, self.sla)
         _check_tenants(self.tenants, self.triton, b)
         if max(self.bench.concurrency) > b.max_batch_size * self.triton.instance_count * 4:

@@ -1,5 +1,6 @@
 """The accuracy gate: perplexity, teacher-forced top-1 agreement and KL(original || quantized) on the evaluation
-tokens, the gate's bounds (quantization.accuracy), and the greedy generations side by side for a person to
+tokens, the recovery of each lm-eval task configured (pipeline.quant.tasks), the gate's bounds
+(quantization.accuracy), and the greedy generations side by side for a person to
 read (not gated). The whole-model and the layer-streamed quantize both measure with it."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pipeline import console
 from pipeline.config import QuantizationSection
 from pipeline.errors import StageFailed
 from pipeline.formats import HIGH_PRECISION
+from pipeline.quant.tasks import task_failures
 from pipeline.records import Plan
 
 EVAL_BATCH = 4
@@ -102,7 +104,7 @@ def gate_failures(acc: dict, quant: QuantizationSection) -> list[str]:
         failed.append(f"top-1 agreement {acc['top1_agreement']} < {tol.min_top1_agreement}")
     if acc["kl_divergence"] > tol.max_kl_divergence:
         failed.append(f"KL {acc['kl_divergence']} > {tol.max_kl_divergence}")
-    return failed
+    return failed + task_failures(acc.get("tasks", []), tol.min_task_recovery)
 
 
 def check_gate(acc: dict, quant: QuantizationSection, plan: Plan, table_layers: dict) -> None:

@@ -75,7 +75,8 @@ def check_gpu_memory(model_dir: Path, quant: QuantizationSection, dtype: str, bo
             f"quantize in memory on {len(bounds)} GPU(s) holds at least {comp.gib(need)}, {held}; their bound is "
             f"{comp.gib(room)} together ({bounds[0].source}). Give it more GPUs (CUDA_VISIBLE_DEVICES), or set "
             f"compute.layer_streaming: always to quantize one decoder layer at a time"
-            + (" (not with quantization.export_hf_checkpoint)" if quant.export_hf_checkpoint else "") + ".")
+            + (" (not with quantization.export_hf_checkpoint)" if quant.export_hf_checkpoint else "")
+            + (" (not with quantization.accuracy.tasks)" if quant.accuracy.tasks else "") + ".")
     if GPU_MEASURED_PEAK * weights > room:
         log.warning("quantize: the GPUs' bound %s is under the %.1f times the weights (%s) this stage peaked at "
                     "where measured; it may run out of GPU memory", comp.gib(room), GPU_MEASURED_PEAK,
@@ -86,11 +87,11 @@ def check_gpu_memory(model_dir: Path, quant: QuantizationSection, dtype: str, bo
 def gpu_streams(model_dir: Path, quant: QuantizationSection, mode: str, dtype: str, bounds: list) -> bool:
     """On GPUs (in the child, which knows their free memory): whether quantize streams the model layer by layer.
     ``mode`` auto streams where the GPUs' bounds together are under the measured peak (GPU_MEASURED_PEAK times
-    the weights) and no HF export is asked for (it is not streamed); else check_gpu_memory refuses what cannot
-    fit and warns under the peak."""
+    the weights) and no HF export (it is not streamed) nor lm-eval task (scored on whole models) is asked for;
+    else check_gpu_memory refuses what cannot fit and warns under the peak."""
     from pipeline import compute as comp
 
-    if mode == "auto" and not quant.export_hf_checkpoint:
+    if mode == "auto" and not quant.export_hf_checkpoint and not quant.accuracy.tasks:
         weights, room = comp.model_bytes(model_dir, dtype), sum(b.bytes for b in bounds)
         if GPU_MEASURED_PEAK * weights > room:
             log.info("layer streaming on %d GPU(s): %.1f times the weights (%s) is more than their bound %s (%s)",
@@ -119,6 +120,8 @@ def quantize_streams(model_dir: Path, cfg, bound) -> bool:
             stream = True
     if not stream:
         return False
+    if cfg.quantization.accuracy.tasks:
+        raise InputError(streamed_tasks_refusal(f"the memory bound {bound.text()}"))
     if cfg.quantization.export_hf_checkpoint:
         raise InputError(
             "quantize: this model is quantized one decoder layer at a time (it does not fit the memory bound "
@@ -130,6 +133,12 @@ def quantize_streams(model_dir: Path, cfg, bound) -> bool:
     if on_cpu:
         comp.check_layer_fits(model_dir, "float32", bound, "quantize")
     return True
+
+
+def streamed_tasks_refusal(bound: str) -> str:
+    return (f"quantize: this model does not fit {bound} whole, so it would be quantized one decoder layer at a "
+            "time, and quantization.accuracy.tasks scores the whole original and quantized models in memory. Run "
+            "it where the model fits twice (compute.max_host_memory, or a GPU), or drop the tasks.")
 
 
 def gpu_bounds(compute: ComputeSection) -> list:

@@ -12,7 +12,8 @@ Runs in a child process (pipeline.child) with its log beside the checkpoint. In 
    ``max`` first, then each calibration algorithm on its own layers with every other quantizer paused
    (SmoothQuant for the int8_sq layers, AWQ-lite for the INT4 ones), as each format would be alone;
 4. the accuracy gate on the evaluation tokens (disjoint from calibration): perplexity of the original and of
-   the quantized (simulated) model, teacher-forced top-1 agreement and mean KL(original || quantized), plus
+   the quantized (simulated) model, teacher-forced top-1 agreement and mean KL(original || quantized), the
+   score of each lm-eval task configured on both (pipeline.quant.tasks; not with layer streaming), plus
    a few greedy generations side by side for a person to read (not gated: near-ties flip argmaxes);
 5. a deep copy of the calibrated model when the config asks for the HF unified checkpoint (ModelOpt's HF
    export modifies the model in place, so it never sees a model already exported);
@@ -164,6 +165,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     steps.advance(what="quantize: accuracy gate")
 
     accuracy = accuracy_figures(original, model, evals)
+    t_tasks = None if baseline else _score_tasks(accuracy, original, model, tokenizer, quant, steps)
     generations = greedy_generations(original, model, tokenizer) if quant.greedy_generations else []
     log.info("accuracy: %s", accuracy)
     if not baseline:
@@ -226,7 +228,24 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     return _finish(out_dir, accuracy, from_ckpt=from_ckpt, read_facts=read_facts, exported=exported,
                    hf_exported=hf_exported, generations=generations, plan=plan,
                    calibration_tokens=int(calib.numel()), evaluation_tokens=int(evals.numel()),
-                   compute_record=comp.compute_record(device, ref_dtype, bound), t_quant=t_quant, t0=t0)
+                   compute_record=comp.compute_record(device, ref_dtype, bound), t_quant=t_quant, t0=t0,
+                   t_tasks=t_tasks)
+
+
+def _score_tasks(accuracy: dict, original, quantized, tokenizer, quant: QuantizationSection,
+                 steps: console.Step) -> Optional[float]:
+    """The lm-eval tasks' rows added to the gate's figures (quantization.accuracy.tasks); the seconds they took,
+    None without tasks."""
+    if not quant.accuracy.tasks:
+        return None
+    from pipeline.quant.tasks import task_figures
+
+    t0 = time.perf_counter()
+    steps.advance(0, what="quantize: accuracy gate, lm-eval tasks")
+    accuracy["tasks"] = task_figures(original, quantized, tokenizer, quant.accuracy.tasks)
+    seconds = time.perf_counter() - t0
+    log.info("lm-eval tasks in %.1f s: %s", seconds, accuracy["tasks"])
+    return seconds
 
 
 def _embedding_facts(ckpt: Path, shared: dict) -> dict:
@@ -334,7 +353,7 @@ def run_stage(model_dir: Path, calibration_file: Path, *, evaluation_file: Path,
 def _finish(out_dir: Path, accuracy: dict, *, from_ckpt: dict, read_facts: dict, exported: dict, hf_exported,
             generations: list[dict], plan: records.Plan, calibration_tokens: int, evaluation_tokens: int,
             compute_record: dict, t_quant: float, t0: float,
-            streamed: bool = False) -> QuantizeFigures:
+            streamed: bool = False, t_tasks: Optional[float] = None) -> QuantizeFigures:
     """The accuracy files, and the stage's summary."""
     ckpt = out_dir / artifacts.TRTLLM_CHECKPOINT_DIR
     if not ckpt.is_dir():  # a family exported as the HF unified checkpoint only
@@ -352,6 +371,7 @@ def _finish(out_dir: Path, accuracy: dict, *, from_ckpt: dict, read_facts: dict,
             "kept_high_precision": len(plan.kept_high_precision()),
             "calibration_tokens": calibration_tokens, "evaluation_tokens": evaluation_tokens,
             "compute": compute_record,
-            "timing_s": {"calibrate": round(t_quant, 1), "total": round(time.perf_counter() - t0, 1)}}
+            "timing_s": {"calibrate": round(t_quant, 1), "total": round(time.perf_counter() - t0, 1),
+                         **({} if t_tasks is None else {"lm_eval_tasks": round(t_tasks, 1)})}}
 
 

@@ -143,6 +143,11 @@ def test_a_bound_too_small_for_the_whole_model_streams_and_one_too_small_for_a_l
     hf = cfg.model_copy(update={"quantization": cfg.quantization.model_copy(update={"export_hf_checkpoint": True})})
     with pytest.raises(InputError, match="HF unified checkpoint"):
         quantize_streams(tiny_model_dir, hf, compute.Bound(need - 1, "test"))
+    tasks = load_config(_tiny_config(tmp_path, tiny_model_dir), [
+        f'quantization.accuracy.tasks=[{{name: t, path: "{tiny_model_dir}"}}]']).config
+    with pytest.raises(InputError, match="does not fit the memory bound .* quantization.accuracy.tasks scores the "
+                                         "whole original and quantized models"):
+        quantize_streams(tiny_model_dir, tasks, compute.Bound(need - 1, "test"))
 
 
 def test_the_read_back_takes_the_reference_in_a_gpus_bfloat16(tmp_path, tiny_model_dir):

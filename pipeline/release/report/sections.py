@@ -208,6 +208,13 @@ def section_quantize(doc: Doc, work_dir: Path, m: Optional[dict]) -> None:
     doc.p(f"{a.get('tokens')} evaluation tokens, teacher-forced. The gate passed (the stage fails otherwise). The "
           f"read-back columns run the exported checkpoints through the pipeline's own readers, without the KV-cache "
           f"quantization (the CPU runtime adds it).")
+    if a.get("tasks"):
+        doc.h(3, "Task accuracy (lm-evaluation-harness)")
+        doc.table(["task", "metric", "examples", "original", "quantized (fake-quant)", "recovery", "gate"],
+                  [[t["task"], t["metric"], t["samples"], t["original"], t["quantized"], t["recovery"],
+                    f"≥ {gate.get('min_task_recovery')}"] for t in a["tasks"]])
+        doc.p("Each task scored in-process on the original and the quantized model; recovery = quantized / "
+              "original (original / quantized for a lower-is-better metric).")
     gens = dig(maybe_accuracy(work_dir), "generations")
     if gens:
         doc.h(3, "Greedy generations (a poor accuracy signal on a small model; shown for a feel)")

@@ -296,3 +296,22 @@ def test_the_accuracy_table_shows_each_checkpoint_read_back(tmp_path):
     section_quantize(doc, tmp_path, m)
     [(header, _)] = [body for kind, body in doc.blocks if kind == "table" and body[0][0] == "figure"]
     assert len(header) == 4
+
+
+def test_the_lm_eval_tasks_have_a_table_of_their_own(tmp_path):
+    """quantization.accuracy.tasks: each task's scores and recovery, with the gate's bound from the config."""
+    from pipeline.release.report.sections import section_quantize
+
+    row = {"task": "tiny_facts", "metric": "acc,none", "samples": 20, "original": 0.5, "quantized": 0.45,
+           "recovery": 0.9}
+    m = _manifest("quantize", {"accuracy": {"tokens": 126, "perplexity_original": 20.0, "tasks": [row]},
+                               "checkpoint": {}})
+    m["inputs"]["config"] = {"quantization": {"accuracy": {"min_task_recovery": 0.85}}}
+    doc = Doc()
+    section_quantize(doc, tmp_path, m)
+    [(header, rows)] = [body for kind, body in doc.blocks if kind == "table" and body[0][0] == "task"]
+    assert rows == [["tiny_facts", "acc,none", 20, 0.5, 0.45, 0.9, "≥ 0.85"]] and len(header) == 7
+    m["summary"]["accuracy"].pop("tasks")
+    doc = Doc()
+    section_quantize(doc, tmp_path, m)
+    assert not [body for kind, body in doc.blocks if kind == "table" and body[0][0] == "task"]
