@@ -165,7 +165,8 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
     steps.advance(what="quantize: accuracy gate")
 
     accuracy = accuracy_figures(original, model, evals)
-    t_tasks = None if baseline else _score_tasks(accuracy, original, model, tokenizer, quant, steps)
+    t_tasks = None if baseline else _score_tasks(accuracy, original=original, quantized=model, tokenizer=tokenizer,
+                                                      quant=quant, steps=steps)
     generations = greedy_generations(original, model, tokenizer) if quant.greedy_generations else []
     log.info("accuracy: %s", accuracy)
     if not baseline:
@@ -232,7 +233,7 @@ def run_quantize(model_dir: Path, calibration_file: Path, *, evaluation_file: Pa
                    t_tasks=t_tasks)
 
 
-def _score_tasks(accuracy: dict, original, quantized, tokenizer, quant: QuantizationSection,
+def _score_tasks(accuracy: dict, *, original, quantized, tokenizer, quant: QuantizationSection,
                  steps: console.Step) -> Optional[float]:
     """The lm-eval tasks' rows added to the gate's figures (quantization.accuracy.tasks); the seconds they took,
     None without tasks."""
