@@ -7,7 +7,8 @@ trip through another process: scripts/bench_stream_path.py). A token that ends i
 held back until the character is complete, so the pieces a client concatenates are exactly the full decode.
 
 Inputs: those of the ensemble (``text_input``, ``max_tokens``; optional ``stop_words``,
-``apply_chat_template``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``end_id``, ``priority``). Outputs per
+``apply_chat_template``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``end_id``, ``priority``, ``tenant``;
+the tenant may come in the ``x-tenant`` header instead). Outputs per
 response: ``text_output`` STRING [1] (the new text) and ``output_ids`` INT32 [-1] (the tokens behind it).
 Parameters: ``preprocessing_model``, ``tensorrt_llm_model``, ``tokenizer_dir`` (relative to the version folder).
 """
@@ -30,10 +31,10 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PRE_INPUTS = ("text_input", "max_tokens", "stop_words", "apply_chat_template", "end_id")
 PRE_OUTPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list")
 # the ensemble's inputs passed on to tensorrt_llm as its inputs (priority: only where request classes are on;
-# tenant: only where the config has tenants)
+# the tenant is resolved apart, from the input or the x-tenant header)
 SAMPLING = {"temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
             "seed": "seed", "priority": "priority"}
-CONTEXT_TOKENS = 8  # tokens of already-shown text passed to postprocessing as decoding context
+CONTEXT_TOKENS = 8  # tokens of already-shown text decoded with the new ones, as their context
 
 
 class TritonPythonModel:
