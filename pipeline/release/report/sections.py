@@ -340,8 +340,6 @@ def _level_rows(levels: list[dict]) -> list[list]:
 
     rows = []
     for l in levels:
-        post_calls = tri(l, "_postprocessing", "requests")
-        stream_n = tri(l, "_stream", "requests")
         rows.append([
             l["concurrency"], l["requests"], l["output_tokens_per_s"], l["requests_per_s"],
             ms(l["ttft_ms"]["p50"], l["ttft_ms"]["p90"], l["ttft_ms"]["p99"]),
@@ -351,16 +349,14 @@ def _level_rows(levels: list[dict]) -> list[list]:
             dig(l, "padding_factor", "value"),
             ms(tri(l, "_stream", "queue_ms"), tri(l, "_preprocessing", "queue_ms"),
                tri(l, "_tensorrt_llm", "queue_ms")),
-            ms(tri(l, "_preprocessing", "compute_infer_ms"), tri(l, "_postprocessing", "compute_infer_ms")),
-            post_calls / stream_n if post_calls and stream_n else None,
+            ms(tri(l, "_preprocessing", "compute_infer_ms")),
         ])
     return rows
 
 
 LEVEL_HEADER = ["concurrency", "requests", "output tok/s", "req/s", "TTFT ms P50 / P90 / P99",
                 "ITL ms P50 / P90 / P99", "e2e ms P50 / P90 / P99", "e2e P99/P50", "e2e jitter", "token-gap jitter",
-                "padding factor", "Triton queue ms: stream / pre / llm", "Triton compute ms: pre / post",
-                "post calls per request"]
+                "padding factor", "Triton queue ms: stream / pre / llm", "Triton compute ms: pre"]
 
 
 def _ratio_table(doc: Doc, levels: list[dict]) -> None:
@@ -424,7 +420,7 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
     doc.p("Triton's queue and compute times are per request of each model, from its metrics endpoint (the level's "
           "counters after minus before). The generation itself waits in the runtime's own scheduler, which Triton "
           "does not see: the decoupled models return from execute at once, so their compute time is not generation "
-          "time. Postprocessing is called once per streamed piece.")
+          "time. The streaming model turns tokens into text itself: it calls no postprocessing model.")
     comp = r.get("comparison")
     if comp:
         doc.h(3, f"Comparison ({comp['ratio']})")
