@@ -101,6 +101,8 @@ def test_the_fault_switch_reads_its_file_and_a_leak_is_resident(tmp_path):
     assert faults.raising
     path.write_text("leak 40")
     faults.poll()
+    freed = [bytearray(1000) for _ in range(60_000)]  # 60 MB of small blocks, freed: resident heap malloc reuses
+    del freed
     before = _anonymous_resident_bytes()
     faults.leak(1.0)
     assert not faults.raising and _anonymous_resident_bytes() - before >= 35_000_000
