@@ -98,7 +98,7 @@ def metric_key(spec: AccuracyTask) -> str:
     return spec.metric if "," in spec.metric else f"{spec.metric},none"
 
 
-def score(model, tokenizer, specs: Sequence[AccuracyTask]) -> dict[str, dict]:
+def score(model, tokenizer, specs: Sequence[AccuracyTask], loaded: Sequence[tuple[Any, Any]]) -> dict[str, dict]:
     """Each task's figure on one model: {task: {"score", "higher_is_better", "samples"}}. ``model`` is a
     transformers model object (a ModelOpt fake-quantized one too), evaluated where it is."""
     from lm_eval import simple_evaluate
@@ -106,7 +106,7 @@ def score(model, tokenizer, specs: Sequence[AccuracyTask]) -> dict[str, dict]:
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=BATCH_SIZE)
     out = {}
-    for spec, (task, manager) in zip(specs, load_tasks(specs), strict=True):
+    for spec, (task, manager) in zip(specs, loaded, strict=True):
         # its own TaskManager: without one simple_evaluate indexes every task lm-eval ships (about 15 s)
         res = simple_evaluate(model=lm, tasks=[task], task_manager=manager, limit=spec.limit, bootstrap_iters=0,
                               log_samples=False)
@@ -125,7 +125,8 @@ def score(model, tokenizer, specs: Sequence[AccuracyTask]) -> dict[str, dict]:
 
 def task_figures(original, quantized, tokenizer, specs: Sequence[AccuracyTask]) -> list[dict]:
     """The gate's task rows: each task's score on both models and the recovery the quantized one keeps."""
-    o, q = score(original, tokenizer, specs), score(quantized, tokenizer, specs)
+    loaded = load_tasks(specs)  # once for both models: lm-eval rebuilds a task's requests on each evaluation
+    o, q = score(original, tokenizer, specs, loaded), score(quantized, tokenizer, specs, loaded)
     return [{"task": s.name, "metric": metric_key(s), "samples": o[s.name]["samples"],
              "original": o[s.name]["score"], "quantized": q[s.name]["score"],
              "recovery": recovery(o[s.name]["score"], q[s.name]["score"], o[s.name]["higher_is_better"])}
