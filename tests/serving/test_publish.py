@@ -490,6 +490,12 @@ class _TritonError:
         return self._message
 
 
+def test_the_serving_models_read_the_tenant_header_the_servers_forward():
+    from pipeline.tenancy import TENANT_HEADER, TENANT_HEADER_ARGS
+
+    assert _llm_io().TENANT_HEADER == TENANT_HEADER and all(TENANT_HEADER in a for a in TENANT_HEADER_ARGS)
+
+
 def test_a_relayed_engine_error_gets_its_kind_back_from_its_words():
     """BLS resets a callee's error code (server issue 7804); the relaying models restore it from how the engine
     model words each kind (triton_repo/common/llm_serving.py)."""

@@ -159,6 +159,13 @@ def request_tenant(request, tensor) -> str:
     return header or body
 
 
+def tenant_inputs(request, pb_utils) -> list:
+    """The ``tenant`` input to pass on to the engine model ([] for none) for a relaying model: its own input or the
+    header, which tritonserver hands to the model the client called and no further. ValueError as request_tenant."""
+    tenant = request_tenant(request, pb_utils.get_input_tensor_by_name(request, "tenant"))
+    return [pb_utils.Tensor("tenant", np.array([[tenant.encode()]], dtype=object))] if tenant else []
+
+
 def scalar(tensor, default=None):
     """The first element of an optional [batch, 1] input (None when the request omitted it); a BYTES input's is
     the bytes object itself (its array holds objects, not numpy scalars)."""

@@ -67,13 +67,11 @@ class TritonPythonModel:
             t = pb_utils.get_input_tensor_by_name(request, ours)
             if t is not None:
                 llm_in.append(pb_utils.Tensor(theirs, t.as_numpy()))
-        if self.tenanted:  # its input or its x-tenant header (which tritonserver hands to this model, not on)
+        if self.tenanted:
             try:
-                tenant = llm_io.request_tenant(request, pb_utils.get_input_tensor_by_name(request, "tenant"))
+                llm_in += llm_io.tenant_inputs(request, pb_utils)
             except ValueError as e:
                 raise _Failed(pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)) from None
-            if tenant:
-                llm_in.append(pb_utils.Tensor("tenant", np.array([[tenant.encode()]], dtype=object)))
         llm_in.append(pb_utils.Tensor("streaming", np.array([[True]])))
         stream = pb_utils.InferenceRequest(model_name=self.llm, inputs=llm_in,
                                            requested_output_names=["output_ids", "sequence_length"]

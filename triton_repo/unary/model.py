@@ -13,7 +13,6 @@ import os
 import sys
 import threading
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,15 +38,13 @@ class TritonPythonModel:
     def _forward(self, request, sender):
         try:
             inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in INPUTS) if t is not None]
-            if self.tenanted:  # its input or its x-tenant header (which tritonserver hands to this model, not on)
+            if self.tenanted:
                 try:
-                    tenant = llm_io.request_tenant(request, pb_utils.get_input_tensor_by_name(request, "tenant"))
+                    inputs += llm_io.tenant_inputs(request, pb_utils)
                 except ValueError as e:
                     sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
                         str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
                     return
-                if tenant:
-                    inputs.append(pb_utils.Tensor("tenant", np.array([[tenant.encode()]], dtype=object)))
             stream = pb_utils.InferenceRequest(model_name=self.llm, inputs=inputs,
                                                requested_output_names=["output_ids", "sequence_length"]
                                                ).exec(decoupled=True)
