@@ -10,13 +10,14 @@ Two copies of the served repository: "now" as published, and "baseline" with ``<
 turned each token into text through a BLS call to the postprocessing model). Everything else is the same files:
 the engine model, the tokenizer, the configs.
 
-Each arm starts its own tritonserver on the copy, then ``--concurrency`` gRPC clients, each on its own stream to
-the streaming model, send requests back to back for ``--seconds``: a short prose prompt, exactly ``--tokens`` new
-tokens (end_id -1). The arms take turns (now, baseline, baseline, now, ... over ``--rounds``) so drifting machine
-load hits both alike. Per arm it prints the streamed tokens/s, the CPU milliseconds per token (psutil's user +
-system time, read before and after the load) of the engine model's stub and of the frontend (tritonserver and every
-other stub: the streaming model's, pre- and postprocessing's), and the time to first token. The last line gives the
-now / baseline ratios.
+Each arm starts its own tritonserver on the copy, then ``--concurrency`` gRPC clients, each request on its own
+stream to the streaming model, send ``--requests`` requests back to back (``invoke bench``'s closed-loop client,
+pipeline.serving.bench.load): a short prose prompt, exactly ``--tokens`` new tokens (end_id -1). The arms take turns
+(now, baseline, baseline, now, ... over ``--rounds``) so drifting machine load hits both alike. Per arm it prints
+the streamed tokens/s, the CPU milliseconds per token (psutil's user + system time, read before and after the load)
+of the engine model's stub and of the frontend (tritonserver and every other stub: the streaming model's, pre- and
+postprocessing's), and the time to first token (P50 and P99, the mean over rounds). The last line gives the now /
+baseline ratios.
 """
 
 from __future__ import annotations
@@ -27,14 +28,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from pipeline import artifacts  # noqa: E402
 
 DEFAULT_REPOSITORY = REPO / "build" / "smollm2-135m-cpu" / "model_repository"
 DEFAULT_BASELINE = "308cfaa"  # the streaming model before it detokenized in its own process
@@ -92,83 +91,37 @@ def use_baseline(repository: Path, model: str, code: str) -> None:
     config.write_text(publish.config_text(msg))
 
 
-def run_load(grpc_url: str, model: str, concurrency: int, tokens: int, seconds: float) -> dict:
-    """``concurrency`` closed-loop streaming clients for ``seconds``: (tokens, requests, first-token times)."""
-    import tritonclient.grpc as grpcclient
+def prompts(repository: Path, count: int) -> list:
+    """``count`` short prose prompts, their tokens counted by the repository's own tokenizer."""
+    from transformers import AutoTokenizer
 
-    stop_at = time.monotonic() + seconds
-    lock = threading.Lock()
-    got = {"tokens": 0, "requests": 0, "ttft": [], "errors": []}
+    from pipeline.serving.bench.load import Prompt
 
-    def client(index: int) -> None:
-        done = threading.Event()
-        state = {"first": None, "count": 0}
-
-        def on_result(result, error) -> None:
-            if error is not None:
-                got["errors"].append(str(error))
-                done.set()
-                return
-            response = result.get_response()
-            ids = result.as_numpy("output_ids")
-            if ids is not None and ids.size:
-                if state["first"] is None:
-                    state["first"] = time.monotonic()
-                state["count"] += ids.size
-            if response.parameters.get("triton_final_response") and response.parameters[
-                    "triton_final_response"].bool_param:
-                done.set()
-
-        c = grpcclient.InferenceServerClient(grpc_url)
-        c.start_stream(callback=on_result)
-        try:
-            n = 0
-            while time.monotonic() < stop_at and not got["errors"]:
-                inputs = []
-                text = f"{PROMPTS[(index + n) % len(PROMPTS)]} ({index}.{n})"
-                for name, kind, value in (("text_input", "BYTES", text.encode()), ("max_tokens", "INT32", tokens),
-                                          ("end_id", "INT32", -1)):
-                    inputs.append(grpcclient.InferInput(name, [1, 1], kind))
-                    inputs[-1].set_data_from_numpy(np.array([[value]], dtype=object if kind == "BYTES" else np.int32))
-                done.clear()
-                state.update(first=None, count=0)
-                sent = time.monotonic()
-                c.async_stream_infer(model, inputs, enable_empty_final_response=True)
-                if not done.wait(600):
-                    got["errors"].append("no final response in 600 s")
-                    break
-                with lock:
-                    got["tokens"] += state["count"]
-                    got["requests"] += 1
-                    if state["first"] is not None:
-                        got["ttft"].append(state["first"] - sent)
-                n += 1
-        finally:
-            c.stop_stream()
-            c.close()
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if got["errors"]:
-        raise SystemExit(f"requests failed: {got['errors'][:3]}")
-    return got
+    tokenizer_dir = sorted(repository.glob(f"*_preprocessing/*/{artifacts.TOKENIZER_DIR}"))[-1]
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    texts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(count)]
+    return [Prompt(t, len(tokenizer(t).input_ids)) for t in texts]
 
 
 def arm(repository: Path, args) -> dict:
+    """One server on ``repository`` under the closed-loop load of ``invoke bench`` (pipeline.serving.bench.load)."""
+    from pipeline.serving.bench.load import drive, level_figures
     from pipeline.serving.server import TritonServer
 
+    model = stream_model(repository)
+    load = prompts(repository, args.requests + 4)
     with TritonServer(repository) as server:
-        model = stream_model(repository)
-        run_load(server.grpc_url, model, min(args.concurrency, 4), args.tokens, 5.0)  # warm-up: stubs, caches
-        cpu0, t0 = server_cpu_s(server.process.pid), time.monotonic()
-        got = run_load(server.grpc_url, model, args.concurrency, args.tokens, args.seconds)
-        wall = time.monotonic() - t0
+        drive(server.grpc_url, model, prompts=load[:4], concurrency=4, max_tokens=args.tokens)  # warm-up
+        cpu0 = server_cpu_s(server.process.pid)
+        records, wall = drive(server.grpc_url, model, prompts=load[4:], concurrency=args.concurrency,
+                              max_tokens=args.tokens)
         engine, frontend = split_cpu(cpu0, server_cpu_s(server.process.pid))
-    return {"tokens_per_s": got["tokens"] / wall, "engine_ms": engine / got["tokens"] * 1e3,
-            "frontend_ms": frontend / got["tokens"] * 1e3, "requests": got["requests"], "ttft": got["ttft"]}
+    level = level_figures(records, wall, args.concurrency)
+    if level["errors"]:
+        raise SystemExit(f"{level['errors']} requests failed: {[r.error for r in records if r.error][:3]}")
+    tokens = level["output_tokens"]
+    return {"tokens_per_s": level["output_tokens_per_s"], "engine_ms": engine / tokens * 1e3,
+            "frontend_ms": frontend / tokens * 1e3, "requests": level["requests"], "ttft_ms": level["ttft_ms"]}
 
 
 def main() -> None:
@@ -177,7 +130,7 @@ def main() -> None:
     ap.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision of the baseline streaming model")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request (forced)")
-    ap.add_argument("--seconds", type=float, default=30.0, help="load per arm and round")
+    ap.add_argument("--requests", type=int, default=48, help="requests per arm and round")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     model = stream_model(args.repo)
@@ -198,15 +151,14 @@ def main() -> None:
             print(f"  {name:9s} {last['tokens_per_s']:7.1f} tokens/s, CPU ms per token: frontend "
                   f"{last['frontend_ms']:6.2f}, engine {last['engine_ms']:6.2f} ({last['requests']} requests)",
                   flush=True)
-    print(f"\n{args.concurrency} streams, {args.tokens} tokens each, {args.rounds} rounds of {args.seconds:.0f} s:")
+    print(f"\n{args.concurrency} streams, {args.tokens} tokens each, {args.rounds} rounds of {args.requests} requests:")
     summary = {}
     for name, runs in results.items():
-        ttft = sorted(t for r in runs for t in r["ttft"])
         summary[name] = {"tokens_per_s": statistics.mean(r["tokens_per_s"] for r in runs),
                          "frontend_ms": statistics.mean(r["frontend_ms"] for r in runs),
                          "engine_ms": statistics.mean(r["engine_ms"] for r in runs),
-                         "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3,
-                         "ttft_p99_ms": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))] * 1e3}
+                         "ttft_p50_ms": statistics.mean(r["ttft_ms"]["p50"] for r in runs),
+                         "ttft_p99_ms": statistics.mean(r["ttft_ms"]["p99"] for r in runs)}
         s = summary[name]
         print(f"{name:9s} {s['tokens_per_s']:7.1f} tokens/s, CPU ms per token: frontend {s['frontend_ms']:6.2f}, "
               f"engine {s['engine_ms']:6.2f}; TTFT P50 {s['ttft_p50_ms']:6.0f} ms, P99 {s['ttft_p99_ms']:6.0f} ms")
