@@ -53,7 +53,7 @@ def _run_plan(ctx: StageContext) -> summaries.PlanSummary:
     import json
 
     from pipeline import artifacts, records
-    from pipeline.quant.plan import make_plan, plan_markdown, write_plan
+    from pipeline.quant.plan import make_plan, over_threshold, plan_markdown, write_plan
     from pipeline.quant.plots import error_bars_png
 
     cfg = ctx.config
@@ -61,11 +61,14 @@ def _run_plan(ctx: StageContext) -> summaries.PlanSummary:
     doc = make_plan(table, cfg.plan, cfg.sensitivity, cfg.quantization)
     plan = records.Plan.model_validate(doc)
     write_plan(plan, ctx.out_dir, cfg.name)
-    (ctx.out_dir / "plan.md").write_text(plan_markdown(doc))
+    # the threshold is judged here, not in the sensitivity stage: a new threshold reruns only this stage
+    over = over_threshold(table, plan.threshold) if plan.threshold is not None else None
+    (ctx.out_dir / "plan.md").write_text(plan_markdown(doc, over))
     col = plan.decision_column or cfg.sensitivity.formats[0]
     error_bars_png(table, plan, col, plan.threshold, ctx.out_dir / "sensitivity_errors.png")
     figures: summaries.PlanFigures = doc["summary"]
-    return {**figures, "budget": doc["budget"], "mode": doc["mode"]}
+    return {**figures, "budget": doc["budget"], "mode": doc["mode"], "threshold": plan.threshold,
+            "over_threshold": over}
 
 
 def _run_quantize(ctx: StageContext) -> summaries.QuantizeSummary:
@@ -240,20 +243,25 @@ def _text_fingerprint(loaded, hash_cache, work_dir):
 VLLM_ENGINE_FIELDS = tuple(f"vllm.{name}" for name in ("device", "dtype", "kv_cache_dtype", "gpu_memory_utilization",
                                                        "cpu_kv_cache_gib", "kv_offloading_gib", "served_model_name"))
 
+# the sensitivity section's fields the measurement depends on: all but sensitivity.threshold, which only the plan
+# reads, so a changed threshold reruns the plan and not the measurement
+SENSITIVITY_MEASURED_FIELDS = tuple(f"sensitivity.{name}" for name in ("formats", "reference_dtype", "end_to_end"))
+
 STAGES: list[StageDef] = [
     StageDef("model", "download the model and prepare an HF-format folder", sections=("model",),
              external_inputs=_model_fingerprint, run=_run_model),
     StageDef("text", "calibration and evaluation token sets", needs=("model",), sections=("text",),
              external_inputs=_text_fingerprint, run=_run_text),
     StageDef("sensitivity", "per-layer INT8 sensitivity table", needs=("model", "text"),
-             sections=("sensitivity", "quantization.weight_format", "quantization.smoothquant_alpha",
+             sections=(*SENSITIVITY_MEASURED_FIELDS, "quantization.weight_format", "quantization.smoothquant_alpha",
                        "quantization.awq_group_size", "build.target", "plan.decision_format", "compute.device"),
-             run=_run_sensitivity, preflight=_compute_preflight),
+             run=_run_sensitivity, preflight=_compute_preflight,
+             version=2),  # 2: no threshold in its inputs or outputs (the plan judges against it)
     StageDef("plan", "mixed-precision plan", needs=("sensitivity",),
              sections=("plan", "sensitivity.threshold", "quantization.weight_format", "quantization.kv_cache",
                        "quantization.awq_group_size"),
              run=_run_plan, editable=("plan.yaml",), accept_edit=_check_edited_plan,
-             version=3),  # 2, 3: fused q/k/v share one format
+             version=4),  # 2, 3: fused q/k/v share one format; 4: plan.md counts the layers over the threshold
     StageDef("quantize", "ModelOpt quantization, TensorRT-LLM checkpoint export, accuracy gate",
              needs=("model", "text", "sensitivity", "plan"),
              sections=("quantization", "build.dtype", "build.tensor_parallel_size", "compute.device"),

@@ -29,8 +29,6 @@ class TextSummary(TypedDict):
 class SensitivityFigures(TypedDict):
     """pipeline.quant.sensitivity.run_analysis (in a child process); the adapter adds the child's peak RSS."""
     layers: int
-    over_threshold: dict[str, int]  # format -> layers over the threshold
-    threshold: float
     decision_column: str
     analysis_s: float
     calibration_tokens: int
@@ -66,9 +64,12 @@ class _PlanEdited(TypedDict, total=False):
 
 
 class PlanSummary(PlanFigures, _PlanEdited):
-    """The plan stage: the plan's figures, its budget (budget mode; else None) and its mode."""
+    """The plan stage: the plan's figures, its budget (budget mode; else None), its mode, and in threshold mode
+    sensitivity.threshold and how many layers' error passes it per measured format (budget mode: None)."""
     budget: Optional[dict[str, Any]]
     mode: str
+    threshold: Optional[float]
+    over_threshold: Optional[dict[str, int]]  # format -> layers whose error exceeds the threshold
 
 
 class QuantizeFigures(TypedDict):

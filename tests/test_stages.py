@@ -59,3 +59,17 @@ def test_publish_runs_again_when_the_tenants_change(tmp_path):
     inputs = [Runner(load_config(DEFAULT_CONFIG, sets), STAGES, tmp_path / "work").compute_inputs(stage)["config"]
               for sets in ([], ["tenants=[{name: a, kv_share: 0.5}]"], ["tenants=[{name: a, kv_share: 0.25}]"])]
     assert inputs[0] != inputs[1] != inputs[2]
+
+
+def test_the_sensitivity_measurement_reads_every_sensitivity_field_but_the_threshold(tmp_path):
+    """A threshold sweep shares one measurement: sensitivity.threshold is the plan's input, not the sensitivity
+    stage's, while every other field of the section (a new one included) is the measurement's."""
+    from pipeline.config import SensitivitySection
+    from pipeline.stages import SENSITIVITY_MEASURED_FIELDS
+
+    assert set(SENSITIVITY_MEASURED_FIELDS) == {f"sensitivity.{f}" for f in SensitivitySection.model_fields} - \
+        {"sensitivity.threshold"}
+    sens, plan = (next(s for s in STAGES if s.name == name) for name in ("sensitivity", "plan"))
+    runs = [Runner(load_config(DEFAULT_CONFIG, sets), STAGES, tmp_path) for sets in ([], ["sensitivity.threshold=0.2"])]
+    assert runs[0].compute_inputs(sens) == runs[1].compute_inputs(sens)
+    assert runs[0].compute_inputs(plan)["config"] != runs[1].compute_inputs(plan)["config"]

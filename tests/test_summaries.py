@@ -23,10 +23,11 @@ READERS = [PACKAGE / "release" / "report" / "sections.py", PACKAGE / "release" /
 READS: dict[str, set[str]] = {
     "model": {"source", "model"},  # sections._section_source; summary.build_summary (model, sizes)
     "text": {"calibration", "evaluation", "source_documents"},  # sections._section_text
-    "sensitivity": {"decision_column", "calibration_tokens", "threshold", "layers", "over_threshold",
+    "sensitivity": {"decision_column", "calibration_tokens", "layers",
                     "embedding_int8_error", "analysis_s", "compute", "peak_rss_bytes"},  # _section_sensitivity, ran_on
     "plan": {"mode", "formats", "layers", "kept_high_precision", "mixed_precision", "effective_bits_per_weight",
-             "weight_bytes_planned", "weight_bytes_fp16", "total_error_left", "budget", "hand_edited"},  # _section_plan
+             "weight_bytes_planned", "weight_bytes_fp16", "total_error_left", "budget", "hand_edited",
+             "threshold", "over_threshold"},  # _section_plan; _judged_by (the sensitivity section's threshold)
     "quantize": {"checkpoint", "calibration_tokens", "evaluation_tokens", "timing_s", "compute", "peak_rss_bytes",
                  "accuracy", "checkpoint_bytes"},  # section_quantize; summary.build_summary
     "build": {"kv_cache_dtype", "kv_cache_quant_algo", "kv_blocks", "tokens_per_block", "check", "smoke_test",
@@ -123,14 +124,17 @@ def test_build_summary_reads_are_in_each_stages_summary():
     assert seen >= 10  # the pattern still matches the code
 
 
-def test_the_plan_summary_is_the_plans_figures_and_its_budget_and_mode():
+def test_the_plan_summary_is_the_plans_figures_its_budget_mode_and_threshold():
     layer = {"name": "a", "block": 0, "module": "down_proj", "in_features": 64, "out_features": 64,
              "errors": {"int8_sq": {"error": 0.2, "mean": 0.2, "max": 0.2}}}
     doc = make_plan({"layers": [layer], "calibration": {"samples": 1, "seq_len": 1, "tokens": 1}}, PlanSection(),
                     SensitivitySection(formats=("int8_sq",), threshold=0.1),
                     QuantizationSection(weight_format="int8_sq"))
     assert set(doc["summary"]) == keys(summaries.PlanFigures)
-    assert set(summaries.PlanSummary.__required_keys__) == keys(summaries.PlanFigures) | {"budget", "mode"}
+    assert set(summaries.PlanSummary.__required_keys__) == keys(summaries.PlanFigures) | {
+        "budget", "mode", "threshold", "over_threshold"}
+    # the threshold is the plan's to judge: the sensitivity measurement neither reads nor reports it
+    assert not {"threshold", "over_threshold"} & keys(summaries.SensitivitySummary)
     # a hand-edited plan: accept_edit's figures over the summary, and the runner's mark
     assert keys(summaries.PlanEditFigures) | {"hand_edited"} <= keys(summaries.PlanSummary)
     plan = next(s for s in stages.STAGES if s.name == "plan")

@@ -314,12 +314,25 @@ def write_plan(plan: records.Plan, out_dir: Path, config_name: str) -> None:
     records.write_plan(out_dir / artifacts.PLAN_FILE, plan, header)
 
 
-def plan_markdown(doc: dict) -> str:
+def over_threshold(table: dict, threshold: float) -> dict[str, int]:
+    """Per measured format, how many of the sensitivity table's layers have an error over ``threshold``. The plan
+    stage's figure: the sensitivity stage does not read the threshold, so one measurement serves every threshold."""
+    fmts = list(table["layers"][0]["errors"]) if table["layers"] else []
+    return {f: sum(1 for l in table["layers"] if l["errors"][f]["error"] > threshold) for f in fmts}
+
+
+def plan_markdown(doc: dict, over: dict[str, int] | None = None) -> str:
+    """plan.md; ``over``: over_threshold's counts (threshold mode)."""
     s = doc["summary"]
     lines = [f"# Plan: {doc['base_format']} weights, {doc['kv_cache']} KV cache ({doc['mode']} mode)", "",
              f"- layers: {s['layers']}, kept in high precision: {s['kept_high_precision']}",
              f"- weight bytes: {s['weight_bytes_planned']:,} planned vs {s['weight_bytes_fp16']:,} all-FP16 "
              f"({s['effective_bits_per_weight']} bits per weight)"]
+    if doc.get("threshold") is not None:
+        col = f" (decides on the `{doc['decision_column']}` column)" if doc.get("decision_column") else ""
+        counts = ", ".join(f"{f} {n}" for f, n in (over or {}).items())
+        lines.append(f"- threshold {doc['threshold']}{col}; layers over it per measured format: "
+                     f"{counts or 'not counted'}")
     if doc.get("budget"):
         lines.append(f"- budget: {doc['budget']['budget']}; used {doc['budget']['used_bytes']:,} bytes; "
                      f"binding: {doc['budget']['binding']}")

@@ -11,16 +11,17 @@ from pipeline.records import Plan
 MODULE_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def table_markdown(table: dict, threshold: float, decision: str) -> str:
+def table_markdown(table: dict, decision: str) -> str:
+    """The table sorted by the ``decision`` column, most sensitive first. No threshold: the measurement is shared
+    by every threshold, and the plan stage says which layers pass its own."""
     layers = sorted(table["layers"], key=lambda l: -l["errors"].get(decision, {}).get("error", 0.0))
     fmts = list(layers[0]["errors"]) if layers else []
-    over = [l for l in layers if l["errors"].get(decision, {}).get("error", 0.0) > threshold]
     lines = [
         f"# Per-layer INT8 sensitivity ({table['calibration']['samples']} x {table['calibration']['seq_len']} "
         f"calibration tokens)",
         "",
-        f"error = ||ref(x) - q(x)|| / ||ref(x)|| over the calibration set; sorted by the `{decision}` column; "
-        f"{len(over)} of {len(layers)} layers exceed the threshold {threshold} (marked **).",
+        f"error = ||ref(x) - q(x)|| / ||ref(x)|| over the calibration set; {len(layers)} layers, sorted by the "
+        f"`{decision}` column; the plan stage judges them against sensitivity.threshold (its plan.md).",
         "mean / max: over calibration samples. outlier ratio: largest input-channel amax / median channel amax.",
         "",
         "| layer | " + " | ".join(f"{f} error (mean / max)" for f in fmts) + " | input amax | outlier ratio | params |",
@@ -30,8 +31,7 @@ def table_markdown(table: dict, threshold: float, decision: str) -> str:
         cells = []
         for f in fmts:
             e = l["errors"][f]
-            mark = "**" if f == decision and e["error"] > threshold else ""
-            cells.append(f"{mark}{e['error']:.4f}{mark} ({e['mean']:.4f} / {e['max']:.4f})")
+            cells.append(f"{e['error']:.4f} ({e['mean']:.4f} / {e['max']:.4f})")
         lines.append(f"| {l['name']} | " + " | ".join(cells) +
                      f" | {l['activation']['amax']:.1f} | {l['activation']['outlier_ratio']:.1f} | "
                      f"{l['in_features'] * l['out_features']:,} |")

@@ -661,14 +661,11 @@ def run_analysis(model_dir: Path, calibration_file: Path, *, section: Sensitivit
     timing = table.pop("timing")
     (out_dir / artifacts.SENSITIVITY_TABLE_JSON).write_text(json.dumps(table, indent=1))
     col = decision or section.formats[0]
-    (out_dir / artifacts.SENSITIVITY_TABLE_MD).write_text(table_markdown(table, section.threshold, col))
+    (out_dir / artifacts.SENSITIVITY_TABLE_MD).write_text(table_markdown(table, col))
     heatmap_png(table, section.formats, out_dir / artifacts.SENSITIVITY_HEATMAP_PNG)
-    over: dict[str, int] = {f: sum(1 for l in table["layers"] if l["errors"][f]["error"] > section.threshold)
-            for f in section.formats}
+    # nothing here reads section.threshold: it is the plan stage's input, so a threshold sweep reuses this table
     return {
         "layers": len(table["layers"]),
-        "over_threshold": over,
-        "threshold": section.threshold,
         "decision_column": col,
         "analysis_s": timing["analysis_s"],
         "calibration_tokens": table["calibration"]["tokens"],

@@ -98,6 +98,23 @@ def test_stages_write_table_plan_and_plots_and_take_a_hand_edit(tmp_path, outlie
     first_row = [l for l in md.splitlines() if l.startswith("| model.")][0]
     worst = max(table["layers"], key=lambda l: l["errors"]["int8_sq"]["error"])["name"]
     assert first_row.startswith(f"| {worst} |")  # sorted, most sensitive first
+    assert "threshold" not in sens and "**" not in md  # the measurement knows no threshold: the plan judges it
+    over = {t: {f: sum(l["errors"][f]["error"] > t for l in table["layers"]) for f in table["layers"][0]["errors"]}
+            for t in (0.1, 0.2)}
+    assert summary["threshold"] == 0.1 and summary["over_threshold"] == over[0.1]
+
+    # a new threshold reuses the measurement: the plan reruns alone, and records and counts the new threshold
+    swept = Runner(load_config(cfg, ["plan.mode=threshold", "sensitivity.threshold=0.2"]), STAGES, work)
+    assert swept.status("sensitivity").up_to_date and not swept.status("plan").up_to_date
+    said.clear()
+    swept.run(["plan"], echo=said.append)
+    assert any(s.startswith("sensitivity: up to date") for s in said) and not said[-1].startswith("plan: up to date")
+    assert yaml.safe_load((pdir / "plan.yaml").read_text())["threshold"] == 0.2
+    summary = json.loads((pdir / "manifest.json").read_text())["summary"]
+    assert summary["threshold"] == 0.2 and summary["over_threshold"] == over[0.2]
+    assert "- threshold 0.2 (decides on the `int8_sq` column)" in (pdir / "plan.md").read_text()
+    back = Runner(load_config(cfg, ["plan.mode=threshold", "sensitivity.threshold=0.1"]), STAGES, work)
+    back.run(["plan"], echo=said.append)  # the 0.1 plan again, for the hand edit below
 
     # a person edits the plan: the edit is checked, kept, recorded, and the plan is not regenerated
     plan["layers"]["model.layers.0.mlp.down_proj"]["format"] = "high_precision"

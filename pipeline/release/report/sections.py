@@ -45,7 +45,7 @@ def add_sections(doc: Doc, work_dir: Path, *, out_dir: Path, manifests: dict[str
     _section_glance(doc, summary)
     _section_source(doc, work_dir, manifests["model"])
     _section_text(doc, manifests["text"])
-    _section_sensitivity(doc, work_dir, out_dir, manifests["sensitivity"])
+    _section_sensitivity(doc, work_dir, out_dir, manifests["sensitivity"], manifests["plan"])
     _section_plan(doc, work_dir, out_dir, manifests["plan"])
     section_quantize(doc, work_dir, manifests["quantize"])
     _section_sizes(doc, summary, manifests["build"])
@@ -114,17 +114,30 @@ def _section_text(doc: Doc, m: Optional[dict]) -> None:
     doc.table(["set", "samples", "tokens per sample", "tokens", "documents"], rows)
 
 
-def _section_sensitivity(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -> None:
+def _judged_by(plan: Optional[dict]) -> tuple[str, object]:
+    """How the plan judged the table (the sensitivity stage does not read the threshold, so the plan's manifest
+    says it), and the layers over its threshold per format: threshold mode only."""
+    if plan is None:
+        return "(its threshold is the plan stage's, which has not run)", None
+    p = plan["summary"]
+    if p.get("threshold") is None:
+        return f"in {p.get('mode')} mode (no threshold)", None
+    return f"with threshold {p['threshold']}", p.get("over_threshold")
+
+
+def _section_sensitivity(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict],
+                         plan: Optional[dict]) -> None:
     doc.h(2, "Sensitivity")
     if m is None:
         return doc.not_run("sensitivity")
     sens_dir = artifacts.stage_dir(work_dir, "sensitivity")
     s = m["summary"]
     decision = s.get("decision_column")
+    judged, over = _judged_by(plan)
     doc.p(f"Per-layer relative output error ||ref(x) − q(x)|| / ||ref(x)|| on {s.get('calibration_tokens'):,} "
-          f"calibration tokens, one layer quantized at a time; the plan decides on the `{decision}` column with "
-          f"threshold {s.get('threshold')}.")
-    doc.kv([("layers", s.get("layers")), ("over the threshold", s.get("over_threshold")),
+          f"calibration tokens, one layer quantized at a time; the plan decides on the `{decision}` column "
+          f"{judged}.")
+    doc.kv([("layers", s.get("layers")), ("over the plan's threshold", over),
             ("embedding INT8 error (reported, not quantized)", s.get("embedding_int8_error")),
             ("analysis time", f"{s.get('analysis_s')} s"), ("ran on", ran_on(s)),
             ("peak memory", mib(s.get("peak_rss_bytes")))])

@@ -55,6 +55,30 @@ def test_stages_not_run_are_said_so(tmp_path):
     assert html.startswith("<!DOCTYPE html>") and "<strong>not run</strong>" in html
 
 
+@pytest.mark.parametrize("plan, said", [
+    ({"mode": "threshold", "threshold": 0.2, "over_threshold": {"int8_sq": 3}},
+     ["the `int8_sq` column with threshold 0.2.", "| over the plan's threshold | int8_sq: 3 |"]),
+    ({"mode": "budget", "threshold": None, "over_threshold": None},
+     ["the `int8_sq` column in budget mode (no threshold).", "| over the plan's threshold | — |"]),
+    (None, ["the `int8_sq` column (its threshold is the plan stage's, which has not run)."]),
+])
+def test_the_sensitivity_section_says_the_plans_threshold(tmp_path, plan, said):
+    """The sensitivity stage does not read the threshold (one measurement serves every threshold): the report's
+    sensitivity section takes it, and the layers over it, from the plan's manifest."""
+    work = tmp_path / "synthetic"
+    sens = {"layers": 15, "decision_column": "int8_sq", "calibration_tokens": 256}
+    for stage, summary in (("sensitivity", sens), ("plan", plan)):
+        if summary is not None:
+            (work / stage).mkdir(parents=True)
+            (work / stage / "manifest.json").write_text(json.dumps(_manifest(stage, summary)))
+    out = tmp_path / "report"
+    out.mkdir()
+    render(work, out)
+    md = (out / "index.md").read_text()
+    for line in said:
+        assert line in md
+
+
 @pytest.mark.parametrize("gate, build, served, measured_by", [
     ("int8", {"kv_cache_dtype": "fp8", "check": {"kv_cache": {"dtype": "fp8"}}}, "fp8", ["the build's vLLM check"]),
     ("fp8", {"kv_cache_dtype": "fp8_e4m3", "check": {"kv_cache": {"dtype": "fp8_e4m3"}}}, "fp8",
