@@ -130,6 +130,17 @@ def tune(c, *, config=None, set=None, work_root=str(WORK_ROOT), verbose=False, r
         commands.tune(config, set or [], Path(work_root), results=Path(results) if results else None)
 
 
+@task(iterable=["set"], help={**CONFIG_HELP, "verbose": RUN_HELP["verbose"]})
+def optimize(c, *, config=None, set=None, work_root=str(WORK_ROOT), verbose=False):
+    """Choose the plan and the serving settings together: build and gate each candidate plan, measure the
+    survivors on real servers (successive halving, then invoke tune's search on the finalists), against the
+    accuracy floor and the SLA; write the table, the front and the cost to <work dir>/optimize/results and publish
+    the chosen candidate."""
+    commands.setup_logging(verbose)
+    with commands.user_errors():
+        commands.optimize(config, set or [], Path(work_root))
+
+
 @task(iterable=["set"], help={**CONFIG_HELP,
                               "http_port": "HTTP port (default 8000; vLLM's OpenAI server: its API and metrics)",
                                "grpc_port": "gRPC port (default 8001)", "metrics_port": "metrics port (default 8002)",
@@ -251,4 +262,4 @@ def docs(c, write=False, site_dir=None):
 
 
 ns = Collection(download, sensitivity, quantize, build, publish, verify, bench, report, all_, explain, plan_alias,
-                doctor, clean, serve, tune, image, release, deploy_manifests, test, docs)
+                doctor, clean, serve, tune, optimize, image, release, deploy_manifests, test, docs)

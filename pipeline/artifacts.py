@@ -90,6 +90,13 @@ EDGE_CHECK_FILE = "export_check.json"  # what the build read back from the expor
 
 # ------------------------------------------------------------------ publish, verify, bench, report
 
+# `invoke optimize` (pipeline/optimize.py): <work dir>/optimize/candidates/<name>/ (each candidate's work dir) and
+# <work dir>/optimize/results/ (the last choice's evidence; results.failed/ where a run chose nothing)
+OPTIMIZE_DIR = "optimize"
+OPTIMIZE_RESULTS_DIR = "results"
+OPTIMIZE_RESULTS_FILE = "optimize_results.json"
+OPTIMIZE_TABLE_FILE = "optimize.md"
+OPTIMIZE_PLOT_FILE = "pareto.png"
 MODEL_REPOSITORY_DIR = "model_repository"  # publish/model_repository: snapshot of the version just published
 DEFAULT_REPOSITORY_DIR = "model_repository"  # <work dir>/model_repository: the live repository
 PROVENANCE_FILE = "provenance.json"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -290,6 +291,39 @@ def tune(config: Optional[str], overrides: Sequence[str], work_root: Path, resul
             out = tuning.run_tune(cfg, runner.loaded.name, work_dir)
         print(f"tune: {out['why']}")
     runner.run(["publish"])  # publish applies the tuned settings file: its content is one of publish's inputs
+    return out
+
+
+def optimize(config: Optional[str], overrides: Sequence[str], work_root: Path) -> dict:
+    """Choose the plan and the serving settings together, by measurement (pipeline/optimize.py); publish the
+    chosen candidate. Every candidate is the config with its fields set, in a work dir of its own under
+    <work dir>/optimize/candidates/."""
+    from pipeline import optimize as optimizing  # starts servers: imported when asked for
+
+    runner = open_runner(config, overrides, work_root)
+    cfg, work_dir = runner.loaded.config, runner.work_dir
+    print(f"config: {runner.loaded.name} ({runner.loaded.path}); work dir: {work_dir}")
+    sweep_dead_runs()
+    optimizing.check_optimizable(cfg)
+    runner = _resolved_runner(runner, config=config, overrides=overrides, work_root=work_root,
+                              stages=["sensitivity"], force=False)
+    runner.run(["sensitivity"])  # what every candidate shares: measured once, here
+    root = work_dir / optimizing.OPTIMIZE_DIR / optimizing.CANDIDATES_DIR
+
+    def open_candidate(extra: list[str]) -> Runner:
+        return open_runner(config, [*overrides, *extra], root)
+
+    with WorkDirLock(work_dir):
+        out = optimizing.run_optimize(runner.loaded.config, runner.loaded.name, work_dir, open_candidate)
+    results = work_dir / optimizing.OPTIMIZE_DIR / optimizing.RESULTS_DIR
+    print(f"optimize: {out['why']}")
+    print(f"optimize: the table, the front and the cost: {results / optimizing.TABLE_FILE}")
+    published = out["published"]
+    sets = "".join(f" --set {shlex.quote(s)}" for s in [*overrides, *published["set"]])
+    print(f"optimize: published {out['chosen']['candidate']} to {published['repository']}; serve it with "
+          f"`invoke serve{' --config ' + shlex.quote(str(config)) if config else ''}{sets} --set "
+          f"name={out['chosen']['candidate']} --work-root {root}`, or make it the config's own by setting "
+          f"{', '.join(published['set']) or 'nothing (it is the config as it is)'} in it")
     return out
 
 

@@ -59,3 +59,7 @@ class EnvironmentProblem(PipelineError, RuntimeError):
 class StageFailed(PipelineError, RuntimeError):
     exit_code = 1
     docs_anchor = "stagefailed"
+
+
+class GateFailed(StageFailed):
+    """The quantize stage's accuracy gate refused the quantized model (`invoke optimize` drops such a candidate)."""

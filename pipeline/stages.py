@@ -210,6 +210,16 @@ def _bench_fingerprint(loaded, hash_cache, work_dir):
     return compare_fingerprint(loaded.config.bench)
 
 
+def _report_fingerprint(loaded, hash_cache, work_dir):
+    """What the report reads from outside the stages: `invoke tune`'s and `invoke optimize`'s last results."""
+    from pipeline.serving.tuned import RESULTS_FILE, TUNE_DIR
+
+    files = {"tune": work_dir / TUNE_DIR / RESULTS_FILE,
+             "optimize": work_dir / artifacts.OPTIMIZE_DIR / artifacts.OPTIMIZE_RESULTS_DIR
+             / artifacts.OPTIMIZE_RESULTS_FILE}
+    return {k: hash_cache.sha256(p) if p.is_file() else None for k, p in files.items()}
+
+
 def _run_report(ctx: StageContext) -> summaries.ReportSummary:
     from pipeline.release.report.stage import write_report
 
@@ -279,7 +289,8 @@ STAGES: list[StageDef] = [
     StageDef("bench", "throughput and latency sweep", needs=("text", "build", "publish"),
              sections=("bench", "sla", "vllm.frontends"),
              external_inputs=_bench_fingerprint, run=_run_bench, preflight=_bench_preflight),
-    StageDef("report", "the build report", needs=("verify", "bench"), run=_run_report),
+    StageDef("report", "the build report", needs=("verify", "bench"), external_inputs=_report_fingerprint,
+             run=_run_report),
 ]
 
 # invoke task -> the stages it runs (with their upstream stages, as needed)

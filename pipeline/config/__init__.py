@@ -39,6 +39,8 @@ from pipeline.config.release import AlertsSection, ImageSection
 from pipeline.config.schema import PipelineConfig
 from pipeline.config.serving import (
     BenchSection,
+    OptimizeCandidate,
+    OptimizeSection,
     SlaSection,
     TritonSection,
     TuneSection,
@@ -64,7 +66,8 @@ __all__ = [
     "SAFE_NAME", "AccuracyTask", "AccuracyTolerance", "AlertsSection", "BenchSection", "BuildSection",
     "ComputeSection", "CudaGraphs",
     "DatasetText", "Dtype", "FilesText", "Frontend", "GGUFFileSource", "GGUFPackageSource", "HubSource",
-    "ImageSection", "KVCacheFormat", "LoadedConfig", "LocalSource", "ModelSection", "ModelSource", "PagedKVCache",
+    "ImageSection", "KVCacheFormat", "LoadedConfig", "LocalSource", "ModelSection", "ModelSource",
+    "OptimizeCandidate", "OptimizeSection", "PagedKVCache",
     "PipelineConfig", "PlanBudget", "PlanRule", "PlanSection", "PydocTopicsText", "QuantizationSection", "SafeName",
     "SensitivityFormat", "SensitivitySection", "SlaSection", "Strict", "TextSection", "TextSource", "TokenSet",
     "TritonSection", "TuneSection", "VerifySection", "VllmSection", "WatchdogSection", "WeightFormat",

@@ -14,7 +14,15 @@ from pipeline.config.base import SafeName, Strict
 from pipeline.config.build import BuildSection, VllmSection
 from pipeline.config.quantization import ComputeSection, PlanSection, QuantizationSection, SensitivitySection
 from pipeline.config.release import AlertsSection, ImageSection
-from pipeline.config.serving import BenchSection, SlaSection, TenantSection, TritonSection, TuneSection, VerifySection
+from pipeline.config.serving import (
+    BenchSection,
+    OptimizeSection,
+    SlaSection,
+    TenantSection,
+    TritonSection,
+    TuneSection,
+    VerifySection,
+)
 from pipeline.config.sources import ModelSection, TextSection
 from pipeline.errors import InputError
 from pipeline.formats import DECISION_COLUMN
@@ -37,6 +45,7 @@ class PipelineConfig(Strict):
     sla: SlaSection = SlaSection()
     bench: BenchSection = BenchSection()
     tune: TuneSection = TuneSection()
+    optimize: OptimizeSection = OptimizeSection()
     tenants: list[TenantSection] = []
     alerts: AlertsSection = AlertsSection()
     image: ImageSection = ImageSection()

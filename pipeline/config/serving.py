@@ -1,11 +1,11 @@
-"""The serving sections: ``triton`` (the served model and how its runtime batches), ``verify``, ``sla``, ``bench``
-and ``tune``. Which target reads which ``triton`` key is held in :mod:`pipeline.config.schema`."""
+"""The serving sections: ``triton`` (the served model and how its runtime batches), ``verify``, ``sla``, ``bench``,
+``tune`` and ``optimize``. Which target reads which ``triton`` key is held in :mod:`pipeline.config.schema`."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -242,3 +242,62 @@ class TuneSection(Strict):
     # on 2 cores (README: scripts/bench_adaptive.py), at the cost of time to first token
     prefill_chunk_tokens: Optional[int] = Field(8, ge=1)
     apply: bool = True  # publish applies <work dir>/tune/tuned_settings.yaml where tune wrote one
+
+
+# the config fields a candidate plan of `invoke optimize` may set: what changes the plan and the quantization.
+# The accuracy floor (quantization.accuracy) is the same for every candidate: it is what they are judged by.
+CANDIDATE_FIELDS = ("sensitivity.threshold", "plan.", "quantization.")
+CANDIDATE_FIXED = ("quantization.accuracy",)
+
+
+class OptimizeCandidate(Strict):
+    """A plan `invoke optimize` builds, gates and measures: the config with these fields set."""
+
+    # the candidate's name: its work dir is <work dir>/optimize/candidates/<name>/ ("seed" is the config's own)
+    name: SafeName
+    # dotted config fields and their values, as --set takes them, e.g. {sensitivity.threshold: 0.2} or
+    # {quantization.weight_format: int8_wo}
+    set: dict[str, Any] = {}
+
+    @field_validator("set")
+    @classmethod
+    def _fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        bad = [k for k in v if not k.startswith(CANDIDATE_FIELDS) or k.startswith(CANDIDATE_FIXED)]
+        if bad:
+            raise ValueError(f"a candidate sets only the plan's and the quantization's fields (sensitivity.threshold, "
+                             f"plan.*, quantization.* but quantization.accuracy, the floor every candidate is judged "
+                             f"by); not {', '.join(bad)}")
+        return v
+
+
+class OptimizeSection(Strict):
+    """`invoke optimize` (pipeline/optimize.py): the plan and the serving settings chosen together, by measurement."""
+
+    # the plans tried; none: the config's own plan ("seed"), its sensitivity.threshold halved and doubled, and
+    # every layer in quantization.weight_format but those plan.rules keep ("all-<format>")
+    candidates: tuple[OptimizeCandidate, ...] = ()
+    # the accuracy floor: "gate", the quantize stage's gate (quantization.accuracy); "seed", the gate and no worse
+    # than the config's own plan on perplexity, top-1 agreement and KL
+    floor: Literal["gate", "seed"] = "gate"
+    # goodput: the most good requests/s within the SLA; memory: the fewest weight bytes among the deployments
+    # keeping the SLA with at least min_goodput_rps
+    goal: Literal["goodput", "memory"] = "goodput"
+    # goal memory: the goodput (good requests/s under tune's load) the smallest deployment must keep
+    min_goodput_rps: Optional[float] = Field(None, gt=0)
+    # the plans whose serving settings are searched (invoke tune's search) after the halving rounds
+    finalists: int = Field(1, ge=1, le=8)
+    serving_search: bool = True  # false: every candidate at the config's own serving settings
+    # measured beside the choice at the end, tune.ab_rounds rounds alternating the order (must be candidates)
+    compare_with: tuple[SafeName, ...] = ("seed",)
+
+    @model_validator(mode="after")
+    def _check(self) -> "OptimizeSection":
+        names = [c.name for c in self.candidates]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"candidates named more than once: {', '.join(twice)}")
+        if self.goal == "memory" and self.min_goodput_rps is None:
+            raise ValueError("goal: memory needs min_goodput_rps, the goodput the smallest deployment must keep")
+        if self.goal == "goodput" and self.min_goodput_rps is not None:
+            raise ValueError("min_goodput_rps is only used with goal: memory")
+        return self

@@ -9,7 +9,7 @@ import math
 
 from pipeline import console
 from pipeline.config import QuantizationSection
-from pipeline.errors import StageFailed
+from pipeline.errors import GateFailed
 from pipeline.formats import HIGH_PRECISION
 from pipeline.quant.tasks import task_failures
 from pipeline.records import Plan
@@ -115,7 +115,7 @@ def check_gate(acc: dict, quant: QuantizationSection, plan: Plan, table_layers: 
     quantized = [(l["errors"].get(col, {}).get("error", 0.0), n) for n, l in table_layers.items()
                  if plan.layers[n].format != HIGH_PRECISION]
     worst = [n for _, n in sorted(quantized, reverse=True)[:5]]
-    raise StageFailed(
+    raise GateFailed(
         f"accuracy gate failed: {'; '.join(failed)} (perplexity {acc['perplexity_original']} -> "
         f"{acc['perplexity_quantized']}, top-1 {acc['top1_agreement']}, KL {acc['kl_divergence']} over "
         f"{acc['tokens']} evaluation tokens). Nothing was exported. Try keeping more layers in high precision "

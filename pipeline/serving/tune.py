@@ -210,7 +210,7 @@ def confirm(chosen: dict, ab: dict, bounds: dict[str, float]) -> tuple[Optional[
 # ---------------------------------------------------------------- measuring on real servers
 
 
-class _Servers:
+class Servers:
     """A repository and a server per setting, under ``root``; servers stopped by ``stop``/``stop_all``."""
 
     def __init__(self, config: PipelineConfig, config_name: str, work_dir: Path, root: Path):
@@ -255,7 +255,7 @@ class _Servers:
             self.stop(label)
 
 
-def _measure_fn(servers: _Servers, warm: list[Prompt], measured: list[Prompt], concurrency: int,
+def measure_fn(servers: Servers, warm: list[Prompt], measured: list[Prompt], concurrency: int,
                 sla: dict[str, float]) -> Measure:
     def measure(settings: dict) -> dict:
         target = servers.start(settings, warm, concurrency)
@@ -270,7 +270,7 @@ def _measure_fn(servers: _Servers, warm: list[Prompt], measured: list[Prompt], c
     return measure
 
 
-def _ab(servers: _Servers, chosen: dict, *, warm: list[Prompt], measured: list[Prompt], concurrency: int,
+def _ab(servers: Servers, chosen: dict, *, warm: list[Prompt], measured: list[Prompt], concurrency: int,
         sla: dict[str, float], rounds: int) -> list[dict]:
     """Default and chosen, both up, ``rounds`` rounds alternating which goes first."""
     sides = {"default": servers.start({}, warm, concurrency), "tuned": servers.start(chosen["settings"], warm,
@@ -305,13 +305,13 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
     """Search, choose, A/B; write the evidence and the tuned settings into <work dir>/tune. Returns the results."""
     check_tunable(config)
     cfg, sla = config.tune, config.sla.bounds()
-    concurrency = _load(config)["concurrency"]
+    concurrency = load_for(config)["concurrency"]
     staging = work_dir / artifacts.STAGING_DIR / f"tune-{uuid.uuid4().hex[:8]}"
-    servers = _Servers(config, config_name, work_dir, staging)
-    warm, measured = _prompts(config, work_dir, servers.settings)
+    servers = Servers(config, config_name, work_dir, staging)
+    warm, measured = prompts_for(config, work_dir, servers.settings)
     staging.mkdir(parents=True)
     try:
-        measure = _measure_fn(servers, warm, measured, concurrency, sla)
+        measure = measure_fn(servers, warm, measured, concurrency, sla)
         if not targets.get(config.build.target).gpu_only:  # a server starts in seconds: search step by step
             points = search(measure, servers.settings.max_batch_size, config.sla.p99_itl_ms is not None,
                             cfg.min_gain, cfg.prefill_chunk_tokens)
@@ -334,18 +334,18 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
         chosen, verdict = confirm(chosen, ab, sla)
         why = f"{why}; {verdict}" if verdict else f"{why}; confirmed by the A/B"
     results = {
-        "format_version": 1, "target": config.build.target, "sla": sla, "load": _load(config),
+        "format_version": 1, "target": config.build.target, "sla": sla, "load": load_for(config),
         "build_digest": build_digest(work_dir),
         "build_max_batch_size": servers.settings.max_batch_size, "min_gain": cfg.min_gain,
-        "points": [{"label": p["label"], "settings": p["settings"], **_point_figures(p["level"])} for p in points],
+        "points": [{"label": p["label"], "settings": p["settings"], **point_figures(p["level"])} for p in points],
         "chosen": None if chosen is None else {"label": chosen["label"], "settings": chosen["settings"]},
         "why": why,
-        "ab": {**ab, "per_round": [{s: _point_figures(r[s]) for s in r} for r in rounds]} if ab else None,
+        "ab": {**ab, "per_round": [{s: point_figures(r[s]) for s in r} for r in rounds]} if ab else None,
     }
     return _conclude(results, chosen, staging, work_dir)
 
 
-def _load(config: PipelineConfig) -> dict:
+def load_for(config: PipelineConfig) -> dict:
     """The load each point is measured under (closed loop): at least one measured request per client, so the
     concurrency is reached (a GPU build's bench levels go to hundreds)."""
     concurrency = config.tune.concurrency or 2 * max(config.bench.concurrency)
@@ -388,7 +388,7 @@ PLAN_HOW = (
 def write_plan(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
     """<work dir>/tune_plan.yaml: the GPU target's points and the load to measure them under."""
     plan: dict = {"format_version": FORMAT_VERSION, "config": config_name, "target": config.build.target,
-            "sla": config.sla.bounds(), "load": _load(config), "build_digest": build_digest(work_dir),
+            "sla": config.sla.bounds(), "load": load_for(config), "build_digest": build_digest(work_dir),
             "points": [{"label": label_of(st), "settings": st} for st in gpu_plan(config)],
             "how": PLAN_HOW.format(results=f"{TUNE_DIR}/{RESULTS_FILE}")}
     path = work_dir / PLAN_FILE
@@ -476,7 +476,7 @@ def _read_results(path: Path) -> dict:
     return doc
 
 
-def _prompts(config: PipelineConfig, work_dir: Path,
+def prompts_for(config: PipelineConfig, work_dir: Path,
              settings: records.BuildSettings) -> tuple[list[Prompt], list[Prompt]]:
     """(warm-up prompts, measured prompts): the bench's lengths, from the evaluation text."""
     from transformers import AutoTokenizer  # heavy: imported only when tune runs
@@ -485,11 +485,11 @@ def _prompts(config: PipelineConfig, work_dir: Path,
     check_lengths(bench, settings, "the build")
     tokenizer = AutoTokenizer.from_pretrained(str(artifacts.stage_dir(work_dir, "model") / artifacts.MODEL_DIR))
     text = artifacts.stage_dir(work_dir, "text") / artifacts.EVALUATION_TEXT_FILE
-    prompts = make_prompts(text, tokenizer, bench.prompt_tokens, bench.warmup_requests + _load(config)["requests"])
+    prompts = make_prompts(text, tokenizer, bench.prompt_tokens, bench.warmup_requests + load_for(config)["requests"])
     return prompts[:bench.warmup_requests], prompts[bench.warmup_requests:]
 
 
-def _point_figures(level: dict) -> dict:
+def point_figures(level: dict) -> dict:
     s = level["sla"]
     return {"goodput_rps": s["goodput_rps"], "sla_met": s["met"], "violations": s["violations"],
             "p99_ms": s["p99_ms"], "output_tokens_per_s": level["output_tokens_per_s"],

@@ -54,6 +54,7 @@ def add_sections(doc: Doc, work_dir: Path, *, out_dir: Path, manifests: dict[str
     _section_verify(doc, work_dir, manifests["verify"])
     _section_bench(doc, work_dir, out_dir, manifests["bench"])
     _section_serving_settings(doc, work_dir, out_dir, manifests["publish"])
+    _section_optimize(doc, work_dir, out_dir)
     _section_monitoring(doc, work_dir, out_dir, manifests["bench"], alerts or AlertsSection())
     _section_chain(doc, chain, work_dir, manifests)
     _section_runs(doc, manifests)
@@ -551,6 +552,41 @@ def _section_serving_settings(doc: Doc, work_dir: Path, out_dir: Path, publish: 
     img = _copy_image(work_dir / TUNE_DIR / PLOT_FILE, out_dir, PLOT_FILE)
     if img:
         doc.image(img, "Output tokens/s against each bounded P99, one point per setting")
+
+
+def _section_optimize(doc: Doc, work_dir: Path, out_dir: Path) -> None:
+    """`invoke optimize`'s last choice: the candidates, the measured front, the choice, the side-by-side, the cost."""
+    doc.h(2, "Plan and settings chosen together (invoke optimize)")
+    folder = work_dir / artifacts.OPTIMIZE_DIR / artifacts.OPTIMIZE_RESULTS_DIR
+    r = _read_json(folder / artifacts.OPTIMIZE_RESULTS_FILE)
+    if r is None:
+        doc.p("Not run: `invoke optimize` (with an SLA set) builds and gates candidate plans, measures them on real "
+              "servers and publishes the best (plan, serving settings); this report's build is the config's own plan.")
+        return
+    doc.p(f"Objective: {r['goal']}, floor: {r['floor']}, SLA {fmt(r['sla'])} ms. Every candidate built and gated; "
+          f"the survivors measured by successive halving (`{artifacts.OPTIMIZE_DIR}/{artifacts.OPTIMIZE_RESULTS_DIR}/"
+          f"{artifacts.OPTIMIZE_TABLE_FILE}`; the rule: pipeline/optimize.py).")
+    doc.table(["candidate", "outcome", "perplexity + %", "weights MiB", "best goodput req/s"],
+              [[c["name"], c["status"] + (f": {c['why']}" if c["why"] else ""),
+                dig(c, "accuracy", "perplexity_increase_pct"),
+                round(c["weight_bytes"] / 2**20, 1) if c["weight_bytes"] else None,
+                max((p["goodput_rps"] for p in c["points"]), default=None)] for c in r["candidates"]])
+    front = ", ".join(f"{p['candidate']} ({p['label']})" for p in r["front"]) or "none"
+    doc.p(f"**On the front** (no other point has more goodput, less perplexity increase and fewer weight bytes): "
+          f"{front}.")
+    doc.p(f"**Chosen**: {r['why']}." + (f" Published in {r['published']['repository']}." if r.get("published") else ""))
+    side = r.get("side_by_side")
+    if side:
+        chosen = side["sides"][0]["key"]
+        doc.p(f"**Side by side** ({side['rounds']} round(s), every server up, medians): " + "; ".join(
+            f"{chosen} vs {k}: goodput {fmt(v['goodput'])}x, output tokens/s {fmt(v['output_tokens_per_s'])}x"
+            for k, v in side["chosen_over"].items()) + ".")
+    cost = r["cost"]
+    doc.p(f"Cost: {cost['candidates']} candidates, {cost['built']} built, {cost['measured']} measured, "
+          f"{cost['server_runs']} server runs, {cost['total_s']:.0f} s.")
+    img = _copy_image(folder / artifacts.OPTIMIZE_PLOT_FILE, out_dir, artifacts.OPTIMIZE_PLOT_FILE)
+    if img:
+        doc.image(img, "Goodput against perplexity increase, one point per measured plan and settings")
 
 
 def _read_json(path: Path) -> Optional[dict]:
