@@ -307,6 +307,10 @@ def optimize(config: Optional[str], overrides: Sequence[str], work_root: Path) -
     optimizing.check_optimizable(cfg)
     runner = _resolved_runner(runner, config=config, overrides=overrides, work_root=work_root,
                               stages=["sensitivity"], force=False)
+    for stage in runner.closure(["build"]):  # what this machine lacks, and unreadable lm-eval tasks (the same for
+        preflight = runner.stages[stage].preflight  # every candidate: quantization.accuracy is fixed), before any work
+        if preflight is not None:
+            preflight(runner.loaded)
     runner.run(["sensitivity"])  # what every candidate shares: measured once, here
     root = work_dir / optimizing.OPTIMIZE_DIR / optimizing.CANDIDATES_DIR
 

@@ -63,3 +63,5 @@ class StageFailed(PipelineError, RuntimeError):
 
 class GateFailed(StageFailed):
     """The quantize stage's accuracy gate refused the quantized model (`invoke optimize` drops such a candidate)."""
+
+    docs_anchor = "gatefailed"

@@ -31,7 +31,8 @@ Cost, for C candidates of which S pass the gate: C quantize-and-build runs (less
 only the measurements); ceil(log2(S / finalists)) halving rounds, each about S x tune.requests / 2^(rounds - 1)
 requests and one server start per candidate measured; each finalist's serving search, as `invoke tune` (up to
 log2(build.max_batch_size) + 4 servers); then len(compare_with) + 1 servers for the side-by-side rounds. The
-quantize stage dominates (the gate evaluates both models): cost grows linearly in C; bound it with fewer
+quantize stage dominates (the gate evaluates both models; a refusal is remembered with the gate's inputs, so a
+rerun does not evaluate that candidate again): cost grows linearly in C; bound it with fewer
 candidates, ``text.evaluation.num_samples``, or ``optimize.serving_search: false``.
 
 Written to ``<work dir>/optimize/results/`` (replaced when a run ends; a run that chose nothing writes
@@ -59,7 +60,7 @@ import yaml
 from pipeline import artifacts, console, targets
 from pipeline.config import OptimizeCandidate, PipelineConfig
 from pipeline.errors import GateFailed, InputError, PipelineError, StageFailed
-from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
+from pipeline.fsutil import atomic_write_json, atomic_write_text, hash_json, remove_tree, replace_dir
 from pipeline.runner import Runner
 from pipeline.serving import tune as tuning
 from pipeline.serving.bench.stats import SLA_NAMES
@@ -79,6 +80,9 @@ SEED = "seed"
 # the config's stage folders a candidate's work dir starts from (hard links: nothing is copied)
 SEEDED_STAGES = ("model", "text", "sensitivity", "plan", "quantize", "build")
 ACCURACY = ("perplexity_increase_pct", "top1_agreement", "kl_divergence")
+# in a candidate's work dir: the quantize stage's inputs the gate refused and why (a refusal leaves no stage output
+# for the cache to keep, so without it every run would quantize and evaluate that candidate again)
+REFUSED_FILE = "gate_refused.json"
 
 OpenCandidate = Callable[[list[str]], Runner]  # --set overrides on top of the config's -> the candidate's runner
 
@@ -150,7 +154,11 @@ def check_optimizable(config: PipelineConfig) -> None:
         raise InputError(f"invoke optimize builds and measures every candidate on this machine's servers; the "
                          f"{target.name} target's are not run here. Optimize on the cpu target here, or measure "
                          f"each plan where its engine runs (`invoke tune` there)")
-    tuning.check_tunable(config)
+    if not config.sla.bounds():
+        raise InputError("invoke optimize chooses against the SLA: set at least one of sla.p99_e2e_ms, "
+                         "sla.p99_ttft_ms, sla.p99_itl_ms (e.g. --set sla.p99_e2e_ms=20000)")
+    if not config.triton.decoupled:
+        raise InputError("invoke optimize measures through the streaming model, which needs triton.decoupled: true")
     names = {c.name for c in candidate_plans(config)}
     missing = [n for n in config.optimize.compare_with if n not in names]
     if missing:
@@ -194,16 +202,24 @@ def build_candidate(c: Candidate, base: Path) -> None:
         outcomes.append(line)
         console.status(f"optimize {c.name}: {line}")
 
+    refusal = c.work_dir / REFUSED_FILE
     try:
-        c.runner.run(["build"], echo=echo)
+        c.runner.run(["plan"], echo=echo)  # then the gate's inputs are known: a refusal is not measured again
+        gate_inputs = hash_json(c.runner.compute_inputs(c.runner.stages["quantize"]))
+        before = json.loads(refusal.read_text()) if refusal.is_file() else {}
+        if before.get("inputs") == gate_inputs:
+            c.status, c.why = "gate", f"{before['why']} (the same inputs as the last run's refusal)"
+        else:
+            c.runner.run(["build"], echo=echo)
+            c.status = "built"
+            refusal.unlink(missing_ok=True)
     except GateFailed as e:
         c.status, c.why = "gate", str(e).split(" Nothing was exported")[0]
+        atomic_write_json(refusal, {"inputs": gate_inputs, "why": c.why})
     except (PipelineError, OSError) as e:  # a crash of this candidate's stages: recorded, the search goes on
         c.status, c.why = "failed", str(e).split("\n")[0]
         logs = sorted((c.work_dir / "logs").glob("*.failed.log"), key=lambda p: p.stat().st_mtime)
         c.log = str(logs[-1]) if logs else None
-    else:
-        c.status = "built"
     c.stages_run = sum(": done in" in line for line in outcomes)
     c.built_s = time.monotonic() - t0
     quantize = c.runner.read_manifest("quantize") if c.status == "built" else None
@@ -351,14 +367,14 @@ def run_optimize(config: PipelineConfig, config_name: str, work_dir: Path, open_
     staging = root / artifacts.STAGING_DIR / f"results-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     try:
-        return _search(config, config_name, cands, root, staging, t0)
+        return _search(config, config_name, cands=cands, root=root, staging=staging, t0=t0)
     except BaseException:
         if staging.is_dir():  # an unexpected stop: its servers' logs, for the next person to read
             replace_dir(staging, root / FAILED_DIR)
         raise
 
 
-def _search(config: PipelineConfig, config_name: str, cands: list[Candidate], root: Path, staging: Path,
+def _search(config: PipelineConfig, config_name: str, *, cands: list[Candidate], root: Path, staging: Path,
             t0: float) -> dict:
     opt, sla = config.optimize, config.sla.bounds()
     work_dir = root.parent

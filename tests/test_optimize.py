@@ -61,8 +61,17 @@ def test_a_candidate_may_set_only_the_plan_and_the_quantization_and_seed_is_the_
     cfg = load_config(constants.CPU_DEFAULT_CONFIG, ["sla.p99_e2e_ms=1000", "optimize.compare_with=[nope]"]).config
     with pytest.raises(InputError, match="compare_with names nope, not a candidate"):
         check_optimizable(cfg)
-    with pytest.raises(InputError, match="against the SLA"):
+    with pytest.raises(InputError, match="invoke optimize chooses against the SLA"):
         check_optimizable(load_config(constants.CPU_DEFAULT_CONFIG).config)
+
+
+def test_an_unreadable_lm_eval_task_stops_optimize_before_any_work(tmp_path, tiny_model_dir):
+    cfg = tiny_config(tmp_path, tiny_model_dir)
+    task = {"name": "tiny_fact", "path": str(REPO / "tests" / "data" / "lm_eval_tiny")}  # the folder has tiny_facts
+    with pytest.raises(InputError, match="no lm-eval task named 'tiny_fact' in the folder"):
+        commands.optimize(str(cfg), ["sla.p99_e2e_ms=1000", f"quantization.accuracy.tasks=[{json.dumps(task)}]"],
+                          tmp_path / "work")
+    assert not (tmp_path / "work" / "tiny").exists()  # not one candidate, not the shared download
 
 
 def test_halving_rounds_double_the_requests_up_to_the_last_which_has_them_all():
@@ -185,6 +194,8 @@ def test_invoke_optimize_gates_measures_chooses_and_publishes_and_a_rerun_builds
                           tmp_path / "work")
     failed = json.loads((work / "optimize" / "results.failed" / "optimize_results.json").read_text())
     assert failed["chosen"] is None and failed["cost"]["built"] == 0  # every candidate up to date
+    int4 = next(c for c in failed["candidates"] if c["name"] == "int4")  # the refusal, not quantized again
+    assert int4["status"] == "gate" and "the same inputs as the last run's refusal" in int4["why"]
     assert published.read_text() == before  # nothing published
     assert (results / "optimize_results.json").is_file()  # the last choice's evidence is kept
 

@@ -242,7 +242,11 @@ class Servers:
         target = Target(label, repo, prov, self.settings, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
                         server=server)
         self.running[label] = (server, folder)
-        warm_up(target, warm, min(len(warm), concurrency), self.config.bench)
+        try:
+            warm_up(target, warm, min(len(warm), concurrency), self.config.bench)
+        except BaseException:  # an engine failing its first requests: its server stopped here, not left running
+            self.stop(label)
+            raise
         return target
 
     def stop(self, label: str) -> None:
