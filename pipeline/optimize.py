@@ -22,7 +22,8 @@ The search, cheapest evidence first:
 4. **The choice**, among the measured (plan, settings) points that keep the SLA: with ``goal: goodput`` the most
    good requests/s, and ``seed`` unless another beats it by ``tune.min_gain`` (noise is not a gain); with ``goal:
    memory`` the fewest weight bytes among those with at least ``min_goodput_rps``. Then the choice and
-   ``optimize.compare_with`` side by side: every server up, ``tune.ab_rounds`` rounds, the order rotated.
+   ``optimize.compare_with`` side by side: every server up, ``tune.ab_rounds`` rounds, the order rotated; where
+   ``seed``'s medians keep the SLA with at least the choice's goodput, ``seed`` stays (``confirm``).
 5. **Published:** the chosen serving settings are written to the candidate's ``tune/tuned_settings.yaml`` and its
    publish stage runs. No candidate meets the objective: nothing is published, and the error names the closest
    candidates and what each missed by.
@@ -64,6 +65,7 @@ from pipeline.fsutil import atomic_write_json, atomic_write_text, hash_json, rem
 from pipeline.runner import Runner
 from pipeline.serving import tune as tuning
 from pipeline.serving.bench.stats import SLA_NAMES
+from pipeline.serving.serve import gpu_server_binary
 from pipeline.serving.tuned import FORMAT_VERSION, TUNE_DIR, TUNED_FILE, build_digest
 
 log = logging.getLogger(__name__)
@@ -150,10 +152,15 @@ def override_args(candidate: OptimizeCandidate) -> list[str]:
 def check_optimizable(config: PipelineConfig) -> None:
     """What `invoke optimize` needs, refused before any work."""
     target = targets.get(config.build.target)
-    if target.gpu_only or target.device_only or not target.tunable:
-        raise InputError(f"invoke optimize builds and measures every candidate on this machine's servers; the "
-                         f"{target.name} target's are not run here. Optimize on the cpu target here, or measure "
-                         f"each plan where its engine runs (`invoke tune` there)")
+    if target.device_only or not target.tunable:
+        raise InputError(f"invoke optimize builds and measures every candidate on real servers, with invoke tune's "
+                         f"search; the {target.name} target's serving settings are not tuned by it "
+                         f"({target.untuned_why or 'its engine runs on its device'})")
+    if target.gpu_only and gpu_server_binary() is None:
+        raise InputError(f"invoke optimize builds and measures every {target.name} candidate on the image's "
+                         f"tritonserver, which is not on PATH here: run it on the GPU machine with the Triton "
+                         f"TensorRT-LLM image (the same command and config), where each candidate's engine is built "
+                         f"and served")
     if not config.sla.bounds():
         raise InputError("invoke optimize chooses against the SLA: set at least one of sla.p99_e2e_ms, "
                          "sla.p99_ttft_ms, sla.p99_itl_ms (e.g. --set sla.p99_e2e_ms=20000)")
@@ -515,9 +522,14 @@ def _search_settings(c: Candidate, meter: _Measurer, requests: int) -> int:
         return meter.measure(settings, requests)
 
     cfg = c.runner.loaded.config
+    points: list[dict]
     try:
-        points = tuning.search(measure, meter.servers.settings.max_batch_size, cfg.sla.p99_itl_ms is not None,
-                               cfg.tune.min_gain, cfg.tune.prefill_chunk_tokens)
+        if targets.get(cfg.build.target).gpu_only:  # a GPU server starts in minutes: tune's plan of points
+            points = [{"settings": st, "label": tuning.label_of(st), "level": measure(st)}
+                      for st in tuning.gpu_plan(cfg)]
+        else:
+            points = tuning.search(measure, meter.servers.settings.max_batch_size, cfg.sla.p99_itl_ms is not None,
+                                   cfg.tune.min_gain, cfg.tune.prefill_chunk_tokens)
     except PipelineError as e:  # a setting crashed the engine: the candidate keeps its measured default
         c.why = f"serving search stopped: {str(e).splitlines()[0]}"
         console.echo(f"optimize {c.name}: {c.why}")

@@ -61,6 +61,10 @@ def test_a_candidate_may_set_only_the_plan_and_the_quantization_and_seed_is_the_
     cfg = load_config(constants.CPU_DEFAULT_CONFIG, ["sla.p99_e2e_ms=1000", "optimize.compare_with=[nope]"]).config
     with pytest.raises(InputError, match="compare_with names nope, not a candidate"):
         check_optimizable(cfg)
+    gpu = load_config(constants.CPU_DEFAULT_CONFIG, ["sla.p99_e2e_ms=1000", "build.target=tensorrt",
+                                                     "build.dtype=float16"]).config
+    with pytest.raises(InputError, match="every tensorrt candidate on the image's tritonserver, which is not on PATH"):
+        check_optimizable(gpu)  # (this machine has none: the GPU targets are measured where the engine runs)
     with pytest.raises(InputError, match="invoke optimize chooses against the SLA"):
         check_optimizable(load_config(constants.CPU_DEFAULT_CONFIG).config)
 
