@@ -14,7 +14,7 @@ Each arm starts its own tritonserver on the copy, then ``--concurrency`` gRPC cl
 stream to the streaming model, send ``--requests`` requests back to back (``invoke bench``'s closed-loop client,
 pipeline.serving.bench.load): a short prose prompt, exactly ``--tokens`` new tokens (end_id -1). The arms take turns
 (now, baseline, baseline, now, ... over ``--rounds``) so drifting machine load hits both alike. Per arm it prints
-the streamed tokens/s, the CPU milliseconds per token (psutil's user + system time, read before and after the load)
+the streamed tokens/s, the CPU milliseconds per token (pipeline/serving/bench/cpu.py, as `invoke bench` reads it)
 of the engine model's stub and of the frontend (tritonserver and every other stub: the streaming model's, pre- and
 postprocessing's), and the time to first token (P50 and P99, the mean over rounds). The last line gives the now /
 baseline ratios.
@@ -39,34 +39,6 @@ DEFAULT_REPOSITORY = REPO / "build" / "smollm2-135m-cpu" / "model_repository"
 DEFAULT_BASELINE = "308cfaa"  # the streaming model before it detokenized in its own process
 PROMPTS = ("The history of the printing press begins", "A short guide to keeping bees:",
            "In the morning the harbour was quiet, and", "Three reasons to learn a second language are")
-
-
-def server_cpu_s(pid: int) -> dict[str, float]:
-    """User + system CPU seconds of tritonserver and of each model's Python stub, by model folder name."""
-    import psutil
-
-    root = psutil.Process(pid)
-    out: dict[str, float] = {}
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            cmd, t = proc.cmdline(), proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        if proc.pid == pid:
-            role = "tritonserver"
-        elif cmd and cmd[0].endswith("triton_python_backend_stub"):
-            role = Path(cmd[1]).parent.parent.name  # <repository>/<model>/<version>/model.py
-        else:
-            continue  # the stubs' parent-watch shells
-        out[role] = out.get(role, 0.0) + t.user + t.system
-    return out
-
-
-def split_cpu(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
-    """(the engine model's CPU seconds, everything else's: the frontend) between two readings."""
-    used = {k: after[k] - before.get(k, 0.0) for k in after}
-    engine = sum(v for k, v in used.items() if k.endswith("_tensorrt_llm"))
-    return engine, sum(used.values()) - engine
 
 
 def stream_model(repository: Path) -> str:
@@ -105,6 +77,7 @@ def prompts(repository: Path, count: int) -> list:
 
 def arm(repository: Path, args) -> dict:
     """One server on ``repository`` under the closed-loop load of ``invoke bench`` (pipeline.serving.bench.load)."""
+    from pipeline.serving.bench.cpu import cpu_by_role, per_token
     from pipeline.serving.bench.load import drive, level_figures
     from pipeline.serving.server import TritonServer
 
@@ -112,16 +85,16 @@ def arm(repository: Path, args) -> dict:
     load = prompts(repository, args.requests + 4)
     with TritonServer(repository) as server:
         drive(server.grpc_url, model, prompts=load[:4], concurrency=4, max_tokens=args.tokens)  # warm-up
-        cpu0 = server_cpu_s(server.process.pid)
+        cpu0 = cpu_by_role(server.process.pid)
         records, wall = drive(server.grpc_url, model, prompts=load[4:], concurrency=args.concurrency,
                               max_tokens=args.tokens)
-        engine, frontend = split_cpu(cpu0, server_cpu_s(server.process.pid))
+        cpu1 = cpu_by_role(server.process.pid)
     level = level_figures(records, wall, args.concurrency)
     if level["errors"]:
         raise SystemExit(f"{level['errors']} requests failed: {[r.error for r in records if r.error][:3]}")
-    tokens = level["output_tokens"]
-    return {"tokens_per_s": level["output_tokens_per_s"], "engine_ms": engine / tokens * 1e3,
-            "frontend_ms": frontend / tokens * 1e3, "requests": level["requests"], "ttft_ms": level["ttft_ms"]}
+    cpu = per_token(cpu0, cpu1, level["output_tokens"], model.removesuffix("_stream") + "_tensorrt_llm")
+    return {"tokens_per_s": level["output_tokens_per_s"], "engine_ms": cpu["engine_ms"],
+            "frontend_ms": cpu["frontend_ms"], "requests": level["requests"], "ttft_ms": level["ttft_ms"]}
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from pipeline import artifacts, records
 from pipeline.config import BenchSection
 from pipeline.errors import InputError, StageFailed
+from pipeline.serving.bench.cpu import cpu_by_role, per_token
 from pipeline.serving.bench.load import Prompt, RequestRecord, drive, drive_openai, level_figures
 from pipeline.serving.bench.metrics import answered, metrics_delta, scrape_metrics, scrape_settled
 from pipeline.serving.bench.stats import padding_factor
@@ -161,6 +162,8 @@ def run_level(target: Target, prompts: list[Prompt], concurrency: int, cfg: Benc
     what Triton counted meanwhile."""
     models = target.names.all()
     before = scrape_metrics(target.metrics_url)
+    pid = target.server.pid if target.server is not None else None  # a server bench started: its CPU is read
+    cpu_before = cpu_by_role(pid) if pid else None
     records, wall = _send(target, prompts, concurrency, cfg)
     _raise_on_errors(target, records, f"concurrency {concurrency}")
     if target.openai:  # vLLM's own metrics: none of Triton's counters to read
@@ -171,6 +174,9 @@ def run_level(target: Target, prompts: list[Prompt], concurrency: int, cfg: Benc
     fig = level_figures(records, wall, concurrency, sla)
     fig["padding_factor"] = padding_factor(target.settings, concurrency)
     fig["triton"] = metrics_delta(before, after, models)
+    if cpu_before is not None and pid:  # after the counters settled: the engine is done with this level
+        fig["cpu_ms_per_token"] = per_token(cpu_before, cpu_by_role(pid), fig["output_tokens"],
+                                            None if target.openai else target.names.tensorrt_llm)
     log.info("%s c=%d: %.1f tok/s, %.2f req/s, TTFT p50 %.0f ms, ITL p50 %.1f ms, e2e p50/p99 %.0f/%.0f ms",
              target.label, concurrency, fig["output_tokens_per_s"], fig["requests_per_s"], fig["ttft_ms"]["p50"],
              fig["itl_ms"].get("p50", float("nan")), fig["e2e_ms"]["p50"], fig["e2e_ms"]["p99"])

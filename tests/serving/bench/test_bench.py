@@ -337,6 +337,9 @@ def test_bench_stage_on_a_real_server(published_tiny):
         assert tri["tiny_tensorrt_llm"]["requests"] == 6 and tri["tiny_preprocessing"]["requests"] >= 6
         assert tri["tiny_stream"]["queue_ms"] >= 0 and tri["tiny_preprocessing"]["compute_infer_ms"] > 0
         assert level["sla"]["met"] and level["sla"]["goodput_rps"] == pytest.approx(level["requests_per_s"])
+        cpu = level["cpu_ms_per_token"]  # the server's processes: the engine model's stub apart from the rest
+        assert cpu["engine_ms"] > 0 and cpu["frontend_ms"] > 0
+        assert cpu["total_ms"] == pytest.approx(cpu["engine_ms"] + cpu["frontend_ms"])
     assert t["knee"]["concurrency"] in (1, 2, 4)
     fastest = max(t["levels"], key=lambda l: l["output_tokens_per_s"])
     assert results["sla"] == {"e2e_ms": 600000} and t["sla_choice"]["concurrency"] == fastest["concurrency"]
