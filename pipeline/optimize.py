@@ -102,7 +102,7 @@ class Candidate:
     kept_high_precision: Optional[int] = None
     built_s: float = 0.0
     stages_run: int = 0
-    rounds: list[dict] = field(default_factory=list)  # each halving round: {"requests", "figures"}
+    rounds: list[dict] = field(default_factory=list)  # each halving round: {"round", "requests", figures}
     points: list[dict] = field(default_factory=list)  # measured (settings, label, level) at full load
 
     @property
@@ -185,23 +185,33 @@ def open_candidates(config: PipelineConfig, open_candidate: OpenCandidate) -> li
     return out
 
 
-def seed_work_dir(base: Path, work_dir: Path) -> None:
-    """Hard-link the config's stage folders into a candidate's work dir where it has none of its own; the
-    runner then judges each (a folder whose inputs differ for the candidate is rebuilt, the config's untouched:
-    stages write new files and rename them into place, never into a file in place)."""
+def seed_work_dir(base: Path, runner: Runner) -> None:
+    """Seed a candidate's work dir with the config's stage folders where it has none of its own: files as hard
+    links (stages write new files and rename them into place, never into one in place), but a stage's manifest
+    and the outputs a person may edit in place (the plan) as copies, so nothing done in a candidate's folder
+    reaches the config's. The runner then judges each; a folder whose inputs differ for the candidate is rebuilt
+    there."""
     for stage in SEEDED_STAGES:
-        src, dst = base / stage, work_dir / stage
+        src, dst = base / stage, runner.work_dir / stage
         if dst.exists() or not (src / artifacts.MANIFEST_FILE).is_file():
             continue
-        tmp = work_dir / artifacts.STAGING_DIR / f"seed-{stage}-{uuid.uuid4().hex[:8]}"
+        copied = {artifacts.MANIFEST_FILE, *runner.stages[stage].editable}
+
+        def link_or_copy(a: str, b: str, src: Path = src, copied: set = copied) -> None:
+            if Path(a).relative_to(src).as_posix() in copied:
+                shutil.copy2(a, b)
+            else:
+                os.link(a, b)
+
+        tmp = runner.work_dir / artifacts.STAGING_DIR / f"seed-{stage}-{uuid.uuid4().hex[:8]}"
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(src, tmp, copy_function=os.link, symlinks=True)
+        shutil.copytree(src, tmp, copy_function=link_or_copy, symlinks=True)
         os.rename(tmp, dst)
 
 
 def build_candidate(c: Candidate, base: Path) -> None:
     """Through the gate and the build; the outcome recorded on ``c`` (a failure is recorded, not raised)."""
-    seed_work_dir(base, c.work_dir)
+    seed_work_dir(base, c.runner)
     t0 = time.monotonic()
     outcomes: list[str] = []
 

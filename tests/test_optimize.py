@@ -155,12 +155,15 @@ def test_invoke_optimize_gates_measures_chooses_and_publishes_and_a_rerun_builds
     for name in ("seed", "keep-more"):
         assert by[name]["status"] == "measured" and by[name]["rounds"][-1]["requests"] == 4
         assert by[name]["accuracy"]["kl_divergence"] <= 0.00001
-    # one sensitivity measurement: the candidates' are hard links of the config's (a threshold does not change it)
-    base = (work / "sensitivity" / "manifest.json").stat().st_ino
+    # one sensitivity measurement: the candidates' manifests are the config's (a threshold does not change it),
+    # the model's weights hard links of the config's
+    base = (work / "sensitivity" / "manifest.json").read_text()
     cands = work / "optimize" / "candidates"
-    assert (cands / "seed" / "sensitivity" / "manifest.json").stat().st_ino == base
-    assert (cands / "keep-more" / "sensitivity" / "manifest.json").stat().st_ino == base
-    assert (cands / "int4" / "sensitivity" / "manifest.json").stat().st_ino != base  # the format is measured
+    assert (cands / "seed" / "sensitivity" / "manifest.json").read_text() == base
+    assert (cands / "keep-more" / "sensitivity" / "manifest.json").read_text() == base
+    assert (cands / "int4" / "sensitivity" / "manifest.json").read_text() != base  # the format is measured
+    weights = next((work / "model").rglob("*.safetensors"))
+    assert (cands / "keep-more" / weights.relative_to(work)).stat().st_ino == weights.stat().st_ino
     # the choice: a measured point keeping the SLA, published from the candidate's own work dir
     chosen = out["chosen"]
     assert chosen["candidate"] in ("seed", "keep-more")
