@@ -161,11 +161,7 @@ def check_optimizable(config: PipelineConfig) -> None:
                          f"tritonserver, which is not on PATH here: run it on the GPU machine with the Triton "
                          f"TensorRT-LLM image (the same command and config), where each candidate's engine is built "
                          f"and served")
-    if not config.sla.bounds():
-        raise InputError("invoke optimize chooses against the SLA: set at least one of sla.p99_e2e_ms, "
-                         "sla.p99_ttft_ms, sla.p99_itl_ms (e.g. --set sla.p99_e2e_ms=20000)")
-    if not config.triton.decoupled:
-        raise InputError("invoke optimize measures through the streaming model, which needs triton.decoupled: true")
+    tuning.check_measurable(config, "invoke optimize")
     names = {c.name for c in candidate_plans(config)}
     missing = [n for n in config.optimize.compare_with if n not in names]
     if missing:

@@ -298,11 +298,16 @@ def check_tunable(config: PipelineConfig) -> None:
         tunable = [t.name for t in targets.REGISTRY.values() if t.tunable]
         raise InputError(f"invoke tune measures the {', '.join(tunable[:-1])} and {tunable[-1]} targets' serving "
                          f"settings; the {target.name} target's ({target.untuned_why}) are not tuned by it")
+    check_measurable(config, "invoke tune")
+
+
+def check_measurable(config: PipelineConfig, command: str) -> None:
+    """What a command that measures the streaming model against the SLA needs (`invoke tune`, `invoke optimize`)."""
     if not config.sla.bounds():
-        raise InputError("invoke tune chooses settings against the SLA: set at least one of sla.p99_e2e_ms, "
-                         "sla.p99_ttft_ms, sla.p99_itl_ms (e.g. --set sla.p99_itl_ms=250)")
+        raise InputError(f"{command} chooses against the SLA: set at least one of sla.p99_e2e_ms, sla.p99_ttft_ms, "
+                         f"sla.p99_itl_ms (e.g. --set sla.p99_e2e_ms=20000)")
     if not config.triton.decoupled:
-        raise InputError("invoke tune drives the streaming model, which needs triton.decoupled: true")
+        raise InputError(f"{command} measures through the streaming model, which needs triton.decoupled: true")
 
 
 def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
