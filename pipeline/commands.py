@@ -76,10 +76,7 @@ def _resolved_runner(runner: Runner, *, config: Optional[str], overrides: Sequen
     res = runner.loaded.resolution
     if res is None or res.model_type is not None or list(stages) == ["model"]:
         return runner
-    for name in runner.closure(list(stages)):  # what this machine lacks stops the task before the download too
-        preflight = runner.stages[name].preflight
-        if preflight is not None:
-            preflight(runner.loaded)
+    runner.preflight(list(stages))  # what this machine lacks stops the task before the download too
     runner.run(["model"], force=["model"] if force else False)
     return open_runner(config, overrides, work_root)
 
@@ -307,10 +304,8 @@ def optimize(config: Optional[str], overrides: Sequence[str], work_root: Path) -
     optimizing.check_optimizable(cfg)
     runner = _resolved_runner(runner, config=config, overrides=overrides, work_root=work_root,
                               stages=["sensitivity"], force=False)
-    for stage in runner.closure(["build"]):  # what this machine lacks, and unreadable lm-eval tasks (the same for
-        preflight = runner.stages[stage].preflight  # every candidate: quantization.accuracy is fixed), before any work
-        if preflight is not None:
-            preflight(runner.loaded)
+    # what this machine lacks, and unreadable lm-eval tasks (every candidate's: quantization.accuracy is fixed)
+    runner.preflight(["build"])
     runner.run(["sensitivity"])  # what every candidate shares: measured once, here
     root = work_dir / optimizing.OPTIMIZE_DIR / optimizing.CANDIDATES_DIR
 

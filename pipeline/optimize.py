@@ -114,8 +114,8 @@ class Candidate:
                 "accuracy": self.accuracy, "weight_bytes": self.weight_bytes,
                 "kept_high_precision": self.kept_high_precision, "built_s": round(self.built_s, 1),
                 "stages_run": self.stages_run, "rounds": self.rounds,
-                "points": [{"label": p["label"], "settings": p["settings"], **tuning.point_figures(p["level"])}
-                           for p in self.points]}
+                "points": [{"label": p["label"], "settings": p["settings"],
+                            **tuning.point_figures(p["level"])} for p in self.points]}
 
 
 # ---------------------------------------------------------------- the candidates
@@ -209,13 +209,13 @@ def build_candidate(c: Candidate, base: Path) -> None:
     """Through the gate and the build; the outcome recorded on ``c`` (a failure is recorded, not raised)."""
     seed_work_dir(base, c.runner)
     t0 = time.monotonic()
-    outcomes: list[str] = []
 
     def echo(line: str) -> None:
-        outcomes.append(line)
         console.status(f"optimize {c.name}: {line}")
 
     refusal = c.work_dir / REFUSED_FILE
+    stages = c.runner.closure(["build"])
+    recorded = {s: (c.runner.read_manifest(s) or {}).get("finished_at") for s in stages}
     try:
         c.runner.run(["plan"], echo=echo)  # then the gate's inputs are known: a refusal is not measured again
         gate_inputs = hash_json(c.runner.compute_inputs(c.runner.stages["quantize"]))
@@ -233,7 +233,7 @@ def build_candidate(c: Candidate, base: Path) -> None:
         c.status, c.why = "failed", str(e).split("\n")[0]
         logs = sorted((c.work_dir / "logs").glob("*.failed.log"), key=lambda p: p.stat().st_mtime)
         c.log = str(logs[-1]) if logs else None
-    c.stages_run = sum(": done in" in line for line in outcomes)
+    c.stages_run = sum((c.runner.read_manifest(s) or {}).get("finished_at") != recorded[s] for s in stages)
     c.built_s = time.monotonic() - t0
     quantize = c.runner.read_manifest("quantize") if c.status == "built" else None
     if quantize:
@@ -268,10 +268,6 @@ def apply_floor(cands: list[Candidate], floor: str) -> None:
 
 
 # ---------------------------------------------------------------- ranking, the front, the choice (pure)
-
-
-def _figures(level: dict) -> dict:
-    return tuning.point_figures(level)
 
 
 def rank_key(figures: dict, weight_bytes: int, goal: str, min_goodput: Optional[float]) -> tuple:
@@ -345,7 +341,7 @@ def misses(c: Candidate, sla: dict[str, float], goal: str, min_goodput: Optional
     """What a candidate missed the objective by, in words."""
     if c.status != "measured":
         return f"{c.status}: {c.why}"
-    best = max((_figures(p["level"]) for p in c.points), key=lambda f: (f["sla_met"], f["goodput_rps"]))
+    best = max((tuning.point_figures(p["level"]) for p in c.points), key=lambda f: (f["sla_met"], f["goodput_rps"]))
     if not best["sla_met"]:
         return "; ".join(f"P99 {SLA_NAMES[m]} {best['p99_ms'][m]:.0f} ms > {sla[m]:g} ms" for m in best["violations"])
     return f"goodput {best['goodput_rps']:.2f} < {min_goodput:g} good requests/s"
@@ -357,11 +353,10 @@ def misses(c: Candidate, sla: dict[str, float], goal: str, min_goodput: Optional
 class _Measurer:
     """Servers for one candidate's build (tune's), measured under tune's load."""
 
-    def __init__(self, c: Candidate, config_name: str, root: Path, warm: list, measured: list):
+    def __init__(self, c: Candidate, config_name: str, root: Path, prompts: tuple[list, list] = ([], [])):
         cfg = c.runner.loaded.config
-        self.c, self.cfg = c, cfg
         self.servers = tuning.Servers(cfg, config_name, c.work_dir, root / c.name)
-        self.warm, self.measured = warm, measured
+        self.warm, self.measured = prompts
         self.concurrency, self.sla = tuning.load_for(cfg)["concurrency"], cfg.sla.bounds()
 
     def measure(self, settings: dict, requests: int) -> dict:
@@ -402,9 +397,10 @@ def _search(config: PipelineConfig, config_name: str, *, cands: list[Candidate],
     with console.stage_output(staging / LOG_FILE), _logged_to(staging / LOG_FILE):
         if alive:
             load = tuning.load_for(config)
-            build_settings = tuning.Servers(config, config_name, alive[0].work_dir, staging).settings
-            warm, measured = tuning.prompts_for(config, alive[0].work_dir, build_settings)
-            meters = {c.name: _Measurer(c, config_name, staging / "servers", warm, measured) for c in alive}
+            first = _Measurer(alive[0], config_name, staging / "servers")
+            warm, measured = tuning.prompts_for(config, alive[0].work_dir, first.servers.settings)
+            meters = {c.name: _Measurer(c, config_name, staging / "servers", prompts=(warm, measured))
+                      for c in alive}  # every candidate measured on the same prompts
             schedule = halving_schedule(len(alive), opt.finalists, load["requests"], load["concurrency"])
             t1 = time.monotonic()
             for r, requests in enumerate(schedule):
@@ -416,7 +412,7 @@ def _search(config: PipelineConfig, config_name: str, *, cands: list[Candidate],
                         _measure_failed(c, e, staging)
                         alive.remove(c)
                         continue
-                    c.rounds.append({"round": r + 1, "requests": requests, **_figures(level)})
+                    c.rounds.append({"round": r + 1, "requests": requests, **tuning.point_figures(level)})
                     c.status = "measured"
                     if requests >= load["requests"]:
                         c.points = [{"settings": {}, "label": tuning.DEFAULT, "level": level}]
@@ -438,7 +434,8 @@ def _search(config: PipelineConfig, config_name: str, *, cands: list[Candidate],
         side = None
         if chosen is not None:
             t3 = time.monotonic()
-            side = _side_by_side(chosen, cands, config, config_name, staging / "side_by_side")
+            side = _side_by_side(chosen, cands, config=config, config_name=config_name, root=staging / "side_by_side",
+                                 prompts=(warm, measured))
             servers_started += len(side["sides"]) if side else 0
             if side is not None:
                 chosen, verdict = confirm(chosen, side, points)
@@ -505,7 +502,7 @@ def _measure_failed(c: Candidate, e: PipelineError, staging: Path) -> None:
 def _closeness(c: Candidate) -> tuple:
     if c.status != "measured":
         return (0, -(c.accuracy or {}).get("perplexity_increase_pct", 1e9) if c.accuracy else -1e9)
-    best = max(_figures(p["level"])["goodput_rps"] for p in c.points) if c.points else 0.0
+    best = max(tuning.point_figures(p["level"])["goodput_rps"] for p in c.points) if c.points else 0.0
     return (1, best)
 
 
@@ -542,7 +539,7 @@ def _search_settings(c: Candidate, meter: _Measurer, requests: int) -> int:
         return started
     c.points = points
     for p in points[1:]:
-        f = _figures(p["level"])
+        f = tuning.point_figures(p["level"])
         console.echo(f"optimize {c.name}: {p['label']}: {f['goodput_rps']:.2f} good requests/s, SLA "
                      f"{'kept' if f['sla_met'] else 'missed'}")
     return started
@@ -554,7 +551,7 @@ def _points(cands: list[Candidate]) -> list[dict]:
     for c in cands:
         for p in c.points:
             out.append({"candidate": c.name, "label": p["label"], "settings": p["settings"],
-                        **_figures(p["level"]), "weight_bytes": c.weight_bytes or 0,
+                        **tuning.point_figures(p["level"]), "weight_bytes": c.weight_bytes or 0,
                         "perplexity_increase_pct": c.accuracy["perplexity_increase_pct"],
                         "top1_agreement": c.accuracy["top1_agreement"], "kl_divergence": c.accuracy["kl_divergence"]})
     return out
@@ -565,8 +562,8 @@ def side_key(candidate: str, settings: dict) -> str:
     return candidate if not settings else f"{candidate} [{tuning.label_of(settings)}]"
 
 
-def _side_by_side(chosen: dict, cands: list[Candidate], config: PipelineConfig, config_name: str,
-                  root: Path) -> Optional[dict]:
+def _side_by_side(chosen: dict, cands: list[Candidate], *, config: PipelineConfig, config_name: str,
+                  root: Path, prompts: tuple[list, list]) -> Optional[dict]:
     """The choice and optimize.compare_with, every server up, tune.ab_rounds rounds with the order rotated:
     medians per side."""
     by_name = {c.name: c for c in cands}
@@ -577,9 +574,7 @@ def _side_by_side(chosen: dict, cands: list[Candidate], config: PipelineConfig, 
     if len(sides) < 2:
         return None
     keys = [side_key(n, st) for n, st in sides]
-    first = by_name[sides[0][0]]
-    warm, measured = tuning.prompts_for(config, first.work_dir, tuning.Servers(config, config_name, first.work_dir,
-                                                                                root).settings)
+    warm, measured = prompts  # the halving rounds' (chosen is only ever a measured candidate's point)
     load, bounds = tuning.load_for(config), config.sla.bounds()
     running: dict[str, tuple] = {}
     rounds: list[dict] = []
@@ -590,7 +585,7 @@ def _side_by_side(chosen: dict, cands: list[Candidate], config: PipelineConfig, 
             running[key] = (servers, servers.start(settings, warm, load["concurrency"]))
         for k in range(config.tune.ab_rounds):
             order = keys[k % len(keys):] + keys[:k % len(keys)]
-            rounds.append({key: _figures(tuning.run_level(running[key][1], measured[:load["requests"]],
+            rounds.append({key: tuning.point_figures(tuning.run_level(running[key][1], measured[:load["requests"]],
                                                           load["concurrency"], config.bench, bounds))
                            for key in order})
     finally:
@@ -708,7 +703,8 @@ def plot_front(results: dict, path: Path) -> None:
         on = (p["candidate"], p["label"]) in front
         ax.plot(p["perplexity_increase_pct"], p["goodput_rps"], "o" if p["sla_met"] else "x",
                 color="#2ca02c" if on else "#1f77b4" if p["sla_met"] else "#d62728")
-        ax.annotate(f"{p['candidate']}" + ("" if p["label"] == tuning.DEFAULT else f" [{p['label']}]"),
+        ax.annotate(f"{p['candidate']}" + ("" if p["label"] == tuning.DEFAULT else f" [{p['label']}]") +
+                    f", {p['weight_bytes'] / 2**20:.0f} MiB",
                     (p["perplexity_increase_pct"], p["goodput_rps"]), textcoords="offset points", xytext=(5, 4),
                     fontsize=7)
     pts = sorted((p["perplexity_increase_pct"], p["goodput_rps"]) for p in results["points"]
@@ -718,7 +714,9 @@ def plot_front(results: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     ax.set_xlabel("perplexity increase over the original (%)")
     ax.set_ylabel("goodput (good requests/s)")
-    ax.set_title("candidates: goodput within the SLA vs accuracy (x: SLA missed)", fontsize=10)
+    ax.set_title("goodput within the SLA vs accuracy (x: SLA missed); the front also counts weight bytes",
+                 fontsize=9)
+    ax.set_ylim(0, max(p["goodput_rps"] for p in results["points"]) * 1.15 or 1)  # room for the labels
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -276,15 +276,19 @@ class Runner:
 
     # ------------------------------------------------------------ running
 
+    def preflight(self, targets: list[str]) -> None:
+        """What this machine lacks for the targets and the stages they need (StageDef.preflight), before any work."""
+        for name in self.closure(targets):
+            check = self.stages[name].preflight
+            if check is not None:
+                check(self.loaded)
+
     def run(self, targets: list[str], force: bool | list[str] = False,
             echo: Optional[Callable[[str], None]] = None) -> list[dict]:
         """Run the targets and what they need, in order. Each stage's lines go to ``echo``; without one, to the
         console (pipeline.console), where a running stage's line is live on a terminal until its outcome."""
         names = self.closure(targets)
-        for name in names:
-            preflight = self.stages[name].preflight
-            if preflight is not None:
-                preflight(self.loaded)
+        self.preflight(targets)
         forced = set(names) if force is True else set(force or [])
         results = []
         with WorkDirLock(self.work_dir):

@@ -162,6 +162,8 @@ def test_invoke_optimize_gates_measures_chooses_and_publishes_and_a_rerun_builds
     assert (cands / "seed" / "sensitivity" / "manifest.json").read_text() == base
     assert (cands / "keep-more" / "sensitivity" / "manifest.json").read_text() == base
     assert (cands / "int4" / "sensitivity" / "manifest.json").read_text() != base  # the format is measured
+    manifest = (cands / "keep-more" / "sensitivity" / "manifest.json").stat().st_ino
+    assert manifest != (work / "sensitivity" / "manifest.json").stat().st_ino  # a copy: small files are not linked
     weights = next((work / "model").rglob("*.safetensors"))
     assert (cands / "keep-more" / weights.relative_to(work)).stat().st_ino == weights.stat().st_ino
     # the choice: a measured point keeping the SLA, published from the candidate's own work dir
@@ -181,6 +183,8 @@ def test_invoke_optimize_gates_measures_chooses_and_publishes_and_a_rerun_builds
         assert f"| {name} |" in table
     assert (results / "pareto.png").stat().st_size > 0 and "Chosen: " in table and "Cost: 4 candidates" in table
     assert out["front"] and out["cost"]["measured"] == 2
+    # stages run, read from the manifests: plan, quantize, build; int4's sensitivity and plan (its gate refused it)
+    assert [c["stages_run"] for c in out["candidates"]] == [3, 3, 2, 0] and out["cost"]["built"] == 3
     if out["side_by_side"]:  # the search's choice beside seed, both servers up; seed stays unless it is confirmed
         first, other = (s["candidate"] for s in out["side_by_side"]["sides"])
         assert other == "seed" and chosen["candidate"] in (first, "seed")
