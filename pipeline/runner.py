@@ -457,14 +457,19 @@ class Runner:
             fsync_dir(self.work_dir)
 
     def _keep_failed_log(self, name: str, staging: Path) -> Path:
-        src = staging / artifacts.STAGE_LOG_FILE
+        """A failed stage's log to ``logs/<stage>.failed.log``, and the other logs at the top of its output (a
+        server's) to ``logs/<stage>.failed.<file name>``, before the output goes; returns the stage log's path."""
         dst = self.work_dir / "logs" / f"{name}.failed.log"
+        others = [p for p in staging.glob("*.log") if p.name != artifacts.STAGE_LOG_FILE] if staging.is_dir() else []
+        moves = [(staging / artifacts.STAGE_LOG_FILE, dst)] + [(p, dst.parent / f"{name}.failed.{p.name}")
+                                                               for p in sorted(others)]
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            if src.is_file():
-                os.replace(src, dst)
+            for src, to in moves:
+                if src.is_file():
+                    os.replace(src, to)
         except OSError as e:  # a full disk may not take even the folder
-            log.warning("could not keep the failed stage's log at %s: %s", dst, e)
+            log.warning("could not keep the failed stage's logs in %s: %s", dst.parent, e)
         return dst
 
     def _disk_full_message(self, name: str) -> str:

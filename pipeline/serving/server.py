@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,7 @@ STUB_NAME = "triton_python_backend_stub"
 READY_TIMEOUT_S = 120.0
 VLLM_READY_TIMEOUT_S = 600.0  # vLLM's import and engine start: 40-90 s on 2 busy cores
 LOG_TAIL_LINES = 40
+STACKS_SIGNAL = "SIGUSR1"  # the signal the Triton models dump their threads' stacks on (llm_io.STACKS_SIGNAL)
 _NOISE = "CudaDriverHelper has not been initialized"  # logged by every start on a machine without a GPU
 
 
@@ -164,6 +166,16 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``sig`` (SigCgt in /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")), 0)
+    return bool(caught >> (sig - 1) & 1)
 
 
 def remove_stale_leftovers(*, quiet: bool = False) -> list[Path]:
@@ -390,6 +402,37 @@ class TritonServer(ServerProcess):
                  else f"was not ready after {self.ready_timeout_s:.0f} s")
         where = "" if self._tmp is not None and self._tmp in log_path.parents else f" {log_path}"
         return f"tritonserver {state}. From its log{where} (errors first):\n{log_tail(log_path)}"
+
+    def dump_python_stacks(self, settle_s: float = 0.3) -> int:
+        """Ask each Python-backend stub of this server that catches STACKS_SIGNAL (the models' faulthandler,
+        ``llm_io.stacks_on_signal``) for every thread's stack, one stub at a time, each dump after a line naming
+        its model in the server's log (``settle_s`` for each to be written). Returns how many stubs were asked.
+        A stub that does not catch the signal (a repository published before its models did) is left alone: the
+        signal would end it."""
+        import psutil  # read at failure time only
+
+        if not self.is_alive() or self._log_file is None:
+            return 0
+        sig = getattr(signal, STACKS_SIGNAL)
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return 0
+        asked = 0
+        for child in children:
+            try:
+                cmd = child.cmdline()
+                if len(cmd) < 2 or Path(cmd[0]).name != STUB_NAME or not catches(child.pid, sig):
+                    continue
+                model = Path(cmd[1]).parent.parent.name  # <repository>/<model>/<version>/model.py
+                self._log_file.write(f"--- the Python threads of model {model} (stub pid {child.pid}):\n".encode())
+                self._log_file.flush()
+                child.send_signal(sig)
+                asked += 1
+                time.sleep(settle_s)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return asked
 
     def _terminate(self) -> None:
         """SIGTERM to the server and its process group (Python-backend stubs), SIGKILL after a grace period."""

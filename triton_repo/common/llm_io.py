@@ -20,6 +20,7 @@ REPLACEMENT_CHAR = "\ufffd"  # what a tokenizer's decode gives for an incomplete
 
 
 PARENT_CHECK_S = 1
+STACKS_SIGNAL = "SIGUSR1"  # asks a stub for every Python thread's stack, on its stderr (the server's log)
 
 
 def exit_with_server() -> None:
@@ -38,6 +39,17 @@ def exit_with_server() -> None:
              f"do sleep {PARENT_CHECK_S}; done; [ -r /proc/{stub}/stat ] && kill -9 {stub}")
     subprocess.Popen(["/bin/sh", "-c", watch], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def stacks_on_signal() -> None:
+    """On STACKS_SIGNAL, write every Python thread's stack to stderr, which the stub shares with its server (the
+    server's log), and go on serving. The pipeline sends it to a server's stubs when requests time out
+    (``TritonServer.dump_python_stacks``): where a request waits is then in the log, not guessed at."""
+    import faulthandler
+    import signal
+    import sys
+
+    faulthandler.register(getattr(signal, STACKS_SIGNAL), file=sys.stderr, all_threads=True, chain=False)
 
 
 def load_tokenizer(args: dict):

@@ -110,6 +110,7 @@ class GenerationModel:
         from pathlib import Path
 
         llm_io.exit_with_server()
+        llm_io.stacks_on_signal()
         self.model_config = json.loads(args["model_config"])
         self.params = llm_io.parameters(self.model_config)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)

@@ -26,6 +26,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its "no PyTorch foun
 class TritonPythonModel:
     def initialize(self, args):
         llm_io.exit_with_server()
+        llm_io.stacks_on_signal()
         self.model_config, _, self.tokenizer = llm_io.load_tokenizer(args)
 
     def execute(self, requests):

@@ -37,6 +37,7 @@ class BadRequest(ValueError):
 class TritonPythonModel:
     def initialize(self, args):
         llm_io.exit_with_server()
+        llm_io.stacks_on_signal()
         self.model_config, p, self.tokenizer = llm_io.load_tokenizer(args)
         self.add_special_tokens = p.get("add_special_tokens", "true") == "true"
         self.chat_default = p.get("apply_chat_template", "false") == "true"

@@ -40,6 +40,7 @@ CONTEXT_TOKENS = 8  # tokens of already-shown text decoded with the new ones, as
 class TritonPythonModel:
     def initialize(self, args):
         llm_io.exit_with_server()
+        llm_io.stacks_on_signal()
         self.model_config, p, self.tokenizer = llm_io.load_tokenizer(args)
         self.pre, self.llm = p["preprocessing_model"], p["tensorrt_llm_model"]
         self.tenanted = any(i["name"] == "tenant" for i in self.model_config.get("input", []))

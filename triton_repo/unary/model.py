@@ -26,6 +26,7 @@ INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id"
 class TritonPythonModel:
     def initialize(self, args):
         llm_io.exit_with_server()
+        llm_io.stacks_on_signal()
         config = json.loads(args["model_config"])
         self.llm = llm_io.parameters(config)["tensorrt_llm_model"]
         self.tenanted = any(i["name"] == "tenant" for i in config.get("input", []))

@@ -63,7 +63,7 @@ from pipeline.serving.bench.target import (
     warm_up,
 )
 from pipeline.serving.serve import server_for_target
-from pipeline.serving.server import log_tail
+from pipeline.serving.server import TritonServer, log_tail
 from pipeline.summaries import BenchSummary
 
 log = logging.getLogger(__name__)
@@ -191,6 +191,12 @@ def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterato
                     tail = log_tail(s.log_path) if s.log_path else "(no log)"
                     raise StageFailed(f"bench: tritonserver died during the sweep (exit code {code}): a server "
                                       f"failure. Last lines of its log ({s.log_path}):\n{tail}") from e
+            if isinstance(e, StageFailed) and started:  # requests failed on live servers: keep their side of it
+                stacks = [s for s in started if isinstance(s, TritonServer) and s.dump_python_stacks()]
+                kept = ", ".join(f"logs/bench.failed.{s.log_path.name}" for s in started if s.log_path)
+                raise StageFailed(f"{e} The log of the server bench started is kept as {kept}"
+                                  + (", ending with where every Python thread of its models stood then (they "
+                                     "dump their stacks on SIGUSR1)." if stacks else ".")) from e
             raise
     finally:
         for server in started:

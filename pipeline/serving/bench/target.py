@@ -144,7 +144,7 @@ def _raise_on_errors(target: Target, records: list[RequestRecord], what: str) ->
     failed = [r.error for r in records if r.error is not None]
     if failed:
         raise StageFailed(f"bench ({target.label}, {what}): {len(failed)} of {len(records)} request(s) failed; "
-                          f"first error: {failed[0]}. The server's log is kept beside the stage log.")
+                          f"first error: {failed[0]}.")
 
 
 def warm_up(target: Target, prompts: list[Prompt], concurrency: int, cfg: BenchSection) -> None:

@@ -309,18 +309,30 @@ def published_tiny(tmp_path_factory, tiny_model_dir):
                                            "100, min_top1_agreement: 0.3, max_kl_divergence: 2}}")
     overrides = ["bench.concurrency=[1,2,4]", "bench.requests_per_level=6", "bench.warmup_requests=1",
                  "bench.prompt_tokens=16", "bench.output_tokens=8", "triton.model_name=tiny",
-                 "sla.p99_e2e_ms=600000"]
+                 "sla.p99_e2e_ms=600000", "bench.request_timeout_s=120"]  # a stuck request fails in 2 min
     loaded = load_config(cfg, overrides)
     runner = Runner(loaded, STAGES, tmp / "work")
     runner.run(["publish"], echo=lambda s: None)
     return loaded, runner, cfg, overrides
 
 
+def _run_bench(runner, echo) -> None:
+    """The bench stage; where it fails, the kept server log's end (the models' stacks) goes in the failure."""
+    from pipeline.errors import StageFailed
+
+    try:
+        runner.run(["bench"], echo=echo)
+    except StageFailed as e:
+        kept = runner.work_dir / "logs" / f"bench.failed.{artifacts.SERVER_LOG_FILE}"
+        tail = "\n".join(kept.read_text(errors="replace").splitlines()[-300:]) if kept.is_file() else "(no log)"
+        pytest.fail(f"{e}\n--- the end of {kept.name}:\n{tail}")
+
+
 @pytest.mark.e2e
 def test_bench_stage_on_a_real_server(published_tiny):
     loaded, runner, _, _ = published_tiny
     said = []
-    runner.run(["bench"], echo=said.append)
+    _run_bench(runner, said.append)
     out = runner.work_dir / "bench"
     results = json.loads((out / artifacts.BENCH_RESULTS_FILE).read_text())
     manifest = json.loads((out / "manifest.json").read_text())
@@ -348,6 +360,37 @@ def test_bench_stage_on_a_real_server(published_tiny):
     assert s["levels"][0]["output_tokens_per_s"] == round(t["levels"][0]["output_tokens_per_s"], 2)
     prov = json.loads((runner.work_dir / "publish" / "model_repository" / "provenance.json").read_text())
     assert s["repository_digest"] == prov["repository_digest"]
+
+
+@pytest.mark.e2e
+def test_requests_that_time_out_keep_the_server_log_with_where_its_models_threads_stood(published_tiny, monkeypatch):
+    """Requests failing on a live server (here: a deadline no request meets) fail the stage, and the server's log
+    is kept under logs/ ending with every Python thread of its models (they dump their stacks on SIGUSR1): the
+    engine model's scheduler thread among them. The server is stopped, its stubs with it."""
+    from pipeline.config import load_config
+    from pipeline.errors import StageFailed
+    from pipeline.runner import Runner
+    from pipeline.stages import STAGES
+
+    _, runner, cfg, overrides = published_tiny
+    loaded = load_config(cfg, overrides + ["bench.request_timeout_s=0.001"])
+    token = uuid.uuid4().hex  # every process this bench starts inherits it: the leftover check below sees only ours
+    monkeypatch.setenv(RUN_TOKEN_ENV, token)
+    with pytest.raises(StageFailed, match="request\\(s\\) failed") as failed:
+        Runner(loaded, STAGES, runner.work_dir.parent).run(["bench"], echo=lambda s: None)
+    kept = runner.work_dir / "logs" / f"bench.failed.{artifacts.SERVER_LOG_FILE}"
+    assert f"logs/{kept.name}" in str(failed.value) and "SIGUSR1" in str(failed.value)
+    log_text = kept.read_text(errors="replace")
+    assert "Deadline" in str(failed.value) or "DEADLINE" in str(failed.value)
+    dumps = dict(part.split(" (stub pid", 1) for part in log_text.split("--- the Python threads of model ")[1:])
+    assert {"tiny_stream", "tiny_preprocessing", "tiny_tensorrt_llm"} <= set(dumps)  # every model's stub
+    assert all("thread 0x" in d.lower() for d in dumps.values())  # faulthandler's dump under each header
+    engine = dumps["tiny_tensorrt_llm"]  # its scheduler thread, waiting for work, and the metrics thread
+    assert "cpu_runtime.py" in engine and "in _loop" in engine and "in refresh" in engine
+    deadline = time.monotonic() + 30  # the server, its stubs, their reapers: all end
+    while (left := run_processes(token)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left
 
 
 @pytest.mark.e2e
