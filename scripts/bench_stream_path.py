@@ -7,7 +7,7 @@ against the same model at a baseline revision, side by side in one run (issue #4
 
 Two copies of the served repository: "now" as published, and "baseline" with ``<model>_stream``'s model.py as
 ``git show REV:triton_repo/stream/model.py`` gives it (the default REV is the last commit whose streaming model
-turned each token into text through a BLS call to the postprocessing model). Everything else is the same files:
+tokenized each prompt through a BLS call to the preprocessing model). Everything else is the same files:
 the engine model, the tokenizer, the configs.
 
 Each arm starts its own tritonserver on the copy, then ``--concurrency`` gRPC clients, each request on its own
@@ -36,7 +36,8 @@ sys.path.insert(0, str(REPO))
 from pipeline import artifacts  # noqa: E402
 
 DEFAULT_REPOSITORY = REPO / "build" / "smollm2-135m-cpu" / "model_repository"
-DEFAULT_BASELINE = "308cfaa"  # the streaming model before it detokenized in its own process
+# the streaming model before it tokenized the prompt in its own process (308cfaa: before it detokenized there too)
+DEFAULT_BASELINE = "5ddef8e"
 PROMPTS = ("The history of the printing press begins", "A short guide to keeping bees:",
            "In the morning the harbour was quiet, and", "Three reasons to learn a second language are")
 
@@ -51,7 +52,8 @@ def stream_model(repository: Path) -> str:
 
 
 def use_baseline(repository: Path, model: str, code: str) -> None:
-    """The streaming model's code from the baseline, and the parameter it read: the postprocessing model's name."""
+    """The streaming model's code from the baseline, and the parameters earlier versions read: the pre- and
+    postprocessing models' names (a parameter a model does not read is left alone)."""
     from pipeline.serving import publish
 
     for version_dir in (repository / model).iterdir():
@@ -59,7 +61,8 @@ def use_baseline(repository: Path, model: str, code: str) -> None:
             (version_dir / "model.py").write_text(code)
     config = repository / model / "config.pbtxt"
     msg = publish.read_config(config)
-    msg.parameters["postprocessing_model"].string_value = model.removesuffix("_stream") + "_postprocessing"
+    for step in ("preprocessing", "postprocessing"):
+        msg.parameters[f"{step}_model"].string_value = model.removesuffix("_stream") + f"_{step}"
     config.write_text(publish.config_text(msg))
 
 

@@ -236,9 +236,10 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
                        _out("pad_id", "INT32", [1]), _out("stop_words_list", "INT32", [2, -1])])
     if tenanted:  # the tenant input or the x-tenant header, which the ensemble hands to this first step alone
         pre.output.append(_out("tenant", "STRING", [1]))
-    _params(pre, {"tokenizer_dir": artifacts.TOKENIZER_DIR, "add_special_tokens": True,
-                  "apply_chat_template": triton.apply_chat_template, "max_input_len": settings.max_input_len,
-                  "max_seq_len": settings.max_seq_len})
+    prompting = {"tokenizer_dir": artifacts.TOKENIZER_DIR, "add_special_tokens": True,  # llm_io.Prompter's
+                 "apply_chat_template": triton.apply_chat_template, "max_input_len": settings.max_input_len,
+                 "max_seq_len": settings.max_seq_len}
+    _params(pre, prompting)
     _instances(pre, triton.instance_count)
     _batching(pre, triton)
     out[pre.name] = pre
@@ -277,8 +278,7 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
         stream.model_transaction_policy.decoupled = True
         stream.input.extend(_text_inputs(triton, tenanted))
         stream.output.extend([_out("text_output", "STRING", [1]), _out("output_ids", "INT32", [-1])])
-        _params(stream, {"preprocessing_model": names.preprocessing, "tensorrt_llm_model": names.tensorrt_llm,
-                         "tokenizer_dir": artifacts.TOKENIZER_DIR})
+        _params(stream, {"tensorrt_llm_model": names.tensorrt_llm, **prompting})  # it tokenizes itself
         _instances(stream, triton.instance_count)
         out[stream.name] = stream
 

@@ -477,6 +477,34 @@ def test_stop_words_layout_round_trips():
     assert llm_io.ends_with_any([1, 8, 9, 10], words) and not llm_io.ends_with_any([9, 10, 1], words)
 
 
+def test_the_prompter_tokenizes_and_refuses_as_the_preprocessing_model_did(tiny_tokenizer_dir):
+    """llm_io.Prompter: the preprocessing model's work, which the streaming model now does itself (the real-server
+    checks of both paths: test_verify.py)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    prompter = _llm_io().Prompter(tok, {"add_special_tokens": "true", "apply_chat_template": "false",
+                                        "max_input_len": "12", "max_seq_len": "20"})
+    text = "The statement is about loops"
+    ids = prompter.prompt_ids(text, 4)
+    assert ids == tok(text).input_ids and 0 < len(ids) <= 12
+    assert prompter.pad_id == (tok.pad_token_id if tok.pad_token_id is not None else prompter.eos_id)
+    cases = {("", 4, None): "text_input is empty", (text * 5, 4, None): "max_input_len=12",
+             (text, 0, None): "at least 1", (text, 20, None): "max_seq_len=20", (text, 4, True): "no chat template"}
+    for (t, n, chat), words in cases.items():
+        with pytest.raises(ValueError, match=words):
+            prompter.prompt_ids(t, n, chat)
+    stop = prompter.stop_words([b"loops", "", "classes"])  # bytes as a STRING tensor holds them; empty skipped
+    assert _llm_io().list_to_words(stop) == [tok("loops", add_special_tokens=False).input_ids,
+                                             tok("classes", add_special_tokens=False).input_ids]
+
+
+def test_the_models_dump_their_stacks_on_the_signal_the_pipeline_sends():
+    from pipeline.serving.server import STACKS_SIGNAL
+
+    assert _llm_io().STACKS_SIGNAL == STACKS_SIGNAL
+
+
 class _TritonError:
     """The two members of pb_utils.TritonError that relayed_error uses: pb_utils exists only inside a Triton
     Python-backend stub process (the relay through a real server: test_verify.py's tenants test)."""

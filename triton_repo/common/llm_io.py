@@ -66,6 +66,49 @@ def load_tokenizer(args: dict):
     return model_config, p, AutoTokenizer.from_pretrained(str(version_dir / p["tokenizer_dir"]))
 
 
+class Prompter:
+    """Text in, the engine model's inputs out, for one prompt: the preprocessing model's work, shared with the
+    streaming model, which tokenizes with its own tokenizer copy rather than by a BLS call to preprocessing (one
+    round trip through another process per request: scripts/bench_stream_path.py). Built from the model's
+    tokenizer and its parameters ``add_special_tokens``, ``apply_chat_template`` (the default where a request
+    sends none), ``max_input_len`` and ``max_seq_len``. A bad request is a ValueError saying what to send."""
+
+    def __init__(self, tokenizer, params: dict[str, str]):
+        self.tokenizer = tokenizer
+        self.add_special_tokens = params.get("add_special_tokens", "true") == "true"
+        self.chat_default = params.get("apply_chat_template", "false") == "true"
+        self.max_input_len = int(params["max_input_len"])
+        self.max_seq_len = int(params["max_seq_len"])
+        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+
+    def prompt_ids(self, text: str, max_tokens: int, chat: Optional[bool] = None) -> list[int]:
+        """The prompt's token ids, checked with ``max_tokens`` against the build's limits."""
+        if not text:
+            raise ValueError("text_input is empty: send the prompt text")
+        if self.chat_default if chat is None else bool(chat):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("apply_chat_template was asked for, but this model's tokenizer has no chat template")
+            row = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True)
+        else:
+            row = self.tokenizer(text, add_special_tokens=self.add_special_tokens).input_ids
+        if len(row) > self.max_input_len:
+            raise ValueError(f"the prompt is {len(row)} tokens; this model accepts at most max_input_len="
+                             f"{self.max_input_len}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if len(row) + max_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(row)} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len="
+                             f"{self.max_seq_len}; ask for at most {self.max_seq_len - len(row)} tokens")
+        return list(row)
+
+    def stop_words(self, words) -> np.ndarray:
+        """The [2, L] stop-words tensor of the stop strings (empty ones skipped)."""
+        return words_to_list([self.tokenizer(w, add_special_tokens=False).input_ids
+                              for w in (as_str(w) for w in words) if w])
+
+
 def parameters(model_config: dict) -> dict[str, str]:
     """The model config's ``parameters`` as plain strings."""
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}

@@ -38,15 +38,9 @@ class TritonPythonModel:
     def initialize(self, args):
         llm_io.exit_with_server()
         llm_io.stacks_on_signal()
-        self.model_config, p, self.tokenizer = llm_io.load_tokenizer(args)
-        self.add_special_tokens = p.get("add_special_tokens", "true") == "true"
-        self.chat_default = p.get("apply_chat_template", "false") == "true"
-        self.max_input_len = int(p["max_input_len"])
-        self.max_seq_len = int(p["max_seq_len"])
+        self.model_config, p, tokenizer = llm_io.load_tokenizer(args)
+        self.prompter = llm_io.Prompter(tokenizer, p)
         self.tenanted = any(o["name"] == "tenant" for o in self.model_config.get("output", []))
-        tok = self.tokenizer
-        self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else 0
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
 
     def execute(self, requests):
         responses = []
@@ -67,43 +61,19 @@ class TritonPythonModel:
         stop = get("stop_words")
         stop = stop.as_numpy().reshape(batch, -1) if stop is not None else None
         chat = get("apply_chat_template")
-        chat = chat.as_numpy().reshape(batch, -1)[:, 0] if chat is not None else [self.chat_default] * batch
+        chat = chat.as_numpy().reshape(batch, -1)[:, 0] if chat is not None else [None] * batch
         end = get("end_id")
-        end = end.as_numpy().reshape(batch, -1)[:, 0] if end is not None else [self.eos_id] * batch
+        end = end.as_numpy().reshape(batch, -1)[:, 0] if end is not None else [self.prompter.eos_id] * batch
         try:
             tenant = llm_io.request_tenant(request, get("tenant")) if self.tenanted else ""
+            ids = [self.prompter.prompt_ids(llm_io.as_str(texts[i, 0]), int(max_tokens[i]), chat[i])
+                   for i in range(batch)]
         except ValueError as e:
             raise BadRequest(str(e)) from None
-
-        ids, words = [], []
-        for i in range(batch):
-            text = llm_io.as_str(texts[i, 0])
-            if not text:
-                raise BadRequest("text_input is empty: send the prompt text")
-            if bool(chat[i]):
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise BadRequest("apply_chat_template was asked for, but this model's tokenizer has no chat "
-                                     "template")
-                row = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                         add_generation_prompt=True, tokenize=True)
-            else:
-                row = self.tokenizer(text, add_special_tokens=self.add_special_tokens).input_ids
-            n_out = int(max_tokens[i])
-            if len(row) > self.max_input_len:
-                raise BadRequest(f"the prompt is {len(row)} tokens; this model accepts at most max_input_len="
-                                 f"{self.max_input_len}")
-            if n_out < 1:
-                raise BadRequest(f"max_tokens must be at least 1, got {n_out}")
-            if len(row) + n_out > self.max_seq_len:
-                raise BadRequest(f"prompt ({len(row)} tokens) + max_tokens ({n_out}) exceeds max_seq_len="
-                                 f"{self.max_seq_len}; ask for at most {self.max_seq_len - len(row)} tokens")
-            ids.append(row)
-            row_words = [llm_io.as_str(w) for w in stop[i]] if stop is not None else []
-            words.append(llm_io.words_to_list(
-                [self.tokenizer(w, add_special_tokens=False).input_ids for w in row_words if w]))
+        words = [self.prompter.stop_words(stop[i] if stop is not None else []) for i in range(batch)]
 
         width = max(len(r) for r in ids)
-        input_ids = np.full((batch, width), self.pad_id, dtype=np.int32)
+        input_ids = np.full((batch, width), self.prompter.pad_id, dtype=np.int32)
         for i, r in enumerate(ids):
             input_ids[i, : len(r)] = r
         wwidth = max(w.shape[1] for w in words)
@@ -116,7 +86,7 @@ class TritonPythonModel:
             pb_utils.Tensor("input_lengths", np.array([[len(r)] for r in ids], dtype=np.int32)),
             pb_utils.Tensor("request_output_len", max_tokens.astype(np.int32).reshape(batch, 1)),
             pb_utils.Tensor("end_id", np.asarray(end, dtype=np.int32).reshape(batch, 1)),
-            pb_utils.Tensor("pad_id", np.full((batch, 1), self.pad_id, dtype=np.int32)),
+            pb_utils.Tensor("pad_id", np.full((batch, 1), self.prompter.pad_id, dtype=np.int32)),
             pb_utils.Tensor("stop_words_list", stop_list.astype(np.int32)),
         ]
         if self.tenanted:

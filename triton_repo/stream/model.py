@@ -1,16 +1,20 @@
 """The streaming model: text in, text out token by token (Triton Python backend, decoupled, BLS).
 
-For gRPC streams and the HTTP ``generate_stream`` endpoint. Per request it calls the preprocessing model,
-then the ``tensorrt_llm`` model with ``streaming`` on, and turns each new token into text itself, with the
-tokens already shown as context (as the postprocessing model does; a BLS call to it for every token cost a round
-trip through another process: scripts/bench_stream_path.py). A token that ends inside a multi-byte character is
-held back until the character is complete, so the pieces a client concatenates are exactly the full decode.
+For gRPC streams and the HTTP ``generate_stream`` endpoint. Per request it tokenizes the prompt itself, as the
+preprocessing model does (the same code, llm_io.Prompter), calls the ``tensorrt_llm`` model with ``streaming`` on,
+and turns each new token into text itself, with the tokens already shown as context (as the postprocessing model
+does). A BLS call to those models, once per request and once per token, cost a round trip through another process
+each (scripts/bench_stream_path.py). A token that ends inside a multi-byte character is held back until the
+character is complete, so the pieces a client concatenates are exactly the full decode. Requests run on threads
+of their own; the tokenizer is used by one at a time (a fast tokenizer's settings are not thread-safe).
 
 Inputs: those of the ensemble (``text_input``, ``max_tokens``; optional ``stop_words``,
 ``apply_chat_template``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``end_id``, ``priority``, ``tenant``;
 the tenant may come in the ``x-tenant`` header instead). Outputs per
 response: ``text_output`` STRING [1] (the new text) and ``output_ids`` INT32 [-1] (the tokens behind it).
-Parameters: ``preprocessing_model``, ``tensorrt_llm_model``, ``tokenizer_dir`` (relative to the version folder).
+Parameters: ``tensorrt_llm_model``, ``tokenizer_dir`` (relative to the version folder), and the preprocessing
+model's ``add_special_tokens``, ``apply_chat_template``, ``max_input_len``, ``max_seq_len``. A bad request (empty
+text, a prompt over max_input_len, max_tokens out of range) gets INVALID_ARG, as from the preprocessing model.
 """
 
 import os
@@ -28,8 +32,6 @@ os.environ["USE_TORCH"] = "0"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its "no PyTorch found" notice would fill the log
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-PRE_INPUTS = ("text_input", "max_tokens", "stop_words", "apply_chat_template", "end_id")
-PRE_OUTPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list")
 # the ensemble's inputs passed on to tensorrt_llm as its inputs (priority: only where request classes are on;
 # the tenant is resolved apart, from the input or the x-tenant header)
 SAMPLING = {"temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
@@ -42,7 +44,9 @@ class TritonPythonModel:
         llm_io.exit_with_server()
         llm_io.stacks_on_signal()
         self.model_config, p, self.tokenizer = llm_io.load_tokenizer(args)
-        self.pre, self.llm = p["preprocessing_model"], p["tensorrt_llm_model"]
+        self.prompter = llm_io.Prompter(self.tokenizer, p)
+        self.tokenizing = threading.Lock()
+        self.llm = p["tensorrt_llm_model"]
         self.tenanted = any(i["name"] == "tenant" for i in self.model_config.get("input", []))
 
     def execute(self, requests):
@@ -60,10 +64,7 @@ class TritonPythonModel:
                 f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)), flags=FINAL)
 
     def _generate(self, request, sender):
-        pre_in = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in PRE_INPUTS) if t is not None]
-        pre = _check(pb_utils.InferenceRequest(model_name=self.pre, inputs=pre_in,
-                                               requested_output_names=list(PRE_OUTPUTS)).exec())
-        llm_in = [pb_utils.get_output_tensor_by_name(pre, n) for n in PRE_OUTPUTS]
+        llm_in = self._prompt(request)
         for ours, theirs in SAMPLING.items():
             t = pb_utils.get_input_tensor_by_name(request, ours)
             if t is not None:
@@ -96,8 +97,29 @@ class TritonPythonModel:
             sender.send(_piece(self._text(shown[-CONTEXT_TOKENS:], pending), pending))
         sender.send(flags=FINAL)
 
+    def _prompt(self, request):
+        """The engine model's prompt inputs, as the preprocessing model makes them (llm_io.Prompter)."""
+        get = lambda name: pb_utils.get_input_tensor_by_name(request, name)  # noqa: E731
+        max_tokens = int(llm_io.scalar(get("max_tokens")))
+        stop = get("stop_words")
+        try:
+            with self.tokenizing:
+                ids = self.prompter.prompt_ids(llm_io.as_str(llm_io.scalar(get("text_input"))), max_tokens,
+                                               llm_io.scalar(get("apply_chat_template")))
+                words = self.prompter.stop_words(stop.as_numpy().reshape(-1) if stop is not None else [])
+        except ValueError as e:
+            raise _Failed(pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)) from None
+        end = llm_io.scalar(get("end_id"), self.prompter.eos_id)
+        return [pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
+                pb_utils.Tensor("input_lengths", np.array([[len(ids)]], dtype=np.int32)),
+                pb_utils.Tensor("request_output_len", np.array([[max_tokens]], dtype=np.int32)),
+                pb_utils.Tensor("end_id", np.array([[end]], dtype=np.int32)),
+                pb_utils.Tensor("pad_id", np.array([[self.prompter.pad_id]], dtype=np.int32)),
+                pb_utils.Tensor("stop_words_list", words[None].astype(np.int32))]
+
     def _text(self, context, ids):
-        return llm_io.decode_delta(self.tokenizer, context, ids)
+        with self.tokenizing:
+            return llm_io.decode_delta(self.tokenizer, context, ids)
 
 
 class _Failed(Exception):

@@ -361,9 +361,7 @@ def _level_rows(levels: list[dict]) -> list[list]:
             ms(l["e2e_ms"]["p50"], l["e2e_ms"]["p90"], l["e2e_ms"]["p99"]),
             l["e2e_ms"]["p99_over_p50"], l["e2e_ms"]["jitter"], l["token_gap_ms"].get("jitter"),
             dig(l, "padding_factor", "value"),
-            ms(tri(l, "_stream", "queue_ms"), tri(l, "_preprocessing", "queue_ms"),
-               tri(l, "_tensorrt_llm", "queue_ms")),
-            ms(tri(l, "_preprocessing", "compute_infer_ms")),
+            ms(tri(l, "_stream", "queue_ms"), tri(l, "_tensorrt_llm", "queue_ms")),
             ms(dig(l, "cpu_ms_per_token", "frontend_ms"), dig(l, "cpu_ms_per_token", "engine_ms"),
                dig(l, "cpu_ms_per_token", "total_ms")),
         ])
@@ -372,7 +370,7 @@ def _level_rows(levels: list[dict]) -> list[list]:
 
 LEVEL_HEADER = ["concurrency", "requests", "output tok/s", "req/s", "TTFT ms P50 / P90 / P99",
                 "ITL ms P50 / P90 / P99", "e2e ms P50 / P90 / P99", "e2e P99/P50", "e2e jitter", "token-gap jitter",
-                "padding factor", "Triton queue ms: stream / pre / llm", "Triton compute ms: pre",
+                "padding factor", "Triton queue ms: stream / llm",
                 "CPU ms per token: frontend / engine / all"]
 
 

@@ -346,8 +346,9 @@ def test_bench_stage_on_a_real_server(published_tiny):
         assert level["padding_factor"]["value"] == 1.0
         tri = level["triton"]
         assert tri["tiny_stream"]["requests"] == 6  # Triton counted exactly this level's requests
-        assert tri["tiny_tensorrt_llm"]["requests"] == 6 and tri["tiny_preprocessing"]["requests"] >= 6
-        assert tri["tiny_stream"]["queue_ms"] >= 0 and tri["tiny_preprocessing"]["compute_infer_ms"] > 0
+        assert tri["tiny_tensorrt_llm"]["requests"] == 6 and tri["tiny_stream"]["queue_ms"] >= 0
+        # the streaming model tokenizes itself: no request of the sweep goes through preprocessing
+        assert tri.get("tiny_preprocessing", {}).get("requests", 0) == 0
         assert level["sla"]["met"] and level["sla"]["goodput_rps"] == pytest.approx(level["requests_per_s"])
         cpu = level["cpu_ms_per_token"]  # the server's processes: the engine model's stub apart from the rest
         assert cpu["engine_ms"] > 0 and cpu["frontend_ms"] > 0
