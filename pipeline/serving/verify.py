@@ -405,7 +405,8 @@ def verify(publish_dir: Path, out_dir: Path, *, prompts: tuple[str, ...] = PROMP
     prov = records.read_provenance(repo)
     own = targets.get(prov.build.target).verify_entry
     if own is not None:  # a target with servers of its own (vLLM's OpenAI server and Triton's vLLM model)
-        return targets.resolve_entry(own)(repo, prov, out_dir, prompts, max_tokens, concurrent, vllm_frontends)
+        return targets.resolve_entry(own)(repo, prov, out_dir=out_dir, prompts=prompts, max_tokens=max_tokens,
+                                          concurrent=concurrent, frontends=vllm_frontends)
     names = model_names(prov.model_name)
     version, target = prov.version, prov.build.target
     engine = targets.get(target)

@@ -382,7 +382,6 @@ def test_requests_that_time_out_keep_the_server_log_with_where_its_models_thread
     kept = runner.work_dir / "logs" / f"bench.failed.{artifacts.SERVER_LOG_FILE}"
     assert f"logs/{kept.name}" in str(failed.value) and "SIGUSR1" in str(failed.value)
     log_text = kept.read_text(errors="replace")
-    assert "Deadline" in str(failed.value) or "DEADLINE" in str(failed.value)
     dumps = dict(part.split(" (stub pid", 1) for part in log_text.split("--- the Python threads of model ")[1:])
     assert {"tiny_stream", "tiny_preprocessing", "tiny_tensorrt_llm"} <= set(dumps)  # every model's stub
     assert all("thread 0x" in d.lower() for d in dumps.values())  # faulthandler's dump under each header
