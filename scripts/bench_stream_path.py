@@ -1,23 +1,24 @@
-"""What streaming through Triton costs per token on the cpu target: the streaming model as this checkout has it
-against the same model at a baseline revision, side by side in one run (issue #41's "measure first").
+"""What streaming through Triton costs per token: the Triton models as this checkout has them against the same
+models at a baseline revision, and (a vllm build) vLLM's own OpenAI server on the same export, side by side in one
+run (issue #41's "measure first").
 
-    # once: a published cpu build (the default config falls back to it on a CPU without AVX-512)
-    .venv/bin/invoke publish --config engine_configs/smollm2-135m-cpu.yaml
+    # once: a published build with triton.decoupled (the default config: the vllm target on AVX-512 or AMX,
+    # the cpu target elsewhere)
+    .venv/bin/invoke publish                       # or: --config engine_configs/smollm2-135m-cpu.yaml
     .venv/bin/python scripts/bench_stream_path.py [--repo DIR] [--baseline REV] [--concurrency 16] [--tokens 64]
 
-Two copies of the served repository: "now" as published, and "baseline" with ``<model>_stream``'s model.py as
-``git show REV:triton_repo/stream/model.py`` gives it (the default REV is the last commit whose streaming model
-tokenized each prompt through a BLS call to the preprocessing model). Everything else is the same files:
-the engine model, the tokenizer, the configs.
+Copies of the served repository: "now" as published, and "baseline" with every model's Python files (its model.py
+and triton_repo/common's) as ``git show REV:triton_repo/...`` gives them; the tokenizer, the engine files and the
+configs are the same. A vllm build adds the arm "vllm", vLLM's OpenAI server on the export in that repository.
 
-Each arm starts its own tritonserver on the copy, then ``--concurrency`` gRPC clients, each request on its own
-stream to the streaming model, send ``--requests`` requests back to back (``invoke bench``'s closed-loop client,
-pipeline.serving.bench.load): a short prose prompt, exactly ``--tokens`` new tokens (end_id -1). The arms take turns
-(now, baseline, baseline, now, ... over ``--rounds``) so drifting machine load hits both alike. Per arm it prints
-the streamed tokens/s, the CPU milliseconds per token (pipeline/serving/bench/cpu.py, as `invoke bench` reads it)
-of the engine model's stub and of the frontend (tritonserver and every other stub: the streaming model's, pre- and
-postprocessing's), and the time to first token (P50 and P99, the mean over rounds). The last line gives the now /
-baseline ratios.
+Each arm starts its own server, one at a time (the others stopped), warms it up, then ``--concurrency`` clients
+send ``--requests`` requests back to back (``invoke bench``'s closed-loop client, pipeline.serving.bench.load):
+gRPC streams on the streaming model through Triton, streamed completions on vLLM's server; a short prose prompt,
+exactly ``--tokens`` new tokens. The arms take turns, in reversed order every other round, so drifting machine load
+hits all alike. Per arm: streamed tokens/s, TTFT P50 / P99, and CPU milliseconds per token of the whole server
+tree (pipeline/serving/bench/cpu.py, as `invoke bench` reads it) and, through Triton, of the engine model's stub
+apart from the frontend (tritonserver and every other stub). The last lines give the ratios to the baseline and to
+vLLM's server (the means over rounds).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline import artifacts  # noqa: E402
+from pipeline import artifacts, records  # noqa: E402
 
-DEFAULT_REPOSITORY = REPO / "build" / "smollm2-135m-cpu" / "model_repository"
-# the streaming model before it tokenized the prompt in its own process (308cfaa: before it detokenized there too)
-DEFAULT_BASELINE = "5ddef8e"
+DEFAULT_REPOSITORY = REPO / "build" / "smollm2-135m-vllm" / "model_repository"
+# the models before their stubs froze the heap they had made at start (llm_io.freeze_heap)
+DEFAULT_BASELINE = "20dd55a"
 PROMPTS = ("The history of the printing press begins", "A short guide to keeping bees:",
            "In the morning the harbour was quiet, and", "Three reasons to learn a second language are")
 
@@ -46,24 +47,32 @@ def stream_model(repository: Path) -> str:
     """The streaming model's name (publish names it ``<model>_stream``)."""
     found = sorted(p.parent.name for p in repository.glob("*_stream/config.pbtxt"))
     if len(found) != 1:
-        raise SystemExit(f"{repository} holds no streaming model (*_stream): publish a cpu build with "
+        raise SystemExit(f"{repository} holds no streaming model (*_stream): publish a build with "
                          "triton.decoupled: true first (see the docstring)")
     return found[0]
 
 
-def use_baseline(repository: Path, model: str, code: str) -> None:
-    """The streaming model's code from the baseline, and the parameters earlier versions read: the pre- and
-    postprocessing models' names (a parameter a model does not read is left alone)."""
-    from pipeline.serving import publish
+def _git_show(rev: str, path: str) -> str | None:
+    out = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
+    return out.stdout if out.returncode == 0 else None
 
-    for version_dir in (repository / model).iterdir():
-        if version_dir.is_dir():
-            (version_dir / "model.py").write_text(code)
-    config = repository / model / "config.pbtxt"
-    msg = publish.read_config(config)
-    for step in ("preprocessing", "postprocessing"):
-        msg.parameters[f"{step}_model"].string_value = model.removesuffix("_stream") + f"_{step}"
-    config.write_text(publish.config_text(msg))
+
+def use_baseline(repository: Path, rev: str) -> None:
+    """Every published model's Python files as they were at ``rev``: each model's source folder is the
+    triton_repo folder whose model.py this checkout's published copy equals (the published version's)."""
+    sources = {f.read_text(): f.parent.name for f in (REPO / "triton_repo").glob("*/model.py")}
+    version = records.read_provenance(repository).version
+    for model_py in repository.glob(f"*/{version}/model.py"):
+        folder = sources.get(model_py.read_text())
+        if folder is None:
+            raise SystemExit(f"{model_py} matches no triton_repo/*/model.py of this checkout: publish again")
+        for f in model_py.parent.glob("*.py"):
+            where = folder if f.name == "model.py" or (REPO / "triton_repo" / folder / f.name).is_file() else "common"
+            code = _git_show(rev, f"triton_repo/{where}/{f.name}")
+            if code is None:
+                raise SystemExit(f"triton_repo/{where}/{f.name} is not in revision {rev}")
+            f.unlink()  # a published file may be a hard link to another version's: never written through
+            f.write_text(code)
 
 
 def prompts(repository: Path, count: int) -> list:
@@ -78,70 +87,83 @@ def prompts(repository: Path, count: int) -> list:
     return [Prompt(t, len(tokenizer(t).input_ids)) for t in texts]
 
 
-def arm(repository: Path, args) -> dict:
-    """One server on ``repository`` under the closed-loop load of ``invoke bench`` (pipeline.serving.bench.load)."""
+def arm(repository: Path, name: str, args) -> dict:
+    """One server on ``repository`` under the closed-loop load of ``invoke bench`` (pipeline.serving.bench.load):
+    Triton's streaming model, or (``name`` "vllm") vLLM's OpenAI server."""
     from pipeline.serving.bench.cpu import cpu_by_role, per_token
-    from pipeline.serving.bench.load import drive, level_figures
-    from pipeline.serving.server import TritonServer
+    from pipeline.serving.bench.load import drive, drive_openai, level_figures
+    from pipeline.serving.serve import server_for_target
 
+    target = records.read_provenance(repository).build.target
     model = stream_model(repository)
     load = prompts(repository, args.requests + 4)
-    with TritonServer(repository) as server:
-        drive(server.grpc_url, model, prompts=load[:4], concurrency=4, max_tokens=args.tokens)  # warm-up
+    with server_for_target(target, repository, frontend="openai" if name == "vllm" else "triton") as server:
+        def send(batch, concurrency):
+            if name == "vllm":
+                return drive_openai(server.base_url, server.model_name, prompts=batch, concurrency=concurrency,
+                                    max_tokens=args.tokens)
+            return drive(server.grpc_url, model, prompts=batch, concurrency=concurrency, max_tokens=args.tokens)
+
+        send(load[:4], 4)  # warm-up
         cpu0 = cpu_by_role(server.process.pid)
-        records, wall = drive(server.grpc_url, model, prompts=load[4:], concurrency=args.concurrency,
-                              max_tokens=args.tokens)
+        records_, wall = send(load[4:], args.concurrency)
         cpu1 = cpu_by_role(server.process.pid)
-    level = level_figures(records, wall, args.concurrency)
+    level = level_figures(records_, wall, args.concurrency)
     if level["errors"]:
-        raise SystemExit(f"{level['errors']} requests failed: {[r.error for r in records if r.error][:3]}")
-    cpu = per_token(cpu0, cpu1, level["output_tokens"], model.removesuffix("_stream") + "_tensorrt_llm")
-    return {"tokens_per_s": level["output_tokens_per_s"], "engine_ms": cpu["engine_ms"],
+        raise SystemExit(f"{name}: {level['errors']} requests failed: {[r.error for r in records_ if r.error][:3]}")
+    cpu = per_token(cpu0, cpu1, level["output_tokens"], None if name == "vllm" else
+                    model.removesuffix("_stream") + "_tensorrt_llm")
+    return {"tokens_per_s": level["output_tokens_per_s"], "total_ms": cpu["total_ms"], "engine_ms": cpu["engine_ms"],
             "frontend_ms": cpu["frontend_ms"], "requests": level["requests"], "ttft_ms": level["ttft_ms"]}
+
+
+def _ms(value) -> str:
+    return "   —  " if value is None else f"{value:6.2f}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repo", type=Path, default=DEFAULT_REPOSITORY, help="a published cpu model repository")
-    ap.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision of the baseline streaming model")
+    ap.add_argument("--repo", type=Path, default=DEFAULT_REPOSITORY, help="a published model repository")
+    ap.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision of the baseline Triton models")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request (forced)")
-    ap.add_argument("--requests", type=int, default=48, help="requests per arm and round")
+    ap.add_argument("--requests", type=int, default=64, help="requests per arm and round")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    model = stream_model(args.repo)
-    baseline_code = subprocess.run(["git", "-C", str(REPO), "show", f"{args.baseline}:triton_repo/stream/model.py"],
-                                   check=True, capture_output=True, text=True).stdout
+    target = records.read_provenance(args.repo).build.target
+    names = ["now", "baseline"] + (["vllm"] if target == "vllm" else [])
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as tmp:
         repos = {}
-        for name in ("now", "baseline"):
+        for name in names:
             repos[name] = Path(tmp) / name
             shutil.copytree(args.repo, repos[name], symlinks=True)
-        use_baseline(repos["baseline"], model, baseline_code)
-        results: dict[str, list[dict]] = {"now": [], "baseline": []}
-        order = [name for r in range(args.rounds) for name in (("now", "baseline") if r % 2 == 0
-                                                                else ("baseline", "now"))]
+        use_baseline(repos["baseline"], args.baseline)
+        results: dict[str, list[dict]] = {name: [] for name in names}
+        order = [name for r in range(args.rounds) for name in (names if r % 2 == 0 else names[::-1])]
         for name in order:
-            results[name].append(arm(repos[name], args))
+            results[name].append(arm(repos[name], name, args))
             last = results[name][-1]
-            print(f"  {name:9s} {last['tokens_per_s']:7.1f} tokens/s, CPU ms per token: frontend "
-                  f"{last['frontend_ms']:6.2f}, engine {last['engine_ms']:6.2f} ({last['requests']} requests)",
-                  flush=True)
-    print(f"\n{args.concurrency} streams, {args.tokens} tokens each, {args.rounds} rounds of {args.requests} requests:")
+            print(f"  {name:9s} {last['tokens_per_s']:7.1f} tokens/s, CPU ms per token: all {_ms(last['total_ms'])}, "
+                  f"frontend {_ms(last['frontend_ms'])}, engine {_ms(last['engine_ms'])} ({last['requests']} "
+                  f"requests)", flush=True)
+    print(f"\n{target} target, {args.concurrency} streams, {args.tokens} tokens each, {args.rounds} rounds of "
+          f"{args.requests} requests:")
     summary = {}
     for name, runs in results.items():
-        summary[name] = {"tokens_per_s": statistics.mean(r["tokens_per_s"] for r in runs),
-                         "frontend_ms": statistics.mean(r["frontend_ms"] for r in runs),
-                         "engine_ms": statistics.mean(r["engine_ms"] for r in runs),
+        mean = lambda key: None if runs[0][key] is None else statistics.mean(r[key] for r in runs)  # noqa: E731
+        summary[name] = {"tokens_per_s": mean("tokens_per_s"), "total_ms": mean("total_ms"),
+                         "frontend_ms": mean("frontend_ms"), "engine_ms": mean("engine_ms"),
                          "ttft_p50_ms": statistics.mean(r["ttft_ms"]["p50"] for r in runs),
                          "ttft_p99_ms": statistics.mean(r["ttft_ms"]["p99"] for r in runs)}
         s = summary[name]
-        print(f"{name:9s} {s['tokens_per_s']:7.1f} tokens/s, CPU ms per token: frontend {s['frontend_ms']:6.2f}, "
-              f"engine {s['engine_ms']:6.2f}; TTFT P50 {s['ttft_p50_ms']:6.0f} ms, P99 {s['ttft_p99_ms']:6.0f} ms")
-    now, base = summary["now"], summary["baseline"]
-    print(f"now / baseline: tokens/s {now['tokens_per_s'] / base['tokens_per_s']:.2f}x, frontend CPU per token "
-          f"{now['frontend_ms'] / base['frontend_ms']:.2f}x, engine CPU per token "
-          f"{now['engine_ms'] / base['engine_ms']:.2f}x")
+        print(f"{name:9s} {s['tokens_per_s']:7.1f} tokens/s, CPU ms per token: all {_ms(s['total_ms'])}, frontend "
+              f"{_ms(s['frontend_ms'])}, engine {_ms(s['engine_ms'])}; TTFT P50 {s['ttft_p50_ms']:6.0f} ms, "
+              f"P99 {s['ttft_p99_ms']:6.0f} ms")
+    now = summary["now"]
+    for other in names[1:]:
+        o = summary[other]
+        print(f"now / {other}: tokens/s {now['tokens_per_s'] / o['tokens_per_s']:.2f}x, CPU per token "
+              f"{now['total_ms'] / o['total_ms']:.2f}x, TTFT P99 {now['ttft_p99_ms'] / o['ttft_p99_ms']:.2f}x")
 
 
 if __name__ == "__main__":

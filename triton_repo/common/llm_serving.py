@@ -132,6 +132,7 @@ class GenerationModel:
         self._memory_growth = 0.0
         threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
         self._start_metrics(name, args["model_version"])
+        llm_io.freeze_heap()  # last: the engine's objects (vLLM, torch) never walked by a full collection
 
     def load(self, version_dir, params: dict) -> None:
         raise NotImplementedError

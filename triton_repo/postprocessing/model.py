@@ -28,6 +28,7 @@ class TritonPythonModel:
         llm_io.exit_with_server()
         llm_io.stacks_on_signal()
         self.model_config, _, self.tokenizer = llm_io.load_tokenizer(args)
+        llm_io.freeze_heap()  # last: what initialize made is never walked by a full collection
 
     def execute(self, requests):
         responses = []

@@ -41,6 +41,7 @@ class TritonPythonModel:
         self.model_config, p, tokenizer = llm_io.load_tokenizer(args)
         self.prompter = llm_io.Prompter(tokenizer, p)
         self.tenanted = any(o["name"] == "tenant" for o in self.model_config.get("output", []))
+        llm_io.freeze_heap()  # last: what initialize made is never walked by a full collection
 
     def execute(self, requests):
         responses = []

@@ -48,6 +48,7 @@ class TritonPythonModel:
         self.tokenizing = threading.Lock()
         self.llm = p["tensorrt_llm_model"]
         self.tenanted = any(i["name"] == "tenant" for i in self.model_config.get("input", []))
+        llm_io.freeze_heap()  # last: what initialize made is never walked by a full collection
 
     def execute(self, requests):
         for request in requests:

@@ -30,6 +30,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.llm = llm_io.parameters(config)["tensorrt_llm_model"]
         self.tenanted = any(i["name"] == "tenant" for i in config.get("input", []))
+        llm_io.freeze_heap()  # last: what initialize made is never walked by a full collection
 
     def execute(self, requests):
         for request in requests:
