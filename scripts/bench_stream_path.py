@@ -150,7 +150,9 @@ def main() -> None:
           f"{args.requests} requests:")
     summary = {}
     for name, runs in results.items():
-        mean = lambda key: None if runs[0][key] is None else statistics.mean(r[key] for r in runs)  # noqa: E731
+        def mean(key, runs=runs):
+            return None if runs[0][key] is None else statistics.mean(r[key] for r in runs)
+
         summary[name] = {"tokens_per_s": mean("tokens_per_s"), "total_ms": mean("total_ms"),
                          "frontend_ms": mean("frontend_ms"), "engine_ms": mean("engine_ms"),
                          "ttft_p50_ms": statistics.mean(r["ttft_ms"]["p50"] for r in runs),

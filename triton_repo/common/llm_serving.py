@@ -334,13 +334,14 @@ class GenerationModel:
     def _respond(self, request, sender, handle: Handle, job: Job, arrived: float) -> None:
         tokens: list[int] = []
         times: list[float] = []
+        cancelled = llm_io.CancelCheck(request)
         try:
             for token in handle.stream():
                 tokens.append(token)
                 times.append(time.monotonic())
                 if job.streaming:
                     sender.send(_tokens([token]))
-                if llm_io.ends_with_any(tokens, job.stop_words) or request.is_cancelled():
+                if llm_io.ends_with_any(tokens, job.stop_words) or cancelled():
                     handle.cancel()
                     break
             if job.streaming:

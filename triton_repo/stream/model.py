@@ -80,9 +80,10 @@ class TritonPythonModel:
                                            requested_output_names=["output_ids", "sequence_length"]
                                            ).exec(decoupled=True)
         shown, pending = [], []
+        cancelled = llm_io.CancelCheck(request)
         for response in stream:
             _check(response)
-            if request.is_cancelled():
+            if cancelled():
                 break  # leaving the loop drops the inner request's stream
             ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
             if ids is None:
