@@ -557,3 +557,51 @@ def test_streamed_pieces_concatenate_to_the_full_decode(tiny_tokenizer_dir):
     assert not pending
     assert "".join(pieces) == llm_io.decode(tok, ids) == "Grüße aus Köln — 日本語 and plain words, café."
     assert len(pieces) < len(ids)  # some characters spanned several byte tokens and were held back
+
+
+def test_a_stub_freezes_what_it_made_at_start_and_still_collects_what_comes_after():
+    """llm_io.freeze_heap, run in a fresh interpreter as a stub's initialize runs it: garbage made before it is
+    collected, everything alive then is frozen (never walked by a full collection again), and a cycle made after
+    it is still collected."""
+    code = textwrap.dedent(f"""
+        import gc, importlib.util, weakref
+        spec = importlib.util.spec_from_file_location("llm_io", {str(pub.TRITON_SOURCE / "common" / "llm_io.py")!r})
+        llm_io = importlib.util.module_from_spec(spec); spec.loader.exec_module(llm_io)
+        class Node: pass
+        def cycle():
+            a, b = Node(), Node(); a.b, b.a = b, a; return weakref.ref(a)
+        gc.disable()  # only freeze_heap and the explicit collect below may collect
+        before = cycle(); kept = [Node() for _ in range(1000)]
+        frozen = llm_io.freeze_heap()
+        assert before() is None, "garbage from before the freeze was not collected"
+        assert frozen == gc.get_freeze_count() > 1000, frozen
+        after = cycle(); gc.collect()
+        assert after() is None, "a cycle made after the freeze was not collected"
+        print("ok", frozen)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr
+
+
+def test_a_streaming_request_asks_about_cancellation_at_most_every_cancel_check_s():
+    """llm_io.CancelCheck against a request that counts the questions (a stand-in: the real one is a Triton request
+    inside a stub; the models' cancellation on a real server is test_verify.py's _cancel_grpc_streams)."""
+    import time
+
+    llm_io = _llm_io()
+
+    class Request:
+        asked, cancelled = 0, False
+
+        def is_cancelled(self):
+            self.asked += 1
+            return self.cancelled
+
+    request = Request()
+    check = llm_io.CancelCheck(request)
+    assert not any(check() for _ in range(1000)) and request.asked == 1  # one question for a burst of tokens
+    request.cancelled = True
+    deadline = time.monotonic() + 10 * llm_io.CANCEL_CHECK_S
+    while not check():
+        assert time.monotonic() < deadline, "a cancelled request was not seen within 10 x CANCEL_CHECK_S"
+    assert request.asked == 2
