@@ -63,13 +63,14 @@ def set_pdeathsig() -> None:
 class _Reaper:
     """The reaper of one group, seen from its starter: its process and the write end of the pipe it watches."""
 
-    def __init__(self, pgid: int, what: str, tmp: Sequence[Path]) -> None:
+    def __init__(self, pgid: int, what: str, tmp: Sequence[Path], shm_prefix: Sequence[str] = ()) -> None:
         read_end, self.write_end = os.pipe()  # both not inheritable: only the reaper gets the read end
         package_root = str(Path(__file__).resolve().parents[1])  # this very package, whatever sys.path says
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
                                                            if p)}
         argv = [sys.executable, "-m", "pipeline.reaper", "--pgid", str(pgid), "--fd", str(read_end),
-                "--starter", str(os.getpid()), "--what", what] + [a for t in tmp for a in ("--tmp", str(t))]
+                "--starter", str(os.getpid()), "--what", what] + [a for t in tmp for a in ("--tmp", str(t))] \
+            + [a for p in shm_prefix for a in ("--shm-prefix", p)]
         try:
             self.process = subprocess.Popen(argv, pass_fds=(read_end,), start_new_session=True, env=env,
                                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -96,14 +97,16 @@ class _Reaper:
 _REAPERS: dict[int, _Reaper] = {}  # process group id -> its reaper
 
 
-def start_group(argv: Sequence[str], what: str, tmp: Sequence[Path] = (), **popen) -> subprocess.Popen:
+def start_group(argv: Sequence[str], what: str, tmp: Sequence[Path] = (), shm_prefix: Sequence[str] = (),
+                **popen) -> subprocess.Popen:
     """Start ``argv`` in a session of its own (its process group id is its pid), tied to this process's life:
     its leader gets SIGKILL when this process dies, and a reaper (pipeline.reaper) then ends the rest of the
-    group and removes the shared memory the group mapped and the temporary folders ``tmp``. Stop it with
+    group and removes the shared memory the group mapped, the /dev/shm files named ``shm_prefix``* and the
+    temporary folders ``tmp``. Stop it with
     ``stop_process_group`` or ``kill_process_group``."""
     proc = subprocess.Popen(list(argv), start_new_session=True, preexec_fn=set_pdeathsig, **popen)
     try:
-        _REAPERS[proc.pid] = _Reaper(proc.pid, what, tmp)
+        _REAPERS[proc.pid] = _Reaper(proc.pid, what, tmp, shm_prefix)
     except BaseException:
         kill_process_group(proc, what)
         raise

@@ -14,7 +14,8 @@ So ``pipeline.procs.start_group`` starts, beside each group, this module as a sm
 pipeline.reaper``) in a session of its own, so that a kill of the run's process group does not reach it. It
 holds the read end of a pipe whose only write end is in the starting process. While the pipe is open it
 records, every SCAN_S, the group's members (with their start times) and the /dev/shm files they have
-mapped, in a record file of the run registry (RUNS_DIR, written atomically). When the pipe closes, which
+mapped (and the prefixes of the names its starter chose for its shared memory: a region made after the
+last scan, by a group killed a moment later, is found by its name), in a record file of the run registry (RUNS_DIR, written atomically). When the pipe closes, which
 the kernel does however the starter ended, it ends the group as a stop does (SIGTERM; the members' time to
 end, during which the tracker unlinks what it tracks; SIGKILL), removes the recorded files and folders that
 are still there, then its record, and exits. A clean stop ends the group first, writes STOPPED to the pipe
@@ -207,9 +208,16 @@ def _owned_dirs(paths: Iterable[str]) -> list[Path]:
     return [Path(p) for p in paths if Path(p).is_absolute() and Path(p).resolve().parent == tmp]
 
 
+def _prefixed_shm(prefixes: Iterable[str]) -> list[Path]:
+    """The /dev/shm files whose names start with one of the group's own prefixes (a plain name each, never
+    empty): what it made under a name chosen for it, mapped or not when the reaper last looked."""
+    own = tuple(p for p in prefixes if p and "/" not in p and not p.startswith("."))
+    return sorted(f for f in SHM_DIR.iterdir() if f.name.startswith(own)) if own and SHM_DIR.is_dir() else []
+
+
 def remove_recorded(record: dict) -> list[Path]:
     """Remove the /dev/shm files and temporary folders a record lists that are still there; returns them."""
-    removed = remove_files(_owned_shm(record.get("shm", [])))
+    removed = remove_files(_owned_shm(record.get("shm", [])) + _prefixed_shm(record.get("shm_prefix", [])))
     for d in _owned_dirs(record.get("tmp", [])):
         if d.is_dir():
             shutil.rmtree(d, ignore_errors=True)
@@ -267,13 +275,14 @@ def _scan(pgid: int, record: dict) -> bool:
     return bool(new_members or new_shm)
 
 
-def reap(pgid: int, fd: int, starter: int, what: str, tmp: list[str]) -> None:
+def reap(pgid: int, fd: int, starter: int, what: str, tmp: list[str], shm_prefix: list[str] = ()) -> None:
     """Watch the group until ``fd`` (the pipe from the starter) closes; then end it and remove what it left."""
     path = record_path(pgid)
     me = os.getpid()
     record: dict = {"format": RECORD_FORMAT, "what": what, "pgid": pgid,
               "starter": {"pid": starter, "started": start_time(starter)},
-              "reaper": {"pid": me, "started": start_time(me)}, "members": {}, "shm": [], "tmp": tmp}
+              "reaper": {"pid": me, "started": start_time(me)}, "members": {}, "shm": [], "tmp": tmp,
+              "shm_prefix": list(shm_prefix)}
     _scan(pgid, record)
     write_record(path, record)
     stopped = False
@@ -308,13 +317,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--starter", type=int, required=True)
     parser.add_argument("--what", default="a process group")
     parser.add_argument("--tmp", action="append", default=[], help="a temporary folder of the group's")
+    parser.add_argument("--shm-prefix", action="append", default=[],
+                        help="a prefix of the names of the group's /dev/shm files (Triton's region prefix)")
     args = parser.parse_args(argv)
     RUNS_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)  # its own log: the starter's output may be gone
     logging.basicConfig(filename=RUNS_DIR / LOG_FILE, level=logging.INFO,
                         format=f"%(asctime)s reaper {os.getpid()} of group {args.pgid}: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a Ctrl-C of the terminal is the starter's to
         signal.signal(sig, signal.SIG_IGN)  # handle: the reaper ends when its pipe closes
-    reap(args.pgid, args.fd, args.starter, args.what, args.tmp)
+    reap(args.pgid, args.fd, args.starter, args.what, args.tmp, args.shm_prefix)
     return 0
 
 

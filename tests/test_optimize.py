@@ -21,6 +21,7 @@ from pipeline.optimize import (
     halving_schedule,
     override_args,
     pareto_front,
+    side_key,
 )
 from pipeline.release.report.stage import write_report
 
@@ -186,9 +187,11 @@ def test_invoke_optimize_gates_measures_chooses_and_publishes_and_a_rerun_builds
     # stages run, read from the manifests: plan, quantize, build; int4's sensitivity and plan (its gate refused it)
     assert [c["stages_run"] for c in out["candidates"]] == [3, 3, 2, 0] and out["cost"]["built"] == 3
     if out["side_by_side"]:  # the search's choice beside seed, both servers up; seed stays unless it is confirmed
-        first, other = (s["candidate"] for s in out["side_by_side"]["sides"])
-        assert other == "seed" and chosen["candidate"] in (first, "seed")
-        assert ("confirmed side by side" in out["why"]) == (chosen["candidate"] == first)
+        # a side is a candidate at settings: the search's choice may be seed itself at other serving settings
+        first, other = (s["key"] for s in out["side_by_side"]["sides"])
+        picked = side_key(chosen["candidate"], chosen["settings"])
+        assert other == "seed" and picked in (first, "seed")
+        assert ("confirmed side by side" in out["why"]) == (picked == first)
 
     # the config's report carries the choice, the front and its plot
     report = tmp_path / "report"

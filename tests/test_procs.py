@@ -196,6 +196,42 @@ def test_a_killed_starter_leaves_no_process_and_no_shared_memory(tmp_path):
         procs.remove_files([shm, sem])
 
 
+# A run that starts a group named to make its shared memory under a prefix (as Triton's Python backend does with
+# shm-region-prefix-name), and is killed the moment that file exists: the group never maps it, and no scan of the
+# reaper's can have seen it.
+PREFIXED = r"""
+import json, subprocess, sys, time
+from pathlib import Path
+from pipeline import procs
+prefix = PREFIX
+proc = procs.start_group([sys.executable, "-c", "import sys, time; open(sys.argv[1], 'wb').write(bytes(4096)); "
+                          "time.sleep(600)", f"/dev/shm/{prefix}region"], "stand-in tritonserver",
+                         shm_prefix=[prefix])
+while not Path(f"/dev/shm/{prefix}region").exists():
+    time.sleep(0.01)
+print(json.dumps({"pid": proc.pid}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_starter_leaves_no_file_under_its_groups_shm_prefix():
+    """The group's files named by its prefix are removed after a kill of the starter, mapped or not: CI saw a
+    killed build's check leave three 1 MB Triton regions its server made within the reaper's last second."""
+    from conftest import kill_the_starter
+
+    prefix = f"tps-test-{uuid.uuid4().hex[:8]}_"
+    region = Path("/dev/shm") / f"{prefix}region"
+    try:
+        _, left = kill_the_starter(PREFIXED.replace("PREFIX", repr(prefix), 1), wait_s=30)
+        assert left == []
+        deadline = time.monotonic() + 15
+        while region.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not region.exists()
+    finally:
+        procs.remove_files([region])
+
+
 def _dead_process() -> tuple[int, int]:
     """(pid, start time) of a process that has ended."""
     proc = subprocess.Popen(["sleep", "30"])

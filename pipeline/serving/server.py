@@ -390,6 +390,7 @@ class TritonServer(ServerProcess):
         cmd = self.command()
         log.info("starting %s", " ".join(cmd))
         self.process = start_group(cmd, "tritonserver", tmp=[self._tmp] if self._tmp else [],
+                                   shm_prefix=[self.shm_prefix] if self.shm_prefix else [],
                                    stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, cwd=str(self._tmp))
 

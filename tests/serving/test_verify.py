@@ -727,7 +727,10 @@ def test_tenants_hold_a_flooding_tenant_to_its_limit_and_answer_the_others_uncha
         for s, text in ((s, a) for s, a in outcomes if s != 200):
             assert s == 503 and "tenant a has 2 requests in flight, its max_concurrency" in text, text
             assert re.search(r"retry after \d+ s", text), text
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # gRPC: two in flight, a third refused
+        grpc_calls = 6  # gRPC: two in flight, the rest refused (CI once saw three sent from a pool all answered:
+        # the first had ended before the third was sent); the calls wait for each other, then go at once
+        start = threading.Barrier(grpc_calls)
+        with concurrent.futures.ThreadPoolExecutor(grpc_calls) as pool:
             client = grpcclient.InferenceServerClient(server.grpc_url)
             inputs = [grpcclient.InferInput("text_input", [1, 1], "BYTES"),
                       grpcclient.InferInput("max_tokens", [1, 1], "INT32"),
@@ -735,7 +738,12 @@ def test_tenants_hold_a_flooding_tenant_to_its_limit_and_answer_the_others_uncha
             for inp, value in zip(inputs, (np.array([[b"Tenant a, by gRPC:"]], dtype=object),
                                            np.array([[100]], dtype=np.int32), np.array([[b"a"]], dtype=object))):
                 inp.set_data_from_numpy(value)
-            calls = [pool.submit(client.infer, "llm", inputs) for _ in range(3)]
+
+            def together():
+                start.wait()
+                return client.infer("llm", inputs)
+
+            calls = [pool.submit(together) for _ in range(grpc_calls)]
             errors = [f.exception() for f in calls if f.exception() is not None]
             client.close()
         assert errors and all(e.status() == "StatusCode.UNAVAILABLE" and "retry after" in str(e) for e in errors)
@@ -743,7 +751,7 @@ def test_tenants_hold_a_flooding_tenant_to_its_limit_and_answer_the_others_uncha
         got = {name: metric(metrics, name, "tenant", "a") for name in
                ("tenant_quota_usage", "tenant_quota_limit", "tenant_requests_total", "tenant_rejections_total")}
         assert got == {"tenant_quota_usage": 0, "tenant_quota_limit": 30,
-                       "tenant_requests_total": len(answered) + 3 - len(errors),
+                       "tenant_requests_total": len(answered) + grpc_calls - len(errors),
                        "tenant_rejections_total": len(refused) + len(errors)}
         assert metric(metrics, "tenant_quota_limit", "tenant", "b") == 32
         assert metric(metrics, "tenant_requests_total", "tenant", "b") == 1
