@@ -15,11 +15,12 @@ pipeline.reaper``) in a session of its own, so that a kill of the run's process 
 holds the read end of a pipe whose only write end is in the starting process. While the pipe is open it
 records, every SCAN_S, the group's members (with their start times) and the /dev/shm files they have
 mapped (and the prefixes of the names its starter chose for its shared memory: a region made after the
-last scan, by a group killed a moment later, is found by its name), in a record file of the run registry (RUNS_DIR, written atomically). When the pipe closes, which
-the kernel does however the starter ended, it ends the group as a stop does (SIGTERM; the members' time to
-end, during which the tracker unlinks what it tracks; SIGKILL), removes the recorded files and folders that
-are still there, then its record, and exits. A clean stop ends the group first, writes STOPPED to the pipe
-and closes it: the reaper removes its record and nothing else (the starter still uses the temporary folders).
+last scan, by a group killed a moment later, is found by its name), in a record file of the run registry
+(RUNS_DIR, written atomically). When the pipe closes, which the kernel does however the starter ended, it
+ends the group as a stop does (SIGTERM; the members' time to end, during which the tracker unlinks what it
+tracks; SIGKILL), removes the recorded files and folders that are still there, then its record, and exits.
+A clean stop ends the group first, writes STOPPED to the pipe and closes it: the reaper removes its record
+and nothing else (the starter still uses the temporary folders).
 
 If the reaper dies too (an OOM killer that takes everything, a node drain), its record stays. The next run,
 or ``invoke clean``, removes what a record lists once its starter, its reaper and its group's members are
@@ -40,7 +41,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +276,7 @@ def _scan(pgid: int, record: dict) -> bool:
     return bool(new_members or new_shm)
 
 
-def reap(pgid: int, fd: int, starter: int, what: str, tmp: list[str], shm_prefix: list[str] = ()) -> None:
+def reap(pgid: int, fd: int, starter: int, what: str, tmp: list[str], shm_prefix: Sequence[str] = ()) -> None:
     """Watch the group until ``fd`` (the pipe from the starter) closes; then end it and remove what it left."""
     path = record_path(pgid)
     me = os.getpid()
