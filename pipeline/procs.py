@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from pipeline.reaper import SHM_DIR, STOP_GRACE_S, STOPPED, group_members, mapped_shm, remove_files
+from pipeline.reaper import SHM_DIR, STOP_GRACE_S, STOPPED, group_members, mapped_shm, recorded_shm, remove_files
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def _end_group(pgid: int, grace_s: float, shm: set[Path], what: str) -> None:
         except (ProcessLookupError, PermissionError):
             break
         time.sleep(0.1)
-    removed = remove_files(shm)
+    removed = remove_files(shm | recorded_shm(pgid))  # the reaper's record: released after this
     if removed:
         log.info("%s left %d shared-memory file(s) behind; removed: %s", what, len(removed),
                  ", ".join(p.name for p in removed))

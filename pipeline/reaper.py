@@ -216,6 +216,18 @@ def _prefixed_shm(prefixes: Iterable[str]) -> list[Path]:
     return sorted(f for f in SHM_DIR.iterdir() if f.name.startswith(own)) if own and SHM_DIR.is_dir() else []
 
 
+def recorded_shm(pgid: int) -> set[Path]:
+    """The /dev/shm files the group's reaper has seen it map, and those under its prefixes, while its record is
+    there (empty without one): what a stop removes once the group has ended, besides what it maps at the stop. A
+    member already ending when the stop looks (a vLLM engine core after its worker's leader exited) has unmapped
+    memory it has not unlinked yet, and a SIGKILL then leaves it."""
+    try:
+        record = json.loads(record_path(pgid).read_text())
+    except (OSError, ValueError):
+        return set()
+    return set(_owned_shm(record.get("shm", []))) | set(_prefixed_shm(record.get("shm_prefix", [])))
+
+
 def remove_recorded(record: dict) -> list[Path]:
     """Remove the /dev/shm files and temporary folders a record lists that are still there; returns them."""
     removed = remove_files(_owned_shm(record.get("shm", [])) + _prefixed_shm(record.get("shm_prefix", [])))
@@ -276,7 +288,7 @@ def _scan(pgid: int, record: dict) -> bool:
     return bool(new_members or new_shm)
 
 
-def reap(pgid: int, fd: int, starter: int, what: str, tmp: list[str], shm_prefix: Sequence[str] = ()) -> None:
+def reap(pgid: int, fd: int, *, starter: int, what: str, tmp: list[str], shm_prefix: Sequence[str] = ()) -> None:
     """Watch the group until ``fd`` (the pipe from the starter) closes; then end it and remove what it left."""
     path = record_path(pgid)
     me = os.getpid()
@@ -326,7 +338,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format=f"%(asctime)s reaper {os.getpid()} of group {args.pgid}: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a Ctrl-C of the terminal is the starter's to
         signal.signal(sig, signal.SIG_IGN)  # handle: the reaper ends when its pipe closes
-    reap(args.pgid, args.fd, args.starter, args.what, args.tmp, args.shm_prefix)
+    reap(args.pgid, args.fd, starter=args.starter, what=args.what, tmp=args.tmp, shm_prefix=args.shm_prefix)
     return 0
 
 

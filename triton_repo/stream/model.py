@@ -17,9 +17,11 @@ model's ``add_special_tokens``, ``apply_chat_template``, ``max_input_len``, ``ma
 text, a prompt over max_input_len, max_tokens out of range) gets INVALID_ARG, as from the preprocessing model.
 """
 
+import collections
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -37,6 +39,13 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SAMPLING = {"temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
             "seed": "seed", "priority": "priority"}
 CONTEXT_TOKENS = 8  # tokens of already-shown text decoded with the new ones, as their context
+# How long a finished BLS stream is kept referenced here after its last response. The stub's map of streams holds
+# one too, dropped on its utils thread without the GIL (python_backend src/pb_stub.cc, SendCleanupId:
+# response_iterator_map_.erase), so whichever reference goes last runs the stream's destructor, which frees its
+# responses' numpy arrays: on that thread, without the GIL, when this model's went first. Kept this long, the
+# map's goes first and the destructor runs here, under the GIL. (A stream stub once aborted with "malloc_consolidate():
+# unaligned fastbin chunk detected" in CI; the streaming path's wedge under long concurrent load may be the same.)
+RETIRE_S = 5.0
 
 
 class TritonPythonModel:
@@ -48,6 +57,8 @@ class TritonPythonModel:
         self.tokenizing = threading.Lock()
         self.llm = p["tensorrt_llm_model"]
         self.tenanted = any(i["name"] == "tenant" for i in self.model_config.get("input", []))
+        self._retired = collections.deque()  # (when, a finished BLS stream): see RETIRE_S
+        self._retiring = threading.Lock()
         llm_io.freeze_heap()  # last: what initialize made is never walked by a full collection
 
     def execute(self, requests):
@@ -95,9 +106,21 @@ class TritonPythonModel:
                 continue  # a character split across tokens: wait for the rest of it
             sender.send(_piece(text, pending))
             shown, pending = shown + pending, []
+        else:
+            self._retire(stream)  # finished: its last reference is dropped here later, under the GIL
         if pending:
             sender.send(_piece(self._text(shown[-CONTEXT_TOKENS:], pending), pending))
         sender.send(flags=FINAL)
+
+    def _retire(self, stream):
+        """Keep a finished stream referenced for RETIRE_S, dropping those retired longer ago (on this thread)."""
+        now = time.monotonic()
+        with self._retiring:
+            self._retired.append((now, stream))
+            old = []
+            while self._retired and now - self._retired[0][0] > RETIRE_S:
+                old.append(self._retired.popleft())
+        del old  # their destructors run here, outside the lock
 
     def _prompt(self, request):
         """The engine model's prompt inputs, as the preprocessing model makes them (llm_io.Prompter)."""
