@@ -66,7 +66,7 @@ def main() -> int:
             if failed:
                 server.dump_python_stacks()
                 time.sleep(3)
-                print(f"FAILED: {failed[0].error[:300]}\nthe server's log, ending with every model's threads: "
+                print(f"FAILED: {str(failed[0].error)[:300]}\nthe server's log, ending with every model's threads: "
                       f"{log}", flush=True)
                 return 1
     shutil.rmtree(logs, ignore_errors=True)
