@@ -7,8 +7,8 @@ One Triton server on the published repository (its target's, as `invoke verify` 
 of 32 gRPC streams on the streaming model, at concurrency 16, 4, 1 and 8 in turn (``invoke bench``'s closed-loop
 client), until ``--minutes`` have passed or a level has a failed request. Each level prints a line. On a failure
 the models dump every Python thread's stack into the server's log (SIGUSR1), and the script prints where that log
-is and exits 1. Before the streaming model kept its finished streams (RETIRE_S in triton_repo/stream/model.py),
-the vllm build wedged within 1-7 minutes on a 2-core AVX-512 machine.
+is and exits 1. On a 2-core AVX-512 machine the vllm build wedged within 1-7 minutes, and after 2.1 minutes
+with the streaming model keeping its finished streams (RETIRE_S in triton_repo/stream/model.py).
 """
 
 from __future__ import annotations

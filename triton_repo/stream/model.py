@@ -44,7 +44,8 @@ CONTEXT_TOKENS = 8  # tokens of already-shown text decoded with the new ones, as
 # response_iterator_map_.erase), so whichever reference goes last runs the stream's destructor, which frees its
 # responses' numpy arrays: on that thread, without the GIL, when this model's went first. Kept this long, the
 # map's goes first and the destructor runs here, under the GIL. (A stream stub once aborted with "malloc_consolidate():
-# unaligned fastbin chunk detected" in CI; the streaming path's wedge under long concurrent load may be the same.)
+# unaligned fastbin chunk detected" in CI. The streaming path's wedge under long concurrent load is not this:
+# scripts/soak_stream.py still wedges with it.)
 RETIRE_S = 5.0
 
 
