@@ -32,6 +32,7 @@ BASE = "The history of the printing press begins in the fifteenth century, when 
 
 
 def main() -> int:
+    from bench_stream_path import stream_model  # this folder's: the repository's one streaming model
     from transformers import AutoTokenizer
 
     from pipeline.serving.bench.load import Prompt, drive
@@ -43,10 +44,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds a request may take")
     args = parser.parse_args()
-    stream = sorted(p.parent.name for p in args.repo.glob("*_stream/config.pbtxt"))
-    tokenizers = sorted(args.repo.glob("*_preprocessing/*/tokenizer"))
-    if len(stream) != 1 or not tokenizers:
-        raise SystemExit(f"{args.repo} holds no streaming model: publish a build with triton.decoupled: true")
+    stream = stream_model(args.repo)
+    tokenizers = sorted(args.repo.glob(f"{stream}/*/tokenizer"))
     tok = AutoTokenizer.from_pretrained(str(tokenizers[-1]))
     prompts = [Prompt(t, len(tok(t).input_ids)) for t in (f"{BASE} ({i}) and so on" for i in range(REQUESTS))]
     target = records.read_provenance(args.repo).build.target
@@ -58,7 +57,7 @@ def main() -> int:
         while time.monotonic() - started < args.minutes * 60:
             concurrency = LEVELS[level % len(LEVELS)]
             level += 1
-            done, wall = drive(server.grpc_url, stream[0], prompts=prompts, concurrency=concurrency,
+            done, wall = drive(server.grpc_url, stream, prompts=prompts, concurrency=concurrency,
                                max_tokens=args.tokens, timeout_s=args.timeout)
             failed = [r for r in done if r.error]
             print(f"{(time.monotonic() - started) / 60:5.1f} min  level {level:4d}  concurrency {concurrency:2d}  "

@@ -232,6 +232,26 @@ def test_a_killed_starter_leaves_no_file_under_its_groups_shm_prefix():
         procs.remove_files([region])
 
 
+def test_a_stop_removes_what_a_member_mapped_earlier_and_left_unmapped(tmp_path):
+    """A member that mapped a /dev/shm file (the reaper's scan saw it) and then unmapped it without unlinking it,
+    as a vLLM engine core already ending when the stop looks: the stop removes it from the reaper's record."""
+    name = f"psm_test{uuid.uuid4().hex[:8]}"
+    code = ("import mmap, os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR); os.ftruncate(fd, 4096); "
+            "m = mmap.mmap(fd, 4096); time.sleep(3 * float(sys.argv[2])); m.close(); os.close(fd); "
+            "print('unmapped', flush=True); time.sleep(600)")
+    proc = procs.start_group([sys.executable, "-c", code, f"/dev/shm/{name}", str(reaper.SCAN_S)], "stand-in",
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "unmapped"
+        assert procs.mapped_shm(procs.group_members(proc.pid)) == set()  # nothing mapped when the stop looks
+        procs.stop_process_group(proc, "stand-in")
+        assert not (Path("/dev/shm") / name).exists()
+    finally:
+        if proc.poll() is None:
+            procs.kill_process_group(proc, "stand-in")
+        procs.remove_files([Path("/dev/shm") / name])
+
+
 def _dead_process() -> tuple[int, int]:
     """(pid, start time) of a process that has ended."""
     proc = subprocess.Popen(["sleep", "30"])
