@@ -5,11 +5,14 @@ run (issue #41's "measure first").
     # once: a published build with triton.decoupled (the default config: the vllm target on AVX-512 or AMX,
     # the cpu target elsewhere)
     .venv/bin/invoke publish                       # or: --config engine_configs/smollm2-135m-cpu.yaml
-    .venv/bin/python scripts/bench_stream_path.py [--repo DIR] [--baseline REV] [--concurrency 16] [--tokens 64]
+    .venv/bin/python scripts/bench_stream_path.py [--repo DIR] [--baseline REV | --baseline-repo DIR]
+                                                  [--concurrency 16] [--tokens 64]
 
 Copies of the served repository: "now" as published, and "baseline" with every model's Python files (its model.py
 and triton_repo/common's) as ``git show REV:triton_repo/...`` gives them; the tokenizer, the engine files and the
-configs are the same. A vllm build adds the arm "vllm", vLLM's OpenAI server on the export in that repository.
+configs are the same. Where the models' configs changed too, publish the same build with the older checkout and
+pass that repository as ``--baseline-repo``: it is served as it is. A vllm build adds the arm "vllm", vLLM's
+OpenAI server on the export in that repository.
 
 Each arm starts its own server, one at a time (the others stopped), warms it up, then ``--concurrency`` clients
 send ``--requests`` requests back to back (``invoke bench``'s closed-loop client, pipeline.serving.bench.load):
@@ -125,19 +128,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repo", type=Path, default=DEFAULT_REPOSITORY, help="a published model repository")
     ap.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision of the baseline Triton models")
+    ap.add_argument("--no-baseline", action="store_true", help="no baseline arm: this checkout's models (and vLLM's "
+                    "server on a vllm build) only")
+    ap.add_argument("--baseline-repo", type=Path, help="a repository published by an older checkout: the baseline "
+                    "arm as it is (in place of --baseline)")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request (forced)")
     ap.add_argument("--requests", type=int, default=64, help="requests per arm and round")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     target = records.read_provenance(args.repo).build.target
-    names = ["now", "baseline"] + (["vllm"] if target == "vllm" else [])
+    names = ["now"] + ([] if args.no_baseline else ["baseline"]) + (["vllm"] if target == "vllm" else [])
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as tmp:
         repos = {}
         for name in names:
             repos[name] = Path(tmp) / name
-            shutil.copytree(args.repo, repos[name], symlinks=True)
-        use_baseline(repos["baseline"], args.baseline)
+            source = args.baseline_repo if name == "baseline" and args.baseline_repo else args.repo
+            shutil.copytree(source, repos[name], symlinks=True)
+        if "baseline" in repos and not args.baseline_repo:
+            use_baseline(repos["baseline"], args.baseline)
         results: dict[str, list[dict]] = {name: [] for name in names}
         order = [name for r in range(args.rounds) for name in (names if r % 2 == 0 else names[::-1])]
         for name in order:

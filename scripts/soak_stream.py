@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds a request may take")
     args = parser.parse_args()
     stream = stream_model(args.repo)
-    tokenizers = sorted(args.repo.glob(f"{stream}/*/tokenizer"))
+    tokenizers = sorted(args.repo.glob("*_preprocessing/*/tokenizer"))  # every build has this model's copy
     tok = AutoTokenizer.from_pretrained(str(tokenizers[-1]))
     prompts = [Prompt(t, len(tok(t).input_ids)) for t in (f"{BASE} ({i}) and so on" for i in range(REQUESTS))]
     target = records.read_provenance(args.repo).build.target

@@ -189,13 +189,14 @@ def _tenant_input(tenanted: bool, **kwargs) -> list:
     return [_inp("tenant", "STRING", [1], optional=True, **kwargs)] if tenanted else []
 
 
-def _llm_io(msg, triton, tenanted: bool, reshape: bool = True, streaming: bool = True) -> None:
-    """The tensorrtllm backend's inputs/outputs; the Python variants take exactly these too."""
+def _llm_io(msg, triton, *, tenanted: bool, reshape: bool = True, streaming: bool = True, text: bool = False) -> None:
+    """The tensorrtllm backend's inputs/outputs; the Python variants take exactly these too. ``text``: text in and
+    out besides (the Python-backend engine models: llm_serving.py), the token inputs then optional."""
     scalar: dict[str, list[int]] = dict(reshape=[]) if reshape else {}
     msg.input.extend([
-        _inp("input_ids", "INT32", [-1], ragged=True),
-        _inp("input_lengths", "INT32", [1], **scalar),
-        _inp("request_output_len", "INT32", [1], **scalar),
+        _inp("input_ids", "INT32", [-1], ragged=True, optional=text),
+        _inp("input_lengths", "INT32", [1], optional=text, **scalar),
+        _inp("request_output_len", "INT32", [1], optional=text, **scalar),
         _inp("end_id", "INT32", [1], optional=True, **scalar),
         _inp("pad_id", "INT32", [1], optional=True, **scalar),
         _inp("stop_words_list", "INT32", [2, -1], optional=True, ragged=True),
@@ -208,7 +209,18 @@ def _llm_io(msg, triton, tenanted: bool, reshape: bool = True, streaming: bool =
     ])
     if streaming:
         msg.input.append(_inp("streaming", "BOOL", [1], optional=True, **scalar))
+    if text:
+        msg.input.extend([_inp("text_input", "STRING", [1], optional=True),
+                          _inp("max_tokens", "INT32", [1], optional=True, **scalar),
+                          _inp("stop_words", "STRING", [-1], optional=True),
+                          _inp("apply_chat_template", "BOOL", [1], optional=True, **scalar)])
     msg.output.extend([_out("output_ids", "INT32", [-1, -1]), _out("sequence_length", "INT32", [-1])])
+    if text:
+        msg.output.append(_out("text_output", "STRING", [1]))
+
+
+# the streaming ensemble's inputs (_text_inputs) as the engine model names them, where the names differ
+_ENGINE_NAMES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p"}
 
 
 def build_model_configs(triton, settings: records.BuildSettings, *, names: ModelNames, version: int, serving_root: str,
@@ -245,14 +257,15 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
     out[pre.name] = pre
 
     engine = targets.get(target)
+    text = engine_takes_text(target)
     llm = _base(names.tensorrt_llm, bs, backend=engine.triton_backend)
     llm.model_transaction_policy.decoupled = triton.decoupled
-    _llm_io(llm, triton, tenanted)
+    _llm_io(llm, triton, tenanted=tenanted, text=text)
     _batching(llm, triton)
     params, count, kind = engine.llm_model(triton, settings, serving_root=serving_root, llm_model=names.tensorrt_llm,
                                            preprocessing=names.preprocessing, version=version,
                                            adaptive_target_ms=adaptive_target_ms)
-    _params(llm, {**params, **tenant_parameters(tenants)})
+    _params(llm, {**params, **tenant_parameters(tenants), **(prompting if text else {})})
     _instances(llm, count, kind)
     out[llm.name] = llm
 
@@ -268,19 +281,14 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
     if triton.decoupled:
         unary = _base(names.unary, bs, backend="python")
         # no "streaming" input: one response is the point; no reshape: its tensors go on to tensorrt_llm as they came
-        _llm_io(unary, triton, tenanted, reshape=False, streaming=False)
+        _llm_io(unary, triton, tenanted=tenanted, reshape=False, streaming=False)
         _params(unary, {"tensorrt_llm_model": names.tensorrt_llm})
         _instances(unary, triton.instance_count)
         _batching(unary, triton)
         out[unary.name] = unary
 
-        stream = _base(names.stream, bs, backend="python")
-        stream.model_transaction_policy.decoupled = True
-        stream.input.extend(_text_inputs(triton, tenanted))
-        stream.output.extend([_out("text_output", "STRING", [1]), _out("output_ids", "INT32", [-1])])
-        _params(stream, {"tensorrt_llm_model": names.tensorrt_llm, **prompting})  # it tokenizes itself
-        _instances(stream, triton.instance_count)
-        out[stream.name] = stream
+        out[names.stream] = _stream_ensemble(triton, bs, names, tenanted) if text else _stream_bls(
+            triton, bs, names, tenanted, prompting)
 
     ens = _base(names.ensemble, bs, platform="ensemble")
     ens.input.extend(_text_inputs(triton, tenanted))
@@ -308,6 +316,46 @@ def build_model_configs(triton, settings: records.BuildSettings, *, names: Model
     ens.ensemble_scheduling.step.extend([pre_step, llm_step, post_step])
     out[ens.name] = ens
     return out
+
+
+def engine_takes_text(target: str) -> bool:
+    """Whether the target's engine model is one of ours in the Python backend (``Target.model_code``: a
+    llm_serving.GenerationModel), which takes text and streams it itself; the tensorrtllm backend's model takes
+    token ids only."""
+    return targets.get(target).model_code is not None
+
+
+def _stream_ensemble(triton, bs: int, names: ModelNames, tenanted: bool):
+    """The streaming model where the engine model streams text itself: an ensemble of that model alone, so each
+    token goes from the engine's stub to the client through Triton's core, with no other stub process on the way.
+    Not a decoupled BLS call: that had wedged every stream of the server under long concurrent load (Triton 2.51,
+    scripts/soak_stream.py). An ensemble holding a decoupled model streams (gRPC streams, generate_stream) and
+    refuses plain infer, as the decoupled model does. Triton checks a cancelled request only between an ensemble's
+    steps (triton-inference-server/core pull 263), so a client's cancel does not reach the engine: docs/serving/
+    publish-verify.md."""
+    pb = _pb()
+    stream = _base(names.stream, bs, platform="ensemble")
+    stream.input.extend(_text_inputs(triton, tenanted))
+    stream.output.extend([_out("text_output", "STRING", [1]), _out("output_ids", "INT32", [-1, -1])])
+    step = pb.ModelEnsembling.Step(model_name=names.tensorrt_llm, model_version=-1)
+    for i in stream.input:
+        step.input_map[_ENGINE_NAMES.get(i.name, i.name)] = i.name
+    for name in ("text_output", "output_ids"):
+        step.output_map[name] = name
+    stream.ensemble_scheduling.step.append(step)
+    return stream
+
+
+def _stream_bls(triton, bs: int, names: ModelNames, tenanted: bool, prompting: dict):
+    """The streaming model over the tensorrtllm backend's model, which takes token ids: a decoupled Python model
+    (triton_repo/stream) that tokenizes, calls the engine model by BLS and turns its tokens into text."""
+    stream = _base(names.stream, bs, backend="python")
+    stream.model_transaction_policy.decoupled = True
+    stream.input.extend(_text_inputs(triton, tenanted))
+    stream.output.extend([_out("text_output", "STRING", [1]), _out("output_ids", "INT32", [-1])])
+    _params(stream, {"tensorrt_llm_model": names.tensorrt_llm, **prompting})  # it tokenizes itself
+    _instances(stream, triton.instance_count)
+    return stream
 
 
 def config_text(msg) -> str:
@@ -500,15 +548,19 @@ def assemble(config, settings: records.BuildSettings, *, artifact: Path, tokeniz
     engine = targets.get(settings.target)
     if engine.model_code is not None:  # a Python-backend model runs it (a C++ backend needs no code)
         _copy_sources(engine.model_code, llm_dir)
+        _copy_tokenizer(tokenizer_dir, llm_dir / artifacts.TOKENIZER_DIR)  # it takes text too (engine_takes_text)
     if engine.serves_hf_checkpoint:  # the LLM API's options (the triton section's settings applied) and checkpoint
         _write_llm_api_options(config.triton, artifact / artifacts.LLM_API_OPTIONS_FILE,
                                llm_dir / artifacts.LLM_API_OPTIONS_FILE)
         _link_tree(artifact / artifacts.LLM_API_CHECKPOINT_DIR, llm_dir / artifacts.LLM_API_CHECKPOINT_DIR)
     else:  # the build's folder whole (the vllm export: Triton's model loads it, and so does vLLM's OpenAI server)
         _link_tree(artifact, llm_dir / engine.artifact_dir)
-    if names.stream in configs:
+    if names.stream in configs and configs[names.stream].platform == "ensemble":
+        (repo / names.stream / str(version)).mkdir(parents=True)
+    elif names.stream in configs:
         _copy_sources("stream", repo / names.stream / str(version))
         _copy_tokenizer(tokenizer_dir, repo / names.stream / str(version) / artifacts.TOKENIZER_DIR)
+    if names.unary in configs:
         _copy_sources("unary", repo / names.unary / str(version))
     (repo / names.ensemble / str(version)).mkdir(parents=True)  # an ensemble's version folder stays empty
     for name in names.all():  # configs last: a model folder is only a model once its config is there

@@ -59,7 +59,9 @@ class Target:
     artifact_files: ClassVar[tuple[str, ...]] = ()
     # where the tokenizer files are inside artifact_dir (None: publish takes them from the model folder)
     tokenizer_subdir: ClassVar[Optional[str]] = None
-    # the triton_repo/ folder holding the Python model that runs it (None: a C++ backend, tensorrtllm)
+    # the triton_repo/ folder holding the Python model that runs it (None: a C++ backend, tensorrtllm); a
+    # llm_serving.GenerationModel, which takes text and streams it itself, so publish makes the streaming model an
+    # ensemble of it alone (no decoupled BLS call)
     model_code: ClassVar[Optional[str]] = None
     # the Triton backend of the engine model ("python" or "tensorrtllm")
     triton_backend: ClassVar[str] = "python"

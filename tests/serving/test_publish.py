@@ -151,14 +151,30 @@ def test_cpu_repository_configs_parse_back_and_wire_the_ensemble(setup):
     assert [i.name for i in ens.input][:2] == ["text_input", "max_tokens"]
     assert all(i.optional for i in ens.input[2:])
     assert configs[names.tensorrt_llm].model_transaction_policy.decoupled
-    assert configs[names.stream].model_transaction_policy.decoupled
     assert not configs[names.unary].model_transaction_policy.decoupled
     assert not ens.model_transaction_policy.decoupled
+    # the streaming model: an ensemble of the engine model alone, which takes text (no decoupled BLS hop)
+    stream = configs[names.stream]
+    assert stream.platform == "ensemble" and [s.model_name for s in stream.ensemble_scheduling.step] == [
+        names.tensorrt_llm]
+    assert [i.name for i in stream.input] == [i.name for i in ens.input]
+    step = stream.ensemble_scheduling.step[0]
+    assert dict(step.input_map) == {("runtime_" + i.name if i.name in ("top_k", "top_p") else i.name): i.name
+                                    for i in stream.input}
+    assert dict(step.output_map) == {"text_output": "text_output", "output_ids": "output_ids"}
+    assert not list((snap / names.stream / "1").iterdir())  # an ensemble's version folder is empty
     llm = configs[names.tensorrt_llm]
+    llm_inputs = {i.name: i for i in llm.input}
+    assert set(step.input_map) <= set(llm_inputs) and {"text_output", "output_ids"} <= {o.name for o in llm.output}
+    assert all(llm_inputs[n].optional for n in ("input_ids", "input_lengths", "request_output_len", "text_input"))
     assert llm.backend == "python" and _params(llm) == {"bundle_dir": "cpu_bundle", "cpu_threads": "0",
                                                         "adaptive_batch_target_ms": "0", "max_running": "0",
                                                         "prefill_chunk_tokens": "0", "priority_levels": "0",
-                                                        "default_priority_level": "0", **WATCHDOG_DEFAULTS}
+                                                        "default_priority_level": "0", **WATCHDOG_DEFAULTS,
+                                                        "tokenizer_dir": "tokenizer", "add_special_tokens": "true",
+                                                        "apply_chat_template": "false", "max_input_len": "64",
+                                                        "max_seq_len": "128"}
+    assert (snap / names.tensorrt_llm / "1" / "tokenizer" / "tokenizer.json").is_file()
     assert not any(m.dynamic_batching.priority_levels for m in configs.values())
     assert "priority" not in {i.name for m in configs.values() for i in m.input}  # one class: no input for it
     assert _params(configs[names.preprocessing])["max_input_len"] == "64"
@@ -200,7 +216,15 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
     as_cpu = records.BuildSettings.model_validate({**settings, "target": "cpu"})
     cpu_io = _io(pub.build_model_configs(config.triton, as_cpu, names=names, version=1,
                                          serving_root="/models")[names.tensorrt_llm])
-    assert _io(llm) == cpu_io  # one I/O for every target: everything around tensorrt_llm is shared
+    if target == "tensorrt":  # the tensorrtllm backend's I/O: the token part of the Python models', required
+        text = {"text_input", "max_tokens", "stop_words", "apply_chat_template", "text_output"}
+        token_io = ([(n, t, d, o and n not in ("input_ids", "input_lengths", "request_output_len"), r)
+                     for n, t, d, o, r in cpu_io[0] if n not in text], [o for o in cpu_io[1] if o[0] not in text])
+        assert _io(llm) == token_io  # one I/O for every target: everything around tensorrt_llm is shared
+        assert configs[names.stream].backend == "python"  # the streaming model calls it by BLS (it takes no text)
+    else:
+        assert _io(llm) == cpu_io
+        assert configs[names.stream].platform == "ensemble"
     assert llm.max_batch_size == settings["max_batch_size"]
     assert llm.model_transaction_policy.decoupled
     if target == "tensorrt":
@@ -220,7 +244,7 @@ def test_gpu_targets_parse_and_match_the_build_decisions(setup, target):
     else:
         assert llm.backend == "python" and llm.instance_group[0].kind == llm.instance_group[0].KIND_MODEL
         assert params == {"checkpoint_dir": "checkpoint", "llm_api_options": artifacts.LLM_API_OPTIONS_FILE,
-                          **WATCHDOG_DEFAULTS}
+                          **WATCHDOG_DEFAULTS, **{k: v for k, v in _params(configs[names.preprocessing]).items()}}
         v1 = snap / names.tensorrt_llm / "1"
         assert (v1 / artifacts.LLM_API_OPTIONS_FILE).read_bytes() == \
             (work / "build" / "llm_api" / artifacts.LLM_API_OPTIONS_FILE).read_bytes()
@@ -274,7 +298,8 @@ def test_a_vllm_repository_serves_one_export_to_triton_and_to_vllms_server(setup
                                          serving_root="/models")[names.tensorrt_llm])
     assert _io(llm) == cpu_io and llm.backend == "python"
     assert _params(llm) == {"model_dir": artifacts.VLLM_MODEL_DIR, "priority_levels": "0",
-                            "default_priority_level": "0", **WATCHDOG_DEFAULTS}
+                            "default_priority_level": "0", **WATCHDOG_DEFAULTS,
+                            **_params(configs[names.preprocessing])}  # it takes text too: the tokenizer's settings
     v1 = snap / names.tensorrt_llm / "1"
     assert (v1 / "model.py").read_text() == (pub.TRITON_SOURCE / "tensorrt_llm_vllm" / "model.py").read_text()
     assert "import vllm" not in (v1 / "model.py").read_text().split("class ")[0]  # imported when the model loads
@@ -539,24 +564,25 @@ def test_a_relayed_engine_error_gets_its_kind_back_from_its_words():
 
 
 def test_streamed_pieces_concatenate_to_the_full_decode(tiny_tokenizer_dir):
-    """The streaming model's rule: decode new ids in the context of the last shown ones, hold back a piece
-    that ends inside a multi-byte character."""
+    """llm_io.TextStream, the streaming models' detokenizer: new ids decoded in the context of the last shown ones,
+    a piece that ends inside a multi-byte character held back; the tokens behind the pieces are the tokens sent."""
+    import threading
+
     from transformers import AutoTokenizer
 
     llm_io = _llm_io()
     tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
-    ids = tok("Grüße aus Köln — 日本語 and plain words, café.", add_special_tokens=False).input_ids
-    shown, pending, pieces = [], [], []
-    for t in ids:
-        pending.append(t)
-        text = llm_io.decode_delta(tok, shown[-8:], pending)
-        if text.endswith(llm_io.REPLACEMENT_CHAR):
-            continue
-        pieces.append(text)
-        shown, pending = shown + pending, []
-    assert not pending
-    assert "".join(pieces) == llm_io.decode(tok, ids) == "Grüße aus Köln — 日本語 and plain words, café."
+    text = "Grüße aus Köln — 日本語 and plain words, café."
+    ids = tok(text, add_special_tokens=False).input_ids
+    stream = llm_io.TextStream(tok, threading.Lock())
+    pieces = [p for p in (stream.push([t]) for t in ids) if p is not None]
+    assert stream.flush() is None  # nothing held back at the end
+    assert "".join(t for t, _ in pieces) == llm_io.decode(tok, ids) == text
+    assert [t for _, behind in pieces for t in behind] == ids
     assert len(pieces) < len(ids)  # some characters spanned several byte tokens and were held back
+    cut = llm_io.TextStream(tok, threading.Lock())  # a sequence that ends inside a character: flushed as it decodes
+    held = [cut.push([t]) for t in tok("日", add_special_tokens=False).input_ids[:1]]
+    assert held == [None] and cut.flush() is not None
 
 
 def test_a_stub_freezes_what_it_made_at_start_and_still_collects_what_comes_after():

@@ -75,6 +75,55 @@ class CancelCheck:
         return self.request.is_cancelled()
 
 
+class Responder:
+    """Sends every response of a model from one thread of its own, in the order each request queued them, and asks
+    there whether a stream's client cancelled it (CancelCheck, after each of its responses): a request thread only
+    queues its responses (``stream(request, sender)``) and never waits on ``sender.send``, a synchronous round trip
+    to the server. Upstream's vllm_backend does the same (src/model.py, ``_response_loop``). ``final_flag``:
+    pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL (this file does not import pb_utils)."""
+
+    def __init__(self, final_flag: int):
+        import queue
+        import threading
+
+        self.final_flag = final_flag
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="responder", daemon=True).start()
+
+    def stream(self, request, sender) -> "ResponseStream":
+        return ResponseStream(self._queue.put, request, sender)
+
+    def _loop(self) -> None:
+        import sys
+
+        while True:
+            stream, response, final = self._queue.get()
+            try:
+                flags = self.final_flag if final else 0
+                if response is None:
+                    stream.sender.send(flags=flags)
+                else:
+                    stream.sender.send(response, flags=flags)
+                if not final and not stream.cancelled:
+                    stream.cancelled = stream.check()
+            except Exception as e:  # noqa: BLE001 - one request's failure; the others are still sent
+                print(f"responder: a response could not be sent: {type(e).__name__}: {e}", file=sys.stderr)
+            del stream, response  # dropped here, under the GIL, before the next wait
+
+
+class ResponseStream:
+    """One request's responses, in order, through its model's Responder. ``cancelled``: whether its client
+    cancelled it, as the responder last asked (at most every CANCEL_CHECK_S)."""
+
+    def __init__(self, put, request, sender):
+        self._put, self.sender, self.check = put, sender, CancelCheck(request)
+        self.cancelled = False
+
+    def send(self, response=None, final: bool = False) -> None:
+        """Queue ``response`` (None: the final flag alone, with ``final``)."""
+        self._put((self, response, final))
+
+
 def freeze_heap() -> int:
     """Collect once, then move every object the model has made so far out of the garbage collector's reach
     (``gc.freeze``); returns how many. Called last in each model's ``initialize``, as vLLM's own server does once
@@ -200,6 +249,47 @@ def decode_delta(tokenizer, prefix_ids: list[int], ids: list[int]) -> str:
     if both.startswith(before) and not before.endswith(REPLACEMENT_CHAR):
         return both[len(before):]
     return decode(tokenizer, ids)
+
+
+class TextStream:
+    """One request's tokens turned into text as they come (the streaming models' incremental detokenizer): each
+    new token is decoded in the context of the last CONTEXT_TOKENS already shown (decode_delta), and a token that
+    ends inside a multi-byte character is held back until the character is complete, so the pieces a client
+    concatenates are exactly the full decode. ``lock``: held around each decode (a fast tokenizer's settings are
+    not thread-safe, and request threads share one)."""
+
+    CONTEXT_TOKENS = 8
+
+    def __init__(self, tokenizer, lock):
+        self.tokenizer, self.lock = tokenizer, lock
+        self.shown: list[int] = []
+        self.pending: list[int] = []
+
+    def push(self, ids: list[int]) -> Optional[tuple[str, list[int]]]:
+        """The next piece, (text, the tokens behind it), once ``ids`` complete one; None while held back."""
+        self.pending += ids
+        text = self._text()
+        if text.endswith(REPLACEMENT_CHAR):
+            return None  # a character split across tokens: wait for the rest of it
+        return self._shown(text)
+
+    def flush(self) -> Optional[tuple[str, list[int]]]:
+        """What is still held back at the end (an incomplete character as the tokenizer decodes it), or None."""
+        return self._shown(self._text()) if self.pending else None
+
+    def whole(self, ids: list[int]) -> str:
+        """The text of ``ids`` at once (a request answered in one response)."""
+        with self.lock:
+            return decode(self.tokenizer, ids)
+
+    def _text(self) -> str:
+        with self.lock:
+            return decode_delta(self.tokenizer, self.shown, self.pending)
+
+    def _shown(self, text: str) -> tuple[str, list[int]]:
+        piece = (text, self.pending)
+        self.shown, self.pending = (self.shown + self.pending)[-self.CONTEXT_TOKENS:], []  # the context kept
+        return piece
 
 
 def decode(tokenizer, ids: list[int]) -> str:

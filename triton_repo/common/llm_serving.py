@@ -13,6 +13,16 @@ default tenant;
 outputs: ``output_ids`` INT32 [-1, -1] (beam x generated tokens, the prompt excluded), ``sequence_length``
 INT32 [-1] (tokens per beam in this response).
 
+Text in and out besides (parameter ``tokenizer_dir``, relative to the version folder, with the preprocessing
+model's ``add_special_tokens``, ``apply_chat_template``, ``max_input_len``, ``max_seq_len``): a request with
+``text_input`` STRING [1] and ``max_tokens`` INT32 [1] (optional ``stop_words`` STRING [-1],
+``apply_chat_template`` BOOL [1]) in place of the token inputs is tokenized here (llm_io.Prompter, the
+preprocessing model's code), and every response carries ``text_output`` STRING [1] as well: on a decoupled model
+the request streams, each response the new text and the tokens behind it (llm_io.TextStream: a token that ends
+inside a multi-byte character waits for the rest of it). What upstream's vllm_backend does in its one model; the
+streaming model of these targets is an ensemble of this model alone, so a token crosses no other stub process
+(publish.py; a decoupled BLS call had wedged under long concurrent load, scripts/soak_stream.py).
+
 ``execute`` only validates and submits: every request is answered from its own thread through its response
 sender, so one model instance serves many sequences at once (the engine batches them). Non-streaming: one
 response with all tokens. Streaming (decoupled models only): one response per generated token, then an
@@ -91,6 +101,7 @@ class Job:
     stop_words: list[list[int]]
     priority: int = 0  # the request's class, 1 the highest (0: one class for all)
     tenant: str = ""  # the tenant it names ("": none, the default tenant)
+    text: bool = False  # it came as text: the responses carry text_output too
 
 
 class Handle:
@@ -114,7 +125,16 @@ class GenerationModel:
         self.model_config = json.loads(args["model_config"])
         self.params = llm_io.parameters(self.model_config)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
-        self.load(Path(args["model_repository"]) / args["model_version"], self.params)
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        self.load(version_dir, self.params)
+        self.prompter: Optional[llm_io.Prompter] = None  # text in and out: where the model has a tokenizer
+        if self.params.get("tokenizer_dir"):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(version_dir / self.params["tokenizer_dir"]))
+            self.prompter = llm_io.Prompter(tokenizer, self.params)
+        self._tokenizing = threading.Lock()  # a fast tokenizer is used by one request thread at a time
+        self.responder = llm_io.Responder(FINAL)  # every response sent from one thread
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         name = args["model_name"]
@@ -252,17 +272,17 @@ class GenerationModel:
     def execute(self, requests):
         for request in requests:
             arrived = time.monotonic()
-            sender = request.get_response_sender()
+            out = self.responder.stream(request, request.get_response_sender())
             if self.watchdog.tripped:
-                sender.send(_error(f"{llm_io.NOT_READY}: its watchdog stopped the server "
-                                   f"({self.watchdog.tripped}); retry once it is restarted",
-                                   pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+                out.send(_error(f"{llm_io.NOT_READY}: its watchdog stopped the server "
+                                f"({self.watchdog.tripped}); retry once it is restarted",
+                                pb_utils.TritonError.UNAVAILABLE), final=True)
                 continue
             try:
                 job = self._parse(request)
                 handle = _FaultyHandle() if self.faults.raising else self.submit(job)
             except (BadRequest, ValueError) as e:  # the engines' input errors are ValueErrors too
-                sender.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+                out.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), final=True)
                 continue
             except Exception as e:  # noqa: BLE001 - answered, logged by the server
                 retry_after = getattr(e, "retry_after_s", None)  # a tenant at its limit: pipeline.tenancy
@@ -270,13 +290,13 @@ class GenerationModel:
                     # Triton's HTTP frontend answers UNAVAILABLE with 503 and sets no header from a model, so the
                     # time travels in the message (a gateway in front answers 429 and Retry-After:
                     # docs/serving/tenants.md)
-                    sender.send(_error(f"{e}{llm_io.RETRY_MARK}{retry_after} s", pb_utils.TritonError.UNAVAILABLE),
-                                flags=FINAL)
+                    out.send(_error(f"{e}{llm_io.RETRY_MARK}{retry_after} s", pb_utils.TritonError.UNAVAILABLE),
+                             final=True)
                     continue
-                sender.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+                out.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), final=True)
                 self.watchdog.error()
                 continue
-            t = threading.Thread(target=self._respond, args=(request, sender, handle, job, arrived), daemon=True)
+            t = threading.Thread(target=self._respond, args=(out, handle, job, arrived), daemon=True)
             with self._lock:
                 self._threads.add(t)
             t.start()
@@ -289,36 +309,67 @@ class GenerationModel:
 
     def _parse(self, request) -> Job:
         get = lambda name: pb_utils.get_input_tensor_by_name(request, name)  # noqa: E731
-        ids = get("input_ids").as_numpy()
-        if ids.shape[0] != 1:
-            raise BadRequest(f"one sequence per request (batch dimension 1), got {ids.shape[0]}")
-        lengths = get("input_lengths")
-        n = int(llm_io.scalar(lengths)) if lengths is not None else ids.shape[-1]
-        if not 0 < n <= ids.shape[-1]:
-            raise BadRequest(f"input_lengths {n} does not fit input_ids of length {ids.shape[-1]}")
-        streaming = bool(llm_io.scalar(get("streaming"), False))
+        text = get("text_input") is not None
+        if text:
+            prompt, max_new_tokens, stop_words, end_id = self._from_text(get)
+            streaming = self.decoupled
+        else:
+            prompt, max_new_tokens, stop_words, end_id = self._from_ids(get)
+            streaming = bool(llm_io.scalar(get("streaming"), False))
         if streaming and not self.decoupled:
             raise BadRequest("streaming needs the decoupled model (triton.decoupled: true)")
-        end_id = llm_io.scalar(get("end_id"))
         seed = llm_io.scalar(get("seed"))
-        words = get("stop_words_list")
         try:
             tenant = llm_io.request_tenant(request, get("tenant")) if self._tenant_levels else ""
         except ValueError as e:
             raise BadRequest(str(e)) from None
         return Job(
-            prompt=[int(t) for t in ids.reshape(-1)[:n]],
-            max_new_tokens=int(llm_io.scalar(get("request_output_len"))),
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
             end_id=int(end_id) if end_id is not None else None,
             temperature=float(llm_io.scalar(get("temperature"), 0.0)),
             top_k=int(llm_io.scalar(get("runtime_top_k"), 0)),
             top_p=float(llm_io.scalar(get("runtime_top_p"), 1.0)),
             seed=int(seed) if seed is not None else None,
             streaming=streaming,
-            stop_words=llm_io.list_to_words(words.as_numpy()[0] if words is not None else None),
+            stop_words=stop_words,
             priority=self._priority(llm_io.scalar(get("priority"), 0) or self._tenant_levels.get(tenant, 0)),
             tenant=tenant,
+            text=text,
         )
+
+    @staticmethod
+    def _from_ids(get) -> tuple[list[int], int, list[list[int]], Optional[int]]:
+        """(prompt, max new tokens, stop words, end id) of a request in the tensorrtllm backend's token inputs."""
+        ids_in, wanted = get("input_ids"), get("request_output_len")
+        if ids_in is None or wanted is None:
+            raise BadRequest("send input_ids and request_output_len (token ids), or text_input and max_tokens (text)")
+        ids = ids_in.as_numpy()
+        if ids.shape[0] != 1:
+            raise BadRequest(f"one sequence per request (batch dimension 1), got {ids.shape[0]}")
+        lengths = get("input_lengths")
+        n = int(llm_io.scalar(lengths)) if lengths is not None else ids.shape[-1]
+        if not 0 < n <= ids.shape[-1]:
+            raise BadRequest(f"input_lengths {n} does not fit input_ids of length {ids.shape[-1]}")
+        words = get("stop_words_list")
+        return ([int(t) for t in ids.reshape(-1)[:n]], int(llm_io.scalar(wanted)),
+                llm_io.list_to_words(words.as_numpy()[0] if words is not None else None), llm_io.scalar(get("end_id")))
+
+    def _from_text(self, get) -> tuple[list[int], int, list[list[int]], Optional[int]]:
+        """The same of a request in text (the preprocessing model's inputs), tokenized here; its end id the
+        model's EOS where it sends none, as the preprocessing model makes it."""
+        if self.prompter is None:
+            raise BadRequest("this model takes token ids (input_ids, request_output_len): it has no tokenizer_dir")
+        max_tokens = get("max_tokens")
+        if max_tokens is None:
+            raise BadRequest("text_input needs max_tokens: send the number of tokens to generate")
+        stop = get("stop_words")
+        with self._tokenizing:
+            prompt = self.prompter.prompt_ids(llm_io.as_str(llm_io.scalar(get("text_input"))),
+                                              int(llm_io.scalar(max_tokens)), llm_io.scalar(get("apply_chat_template")))
+            words = self.prompter.stop_words(stop.as_numpy().reshape(-1) if stop is not None else [])
+        return prompt, int(llm_io.scalar(max_tokens)), llm_io.list_to_words(words), \
+            llm_io.scalar(get("end_id"), self.prompter.eos_id)
 
     def _priority(self, level) -> int:
         """The request's level: 1..priority_levels, 0 (none sent) the default level; 0 without classes."""
@@ -331,23 +382,33 @@ class GenerationModel:
                              f"level {default})")
         return int(level) or default
 
-    def _respond(self, request, sender, handle: Handle, job: Job, arrived: float) -> None:
+    def _respond(self, out: llm_io.ResponseStream, handle: Handle, job: Job, arrived: float) -> None:
         tokens: list[int] = []
         times: list[float] = []
-        cancelled = llm_io.CancelCheck(request)
+        text = llm_io.TextStream(self.prompter.tokenizer, self._tokenizing) if job.text and self.prompter else None
         try:
             for token in handle.stream():
                 tokens.append(token)
                 times.append(time.monotonic())
                 if job.streaming:
-                    sender.send(_tokens([token]))
-                if llm_io.ends_with_any(tokens, job.stop_words) or cancelled():
+                    if text is None:
+                        out.send(_tokens([token]))
+                    elif (piece := text.push([token])) is not None:
+                        out.send(_tokens(piece[1], piece[0]))
+                # a stream's cancel as its responder last saw it; a request answered at the end asks itself (as
+                # upstream's vllm_backend does)
+                if llm_io.ends_with_any(tokens, job.stop_words) or (out.cancelled if job.streaming else out.check()):
                     handle.cancel()
                     break
             if job.streaming:
-                sender.send(flags=FINAL)
+                held = text.flush() if text else None  # an incomplete character at the end, as it decodes
+                if held is not None:
+                    out.send(_tokens(held[1], held[0]))
+                out.send(final=True)
+            elif text is not None:
+                out.send(_tokens(tokens, text.whole(tokens)), final=True)
             else:
-                sender.send(_tokens(tokens), flags=FINAL)
+                out.send(_tokens(tokens), final=True)
             if times:
                 self.latency.add(times[-1] - arrived, [b - a for a, b in zip(times, times[1:])])
                 if self._tenant_levels:
@@ -356,7 +417,7 @@ class GenerationModel:
                     first.add(times[0] - arrived, [])
         except Exception as e:  # noqa: BLE001 - the request gets the error; the model keeps serving
             handle.cancel()
-            sender.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+            out.send(_error(f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), final=True)
             self.watchdog.error()
         finally:
             with self._lock:
@@ -373,11 +434,13 @@ class _FaultyHandle(Handle):
         pass
 
 
-def _tokens(ids: list[int]):
-    return pb_utils.InferenceResponse([
-        pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
-        pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32)),
-    ])
+def _tokens(ids: list[int], text: Optional[str] = None):
+    """A response: the tokens, and their text where the request came as text."""
+    tensors = [pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
+               pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32))]
+    if text is not None:
+        tensors.append(pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)))
+    return pb_utils.InferenceResponse(tensors)
 
 
 def _error(message: str, code):

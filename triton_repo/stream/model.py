@@ -1,12 +1,15 @@
-"""The streaming model: text in, text out token by token (Triton Python backend, decoupled, BLS).
+"""The streaming model of the tensorrt target: text in, text out token by token (Triton Python backend, decoupled,
+BLS). The targets whose engine model is ours (llm_serving.py) stream text from that model through an ensemble of
+it alone instead (publish.py's _stream_ensemble): no BLS hop.
 
 For gRPC streams and the HTTP ``generate_stream`` endpoint. Per request it tokenizes the prompt itself, as the
 preprocessing model does (the same code, llm_io.Prompter), calls the ``tensorrt_llm`` model with ``streaming`` on,
 and turns each new token into text itself, with the tokens already shown as context (as the postprocessing model
 does). A BLS call to those models, once per request and once per token, cost a round trip through another process
 each (scripts/bench_stream_path.py). A token that ends inside a multi-byte character is held back until the
-character is complete, so the pieces a client concatenates are exactly the full decode. Requests run on threads
-of their own; the tokenizer is used by one at a time (a fast tokenizer's settings are not thread-safe).
+character is complete, so the pieces a client concatenates are exactly the full decode (llm_io.TextStream).
+Requests run on threads of their own; the tokenizer is used by one at a time (a fast tokenizer's settings are
+not thread-safe).
 
 Inputs: those of the ensemble (``text_input``, ``max_tokens``; optional ``stop_words``,
 ``apply_chat_template``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``end_id``, ``priority``, ``tenant``;
@@ -38,7 +41,6 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # the tenant is resolved apart, from the input or the x-tenant header)
 SAMPLING = {"temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
             "seed": "seed", "priority": "priority"}
-CONTEXT_TOKENS = 8  # tokens of already-shown text decoded with the new ones, as their context
 # How long a finished BLS stream is kept referenced here after its last response. The stub's map of streams holds
 # one too, dropped on its utils thread without the GIL (python_backend src/pb_stub.cc, SendCleanupId:
 # response_iterator_map_.erase), so whichever reference goes last runs the stream's destructor, which frees its
@@ -60,23 +62,25 @@ class TritonPythonModel:
         self.tenanted = any(i["name"] == "tenant" for i in self.model_config.get("input", []))
         self._retired = collections.deque()  # (when, a finished BLS stream): see RETIRE_S
         self._retiring = threading.Lock()
+        self.responder = llm_io.Responder(FINAL)  # every response sent from one thread
         llm_io.freeze_heap()  # last: what initialize made is never walked by a full collection
 
     def execute(self, requests):
         for request in requests:
-            threading.Thread(target=self._serve, args=(request, request.get_response_sender()), daemon=True).start()
+            out = self.responder.stream(request, request.get_response_sender())
+            threading.Thread(target=self._serve, args=(request, out), daemon=True).start()
         return None
 
-    def _serve(self, request, sender):
+    def _serve(self, request, out):
         try:
-            self._generate(request, sender)
+            self._generate(request, out)
         except _Failed as e:
-            sender.send(pb_utils.InferenceResponse(error=e.error), flags=FINAL)
+            out.send(pb_utils.InferenceResponse(error=e.error), final=True)
         except Exception as e:  # noqa: BLE001 - the request gets the error; the model keeps serving
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)), flags=FINAL)
+            out.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"{type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)), final=True)
 
-    def _generate(self, request, sender):
+    def _generate(self, request, out):
         llm_in = self._prompt(request)
         for ours, theirs in SAMPLING.items():
             t = pb_utils.get_input_tensor_by_name(request, ours)
@@ -91,27 +95,24 @@ class TritonPythonModel:
         stream = pb_utils.InferenceRequest(model_name=self.llm, inputs=llm_in,
                                            requested_output_names=["output_ids", "sequence_length"]
                                            ).exec(decoupled=True)
-        shown, pending = [], []
-        cancelled = llm_io.CancelCheck(request)
+        text = llm_io.TextStream(self.tokenizer, self.tokenizing)
         for response in stream:
             _check(response)
-            if cancelled():
+            if out.cancelled:
                 break  # leaving the loop drops the inner request's stream
             ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
             if ids is None:
                 continue  # the final flag arrives as an empty response
             n = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
-            pending += [int(t) for t in ids.as_numpy().reshape(-1)[:n]]
-            text = self._text(shown[-CONTEXT_TOKENS:], pending)
-            if text.endswith(llm_io.REPLACEMENT_CHAR):
-                continue  # a character split across tokens: wait for the rest of it
-            sender.send(_piece(text, pending))
-            shown, pending = shown + pending, []
+            piece = text.push([int(t) for t in ids.as_numpy().reshape(-1)[:n]])
+            if piece is not None:
+                out.send(_piece(*piece))
         else:
             self._retire(stream)  # finished: its last reference is dropped here later, under the GIL
-        if pending:
-            sender.send(_piece(self._text(shown[-CONTEXT_TOKENS:], pending), pending))
-        sender.send(flags=FINAL)
+        piece = text.flush()
+        if piece is not None:
+            out.send(_piece(*piece))
+        out.send(final=True)
 
     def _retire(self, stream):
         """Keep a finished stream referenced for RETIRE_S, dropping those retired longer ago (on this thread)."""
@@ -142,11 +143,6 @@ class TritonPythonModel:
                 pb_utils.Tensor("end_id", np.array([[end]], dtype=np.int32)),
                 pb_utils.Tensor("pad_id", np.array([[self.prompter.pad_id]], dtype=np.int32)),
                 pb_utils.Tensor("stop_words_list", words[None].astype(np.int32))]
-
-    def _text(self, context, ids):
-        with self.tokenizing:
-            return llm_io.decode_delta(self.tokenizer, context, ids)
-
 
 class _Failed(Exception):
     def __init__(self, error):
