@@ -7,8 +7,9 @@ One Triton server on the published repository (its target's, as `invoke verify` 
 of 32 gRPC streams on the streaming model, at concurrency 16, 4, 1 and 8 in turn (``invoke bench``'s closed-loop
 client), until ``--minutes`` have passed or a level has a failed request. Each level prints a line. On a failure
 the models dump every Python thread's stack into the server's log (SIGUSR1), and the script prints where that log
-is and exits 1. On a 2-core AVX-512 machine the vllm build wedged within 1-7 minutes, and after 2.1 minutes
-with the streaming model keeping its finished streams (RETIRE_S in triton_repo/stream/model.py).
+is and exits 1. On a 2-core AVX-512 machine the vllm build wedged within 1-7 minutes, or its engine stub died of
+heap corruption within 3.4, until every model made only the outputs its request asked for (llm_io.wanted_outputs);
+then it answered all 96 levels of a 6-minute run.
 """
 
 from __future__ import annotations

@@ -328,11 +328,10 @@ def engine_takes_text(target: str) -> bool:
 def _stream_ensemble(triton, bs: int, names: ModelNames, tenanted: bool):
     """The streaming model where the engine model streams text itself: an ensemble of that model alone, so each
     token goes from the engine's stub to the client through Triton's core, with no other stub process on the way.
-    Not a decoupled BLS call: that had wedged every stream of the server under long concurrent load (Triton 2.51,
-    scripts/soak_stream.py). An ensemble holding a decoupled model streams (gRPC streams, generate_stream) and
-    refuses plain infer, as the decoupled model does. Triton checks a cancelled request only between an ensemble's
-    steps (triton-inference-server/core pull 263), so a client's cancel does not reach the engine: docs/serving/
-    publish-verify.md."""
+    Not a decoupled BLS call: one stub process less per token (scripts/bench_stream_path.py). An ensemble holding
+    a decoupled model streams (gRPC streams, generate_stream) and refuses plain infer, as the decoupled model does.
+    Triton checks a cancelled request only between an ensemble's steps (triton-inference-server/core pull 263),
+    so a client's cancel does not reach the engine: docs/serving/publish-verify.md."""
     pb = _pb()
     stream = _base(names.stream, bs, platform="ensemble")
     stream.input.extend(_text_inputs(triton, tenanted))

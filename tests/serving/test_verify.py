@@ -272,6 +272,11 @@ def test_a_hostile_client_leaves_the_server_ready_the_kv_pool_free_and_answers_u
             for f in drops:
                 f.result()
         assert _cancel_grpc_streams(server.grpc_url, "llm_stream", 6) >= 6
+        # a stream asking for text_output alone gets that output alone, the same text (llm_io.wanted_outputs: an
+        # output made and not asked for is freed without the GIL inside the Python backend)
+        assert _stream_outputs(server.grpc_url, "llm_stream", None)[0] == {"text_output", "output_ids"}
+        only, text = _stream_outputs(server.grpc_url, "llm_stream", ["text_output"])
+        assert only == {"text_output"} and text == _stream_outputs(server.grpc_url, "llm_stream", None)[1]
         assert urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=10).status == 200
         deadline = time.monotonic() + 60  # the dropped streams' sequences finish or are cancelled
         family, label = "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type"
@@ -286,6 +291,40 @@ def test_a_hostile_client_leaves_the_server_ready_the_kv_pool_free_and_answers_u
         assert metric(server.metrics_url, *batcher, "generation_requests") == 0
         assert metric(server.metrics_url, *batcher, "paused_requests") == 0
         assert _generate(server.http_url, "llm", max_tokens=8)["output_ids"] == greedy
+
+
+def _stream_outputs(url: str, model: str, outputs) -> tuple[set, str]:
+    """One greedy gRPC stream of 8 tokens asking for ``outputs`` (None: all): (the output names its responses
+    carried, the text they concatenate to)."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    got: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        inputs = []
+        for name, arr, dtype in (("text_input", np.array([[b"Once upon a time"]], dtype=object), "BYTES"),
+                                 ("max_tokens", np.array([[8]], dtype=np.int32), "INT32")):
+            inputs.append(grpcclient.InferInput(name, list(arr.shape), dtype))
+            inputs[-1].set_data_from_numpy(arr)
+        wanted = [grpcclient.InferRequestedOutput(o) for o in outputs] if outputs else None
+        client.async_stream_infer(model, inputs, outputs=wanted, enable_empty_final_response=True)
+        names, text = set(), ""
+        while True:
+            result, error = got.get(timeout=120)
+            assert error is None, error
+            response = result.get_response()
+            names |= {o.name for o in response.outputs}
+            if result.as_numpy("text_output") is not None:
+                text += result.as_numpy("text_output").reshape(-1)[0].decode()
+            if response.parameters["triton_final_response"].bool_param:
+                return names, text
+    finally:
+        client.stop_stream()
+        client.close()
 
 
 def _cancel_grpc_streams(url: str, model: str, n: int) -> int:

@@ -113,15 +113,26 @@ class Responder:
 
 class ResponseStream:
     """One request's responses, in order, through its model's Responder. ``cancelled``: whether its client
-    cancelled it, as the responder last asked (at most every CANCEL_CHECK_S)."""
+    cancelled it, as the responder last asked (at most every CANCEL_CHECK_S). ``wanted``: the outputs the request
+    asked for (Triton's core lists them all where the client named none), see wanted_outputs."""
 
     def __init__(self, put, request, sender):
         self._put, self.sender, self.check = put, sender, CancelCheck(request)
         self.cancelled = False
+        self.wanted = wanted_outputs(request)
 
     def send(self, response=None, final: bool = False) -> None:
         """Queue ``response`` (None: the final flag alone, with ``final``)."""
         self._put((self, response, final))
+
+
+def wanted_outputs(request) -> frozenset:
+    """The outputs ``request`` asked for. A response must carry those and no other: python_backend's
+    ``ResponseSender::Send`` releases the GIL and then erases the outputs the request did not ask for
+    (``InferResponse::PruneOutputTensors``, r24.10 src/response_sender.cc), and a tensor freed there frees its numpy
+    arrays without the GIL. That corrupted the heap: an ensemble step asks only for the outputs it maps, and the
+    vllm engine model's stub died in CPython's allocator after about 3 minutes of streams (scripts/soak_stream.py)."""
+    return frozenset(request.requested_output_names())
 
 
 def freeze_heap() -> int:

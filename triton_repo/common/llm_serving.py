@@ -21,7 +21,7 @@ preprocessing model's code), and every response carries ``text_output`` STRING [
 the request streams, each response the new text and the tokens behind it (llm_io.TextStream: a token that ends
 inside a multi-byte character waits for the rest of it). What upstream's vllm_backend does in its one model; the
 streaming model of these targets is an ensemble of this model alone, so a token crosses no other stub process
-(publish.py; a decoupled BLS call had wedged under long concurrent load, scripts/soak_stream.py).
+(publish.py; a decoupled BLS call cost another stub process per token).
 
 ``execute`` only validates and submits: every request is answered from its own thread through its response
 sender, so one model instance serves many sequences at once (the engine batches them). Non-streaming: one
@@ -392,9 +392,9 @@ class GenerationModel:
                 times.append(time.monotonic())
                 if job.streaming:
                     if text is None:
-                        out.send(_tokens([token]))
+                        out.send(_tokens(out.wanted, [token]))
                     elif (piece := text.push([token])) is not None:
-                        out.send(_tokens(piece[1], piece[0]))
+                        out.send(_tokens(out.wanted, piece[1], piece[0]))
                 # a stream's cancel as its responder last saw it; a request answered at the end asks itself (as
                 # upstream's vllm_backend does)
                 if llm_io.ends_with_any(tokens, job.stop_words) or (out.cancelled if job.streaming else out.check()):
@@ -403,12 +403,12 @@ class GenerationModel:
             if job.streaming:
                 held = text.flush() if text else None  # an incomplete character at the end, as it decodes
                 if held is not None:
-                    out.send(_tokens(held[1], held[0]))
+                    out.send(_tokens(out.wanted, held[1], held[0]))
                 out.send(final=True)
             elif text is not None:
-                out.send(_tokens(tokens, text.whole(tokens)), final=True)
+                out.send(_tokens(out.wanted, tokens, text.whole(tokens)), final=True)
             else:
-                out.send(_tokens(tokens), final=True)
+                out.send(_tokens(out.wanted, tokens), final=True)
             if times:
                 self.latency.add(times[-1] - arrived, [b - a for a, b in zip(times, times[1:])])
                 if self._tenant_levels:
@@ -434,11 +434,15 @@ class _FaultyHandle(Handle):
         pass
 
 
-def _tokens(ids: list[int], text: Optional[str] = None):
-    """A response: the tokens, and their text where the request came as text."""
-    tensors = [pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
-               pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32))]
-    if text is not None:
+def _tokens(wanted: frozenset, ids: list[int], text: Optional[str] = None):
+    """A response: the tokens, and their text where the request came as text; only the outputs in ``wanted`` are
+    made (llm_io.wanted_outputs: one made and not asked for is freed without the GIL)."""
+    tensors = []
+    if "output_ids" in wanted:
+        tensors.append(pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)))
+    if "sequence_length" in wanted:
+        tensors.append(pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32)))
+    if text is not None and "text_output" in wanted:
         tensors.append(pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)))
     return pb_utils.InferenceResponse(tensors)
 

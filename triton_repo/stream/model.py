@@ -45,9 +45,8 @@ SAMPLING = {"temperature": "temperature", "top_k": "runtime_top_k", "top_p": "ru
 # one too, dropped on its utils thread without the GIL (python_backend src/pb_stub.cc, SendCleanupId:
 # response_iterator_map_.erase), so whichever reference goes last runs the stream's destructor, which frees its
 # responses' numpy arrays: on that thread, without the GIL, when this model's went first. Kept this long, the
-# map's goes first and the destructor runs here, under the GIL. (A stream stub once aborted with "malloc_consolidate():
-# unaligned fastbin chunk detected" in CI. The streaming path's wedge under long concurrent load is not this:
-# scripts/soak_stream.py still wedges with it.)
+# map's goes first and the destructor runs here, under the GIL. (The heap corruption that wedged the streaming path
+# under long concurrent load had another cause, outputs not asked for: llm_io.wanted_outputs.)
 RETIRE_S = 5.0
 
 
@@ -106,12 +105,12 @@ class TritonPythonModel:
             n = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
             piece = text.push([int(t) for t in ids.as_numpy().reshape(-1)[:n]])
             if piece is not None:
-                out.send(_piece(*piece))
+                out.send(_piece(out.wanted, *piece))
         else:
             self._retire(stream)  # finished: its last reference is dropped here later, under the GIL
         piece = text.flush()
         if piece is not None:
-            out.send(_piece(*piece))
+            out.send(_piece(out.wanted, *piece))
         out.send(final=True)
 
     def _retire(self, stream):
@@ -156,8 +155,12 @@ def _check(response):
     return response
 
 
-def _piece(text, ids):
-    return pb_utils.InferenceResponse([
-        pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)),
-        pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, -1)),
-    ])
+def _piece(wanted, text, ids):
+    """A response with the new text and the tokens behind it: only the outputs the request asked for
+    (llm_io.wanted_outputs)."""
+    tensors = []
+    if "text_output" in wanted:
+        tensors.append(pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)))
+    if "output_ids" in wanted:
+        tensors.append(pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, -1)))
+    return pb_utils.InferenceResponse(tensors)

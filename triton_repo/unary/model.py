@@ -38,6 +38,7 @@ class TritonPythonModel:
         return None
 
     def _forward(self, request, sender):
+        wanted = llm_io.wanted_outputs(request)
         try:
             inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in INPUTS) if t is not None]
             if self.tenanted:
@@ -56,7 +57,9 @@ class TritonPythonModel:
                     answer = pb_utils.InferenceResponse(error=llm_io.relayed_error(response.error(), pb_utils))
                     break
                 if pb_utils.get_output_tensor_by_name(response, "output_ids") is not None:
-                    answer = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
+                    # only the outputs asked for: one more would be freed without the GIL (llm_io.wanted_outputs)
+                    answer = pb_utils.InferenceResponse(output_tensors=[
+                        t for t in response.output_tensors() if t.name() in wanted])
             if answer is None:
                 answer = pb_utils.InferenceResponse(error=pb_utils.TritonError(
                     f"{self.llm} gave no response", pb_utils.TritonError.INTERNAL))

@@ -351,7 +351,9 @@ def test_bench_stage_on_a_real_server(published_tiny):
         assert tri.get("tiny_preprocessing", {}).get("requests", 0) == 0
         assert level["sla"]["met"] and level["sla"]["goodput_rps"] == pytest.approx(level["requests_per_s"])
         cpu = level["cpu_ms_per_token"]  # the server's processes: the engine model's stub apart from the rest
-        assert cpu["engine_ms"] > 0 and cpu["frontend_ms"] > 0
+        # the frontend is tritonserver alone (the streaming model is an ensemble of the engine model): C++ work that
+        # can stay under one clock tick in a level of this tiny model
+        assert cpu["engine_ms"] > 0 and cpu["frontend_ms"] >= 0
         assert cpu["total_ms"] == pytest.approx(cpu["engine_ms"] + cpu["frontend_ms"])
     assert t["knee"]["concurrency"] in (1, 2, 4)
     fastest = max(t["levels"], key=lambda l: l["output_tokens_per_s"])
@@ -383,7 +385,8 @@ def test_requests_that_time_out_keep_the_server_log_with_where_its_models_thread
     assert f"logs/{kept.name}" in str(failed.value) and "SIGUSR1" in str(failed.value)
     log_text = kept.read_text(errors="replace")
     dumps = dict(part.split(" (stub pid", 1) for part in log_text.split("--- the Python threads of model ")[1:])
-    assert {"tiny_stream", "tiny_preprocessing", "tiny_tensorrt_llm"} <= set(dumps)  # every model's stub
+    # every Python model's stub (the streaming model is an ensemble: no stub of its own)
+    assert set(dumps) == {"tiny_preprocessing", "tiny_postprocessing", "tiny_tensorrt_llm", "tiny_tensorrt_llm_unary"}
     assert all("thread 0x" in d.lower() for d in dumps.values())  # faulthandler's dump under each header
     engine = dumps["tiny_tensorrt_llm"]  # its scheduler thread, waiting for work, and the metrics thread
     assert "cpu_runtime.py" in engine and "in _loop" in engine and "in refresh" in engine
