@@ -18,18 +18,30 @@ tenant ``default`` takes the blocks no named tenant has; a request that names no
   tenant whose share holds more requests than there are slots cannot keep the others waiting for one;
 - ``finish``: its blocks and its place in flight come back.
 
-It imports nothing heavy (no torch): the config checks shares with :func:`resolve_blocks` at load.
+:class:`TenantGate` is the same admission in front of an engine whose scheduler is not ours (vLLM's, under Triton's
+vLLM model): a request is handed to the engine only while its blocks fit its tenant's share and the engine has a
+free slot; until then it waits in the gate. A slot that frees goes first to a tenant below its slot share, and a
+tenant at its slot share leaves one slot free for the others.
+
+It imports nothing heavy (no torch): the config checks shares with :func:`resolve_blocks` at load. It imports nothing
+of this project's but its errors either: publish copies this file beside the vLLM target's Triton model, whose
+environment (vLLM's) has no ``pipeline`` package, and there an ``InputError`` is a plain ``ValueError`` (what the
+Triton models answer as a 400).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from pipeline.errors import InputError
+try:
+    from pipeline.errors import InputError
+except ImportError:  # the copy beside the vLLM target's Triton model (publish.py), in vLLM's environment
+    InputError = ValueError  # type: ignore[misc, assignment]
 
 DEFAULT_TENANT = "default"
 # A request may name its tenant in this header instead of its ``tenant`` input, so that a gateway in front of the
@@ -205,3 +217,101 @@ class TenantBook:
             return {n: {"quota_blocks": t.quota_blocks, "reserved_blocks": t.reserved_blocks,
                         "in_flight": t.in_flight, "accepted": t.accepted, "rejected": t.rejected}
                     for n, t in self.tenants.items()}
+
+
+@dataclass
+class _Waiting:
+    tenant: str
+    key: object
+    blocks: int
+    priority: int  # the request class, 1 the highest (0: none)
+    order: int  # arrival
+    start: Callable[[], None]
+
+
+class TenantGate:
+    """A book's admission in front of an engine that schedules on its own (vLLM): ``submit`` counts a request in
+    (``TenantBook.accept``, which may refuse it) and hands it to the engine (its ``start``) once the blocks of its
+    full length fit its tenant's share beside those its tenant's started requests hold, and the engine runs fewer
+    than the book's ``slots`` (its max sequences: more would wait in the engine's own queue, first come first
+    served, where one tenant's requests could keep another's waiting). A freed slot goes to the waiting request of
+    a tenant below its slot share first (``TenantBook.slot_share``), then by request class, then by arrival; and a
+    tenant at its slot share takes a slot only while another stays free, so that a tenant below its share finds one
+    at once. Nothing is paused: a started request runs to its end (the cpu runtime pauses one instead, and keeps no
+    slot free). ``finish`` when a started request ends, ``cancel`` for one that
+    may still wait. ``block_tokens``: the engine's tokens per KV block."""
+
+    def __init__(self, book: TenantBook, block_tokens: int):
+        self.book, self.block_tokens = book, block_tokens
+        self._lock = threading.Lock()
+        self._waiting: list[_Waiting] = []
+        self._started: dict[object, str] = {}  # the requests the engine has: key -> tenant
+        self._order = itertools.count()
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def submit(self, tenant: Optional[str], key: object, *, tokens: int, priority: int,
+               start: Callable[[], None]) -> str:
+        """Count in a request of ``tokens`` (prompt plus max tokens) and start it now or once it fits; returns its
+        tenant. InputError / TenantLimitError as ``TenantBook.resolve`` and ``accept`` raise them."""
+        name = self.book.resolve(tenant)
+        blocks = self.blocks(tokens)
+        self.book.accept(name, key, tokens, blocks)
+        with self._lock:
+            self._waiting.append(_Waiting(name, key, blocks, priority, next(self._order), start))
+            ready = self._admit()
+        for w in ready:
+            w.start()
+        return name
+
+    def cancel(self, tenant: str, key: object) -> bool:
+        """A request cancelled while it waits leaves the gate (its place in flight back); False: it has started, and
+        the engine must abort it (``finish`` follows when it ends)."""
+        with self._lock:
+            found = next((w for w in self._waiting if w.key == key), None)
+            if found is None:
+                return False
+            self._waiting.remove(found)
+        self.book.finish(tenant, key)
+        return True
+
+    def finish(self, key: object) -> None:
+        """A started request ended (answered, aborted or failed): its blocks and slot come back, and the waiting
+        requests that fit now start. Told twice, it counts once."""
+        with self._lock:
+            tenant = self._started.pop(key, None)
+        if tenant is None:
+            return
+        self.book.finish(tenant, key)
+        with self._lock:
+            ready = self._admit()
+        for w in ready:
+            w.start()
+
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def _owed_a_slot(self, tenant: str) -> bool:
+        """Whether ``tenant`` has fewer started requests than its slot share (always, without slots)."""
+        share = self.book.slot_share(tenant)
+        return share is None or sum(1 for t in self._started.values() if t == tenant) < share
+
+    def _admit(self) -> list[_Waiting]:
+        """The waiting requests to start now, their blocks reserved (the gate's lock held)."""
+        ready = []
+        slots = self.book.slots
+        while slots is None or len(self._started) < slots:
+            owed = {t: self._owed_a_slot(t) for t in {w.tenant for w in self._waiting}}
+            # a tenant at its slot share takes a slot only while another stays free, for a tenant below its own
+            fitting = [w for w in self._waiting if self.book.fits(w.tenant, w.blocks)
+                       and (owed[w.tenant] or slots is None or len(self._started) < slots - 1)]
+            if not fitting:
+                break
+            best = min(fitting, key=lambda w: (not owed[w.tenant], w.priority or math.inf, w.order))
+            self._waiting.remove(best)
+            self.book.reserve(best.tenant, best.key, best.blocks)
+            self._started[best.key] = best.tenant
+            ready.append(best)
+        return ready

@@ -22,6 +22,10 @@ hits all alike. Per arm: streamed tokens/s, TTFT P50 / P99, and CPU milliseconds
 tree (pipeline/serving/bench/cpu.py, as `invoke bench` reads it) and, through Triton, of the engine model's stub
 apart from the frontend (tritonserver and every other stub). The last lines give the ratios to the baseline and to
 vLLM's server (the means over rounds).
+
+``--unary``: requests answered whole instead (gRPC infer on the ensemble, whose steps tokenize, generate and
+detokenize; vLLM's completions without ``stream``), the same prompts and token counts; TTFT is then the whole answer's
+time.
 """
 
 from __future__ import annotations
@@ -99,13 +103,17 @@ def arm(repository: Path, name: str, args) -> dict:
 
     target = records.read_provenance(repository).build.target
     model = stream_model(repository)
+    engine_model = model.removesuffix("_stream") + "_tensorrt_llm"
+    if args.unary:  # answered whole: the ensemble (tokenize, engine, detokenize)
+        model = model.removesuffix("_stream")
     load = prompts(repository, args.requests + 4)
     with server_for_target(target, repository, frontend="openai" if name == "vllm" else "triton") as server:
         def send(batch, concurrency):
             if name == "vllm":
                 return drive_openai(server.base_url, server.model_name, prompts=batch, concurrency=concurrency,
-                                    max_tokens=args.tokens)
-            return drive(server.grpc_url, model, prompts=batch, concurrency=concurrency, max_tokens=args.tokens)
+                                    max_tokens=args.tokens, stream=not args.unary)
+            return drive(server.grpc_url, model, prompts=batch, concurrency=concurrency, max_tokens=args.tokens,
+                         stream=not args.unary)
 
         send(load[:4], 4)  # warm-up
         cpu0 = cpu_by_role(server.process.pid)
@@ -114,8 +122,7 @@ def arm(repository: Path, name: str, args) -> dict:
     level = level_figures(records_, wall, args.concurrency)
     if level["errors"]:
         raise SystemExit(f"{name}: {level['errors']} requests failed: {[r.error for r in records_ if r.error][:3]}")
-    cpu = per_token(cpu0, cpu1, level["output_tokens"], None if name == "vllm" else
-                    model.removesuffix("_stream") + "_tensorrt_llm")
+    cpu = per_token(cpu0, cpu1, level["output_tokens"], None if name == "vllm" else engine_model)
     return {"tokens_per_s": level["output_tokens_per_s"], "total_ms": cpu["total_ms"], "engine_ms": cpu["engine_ms"],
             "frontend_ms": cpu["frontend_ms"], "requests": level["requests"], "ttft_ms": level["ttft_ms"]}
 
@@ -136,6 +143,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request (forced)")
     ap.add_argument("--requests", type=int, default=64, help="requests per arm and round")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--unary", action="store_true", help="requests answered whole, not streamed: Triton's ensemble "
+                    "over gRPC infer, and vLLM's completions without stream (TTFT is then the whole answer's time)")
     args = ap.parse_args()
     target = records.read_provenance(args.repo).build.target
     names = ["now"] + ([] if args.no_baseline else ["baseline"]) + (["vllm"] if target == "vllm" else [])
@@ -155,7 +164,8 @@ def main() -> None:
             print(f"  {name:9s} {last['tokens_per_s']:7.1f} tokens/s, CPU ms per token: all {_ms(last['total_ms'])}, "
                   f"frontend {_ms(last['frontend_ms'])}, engine {_ms(last['engine_ms'])} ({last['requests']} "
                   f"requests)", flush=True)
-    print(f"\n{target} target, {args.concurrency} streams, {args.tokens} tokens each, {args.rounds} rounds of "
+    kind = "unary requests" if args.unary else "streams"
+    print(f"\n{target} target, {args.concurrency} {kind}, {args.tokens} tokens each, {args.rounds} rounds of "
           f"{args.requests} requests:")
     summary = {}
     for name, runs in results.items():

@@ -63,6 +63,23 @@ def text_ids(tokenizer) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids  # tokenizer's own limit (a warning past it)
 
 
+def load_arguments(ap: argparse.ArgumentParser, slots: str) -> None:
+    """The tenants' shares and the load's options, shared with scripts/bench_tenants_triton.py (``slots``: what
+    the default number of A's clients is three times)."""
+    ap.add_argument("--a-share", type=float, default=0.5, help="tenant a's kv_share")
+    ap.add_argument("--b-share", type=float, default=None, help="tenant b's kv_share (default: the rest)")
+    ap.add_argument("--a-clients", type=int, default=0, help=f"0: 3x {slots}")
+    ap.add_argument("--a-prompt-tokens", type=int, default=256)
+    ap.add_argument("--a-output-tokens", type=int, default=32)
+    ap.add_argument("--b-rps", type=float, default=0.5)
+    ap.add_argument("--b-prompt-tokens", type=int, default=16)
+    ap.add_argument("--b-output-tokens", type=int, default=8)
+    ap.add_argument("--phase-s", type=float, default=30.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+
+
 class Arm:
     """One arm's run on ``rt``: B's arrivals for ``phase_s``, A's closed-loop clients (``a_clients``, 0: none) until
     B's last answer. ``tenants``: whether requests name tenants a and b."""
@@ -158,20 +175,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the scheduler's forwards)")
     ap.add_argument("--max-running", type=int, default=None, help="sequences at once (default: max_batch_size)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="chunked prefill tokens (default: whole)")
-    ap.add_argument("--a-share", type=float, default=0.5, help="tenant a's kv_share")
-    ap.add_argument("--b-share", type=float, default=None, help="tenant b's kv_share (default: the rest)")
     ap.add_argument("--b-first", action="store_true",
                     help="partitioned arm: tenant b's requests in request class 1, a's in 2 (priority_level)")
-    ap.add_argument("--a-clients", type=int, default=0, help="0: 3x max_running")
-    ap.add_argument("--a-prompt-tokens", type=int, default=256)
-    ap.add_argument("--a-output-tokens", type=int, default=32)
-    ap.add_argument("--b-rps", type=float, default=0.5)
-    ap.add_argument("--b-prompt-tokens", type=int, default=16)
-    ap.add_argument("--b-output-tokens", type=int, default=8)
-    ap.add_argument("--phase-s", type=float, default=30.0)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout-s", type=float, default=600.0)
+    load_arguments(ap, slots="max_running")
     args = ap.parse_args()
     b_share = args.b_share if args.b_share is not None else round(1 - args.a_share, 6)
 

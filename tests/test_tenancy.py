@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.errors import InputError
-from pipeline.tenancy import DEFAULT_TENANT, TenantBook, TenantLimitError, TenantSpec, resolve_blocks
+from pipeline.tenancy import DEFAULT_TENANT, TenantBook, TenantGate, TenantLimitError, TenantSpec, resolve_blocks
 
 
 class Clock:
@@ -104,3 +104,45 @@ def test_a_tenant_is_owed_its_share_of_the_slots_at_least_one():
     assert {n: book.slot_share(n) for n in book.tenants} == {"a": 6, "b": 1, DEFAULT_TENANT: 1}
     assert TenantBook([TenantSpec("a", kv_share=1.0)], 100, slots=8).slot_share(DEFAULT_TENANT) == 0
     assert TenantBook([TenantSpec("a", kv_share=0.5)], 100).slot_share("a") is None  # no slots given
+
+
+def test_the_gate_starts_a_request_once_its_blocks_fit_and_keeps_a_slot_for_a_tenant_below_its_share():
+    """TenantGate (admission in front of vLLM): a tenant's requests start while their full-length blocks fit its
+    share and the engine has a free slot; a tenant at its slot share leaves one slot free, so another tenant's
+    request starts at once; a freed slot goes to the tenant below its slot share, whatever arrived first; a request
+    cancelled while waiting leaves without starting; refusals are the book's."""
+    book = TenantBook([TenantSpec("a", kv_blocks=8), TenantSpec("b", kv_blocks=8, max_concurrency=2)], 20, slots=3)
+    gate = TenantGate(book, block_tokens=16)
+    assert book.slot_share("a") == book.slot_share("b") == 1
+    started: list[str] = []
+
+    def submit(tenant, key, tokens, priority=0):
+        return gate.submit(tenant, key, tokens=tokens, priority=priority, start=lambda: started.append(key))
+
+    assert submit("a", "a1", 40) == "a"  # 3 blocks
+    assert submit("a", "a2", 40) == "a"  # 6 of a's 8; past its slot share, one slot stays free
+    submit("a", "a3", 40)  # would fit a slot, not a's share (9 > 8)
+    submit("a", "a4", 16)  # 1 block: fits a's share; the last free slot is kept
+    assert started == ["a1", "a2"] and gate.waiting() == 2
+    assert book.stats()["a"]["reserved_blocks"] == 6
+    submit("b", "b1", 100)  # 7 blocks: takes the free slot at once
+    submit("b", "b2", 16)  # 1 block, no slot: waits
+    assert started == ["a1", "a2", "b1"]
+    with pytest.raises(TenantLimitError, match="max_concurrency"):
+        submit("b", "b3", 16)
+    with pytest.raises(InputError, match="unknown tenant 'z'"):
+        submit("z", "z1", 16)
+    gate.finish("a1")  # a slot frees and stays free: a and b each hold their slot share (1)
+    assert started == ["a1", "a2", "b1"] and gate.waiting() == 3  # a3, a4, b2
+    gate.finish("a1")  # told twice: counted once
+    assert book.stats()["a"]["reserved_blocks"] == 3
+    assert gate.cancel("a", "a3") and not gate.cancel("a", "a2")  # a3 waited: gone; a2 runs: the engine aborts it
+    assert book.stats()["a"]["in_flight"] == 2  # a2 runs, a4 waits (a1 ended, a3 cancelled)
+    gate.finish("a2")  # now a is below its share: a4, which came before b2, starts
+    assert started == ["a1", "a2", "b1", "a4"] and gate.waiting() == 1
+    gate.finish("b1")  # and b is: b2 starts
+    assert started[-1] == "b2" and gate.waiting() == 0
+    gate.finish("a4")
+    gate.finish("b2")
+    assert book.stats()["b"] == {"quota_blocks": 8, "reserved_blocks": 0, "in_flight": 0, "accepted": 2,
+                                 "rejected": 1}

@@ -127,13 +127,29 @@ def _check_tenants(tenants: list[TenantSection], t: TritonSection, b: BuildSecti
         return
     target = targets.get(b.target)
     if "tenants" not in target.serving_settings:
-        raise ValueError(f"tenants: the cpu runtime partitions its KV pool per tenant; the {b.target} target does not "
-                         f"(yet){target.serving_setting_note('tenants')}. Serve tenants with build.target: cpu")
+        raise ValueError(f"tenants: the cpu runtime partitions its KV pool per tenant, and Triton's vLLM model admits "
+                         f"requests to vLLM by their tenants' shares; the {b.target} target does neither "
+                         f"(yet){target.serving_setting_note('tenants')}. Serve tenants with build.target: cpu or vllm")
     for i, x in enumerate(tenants):
         if x.priority_level is not None and x.priority_level > (t.priority_levels or 0):
             raise ValueError(f"tenants[{i}].priority_level {x.priority_level}: must be one of the levels "
                              f"1..triton.priority_levels ({t.priority_levels or 'not set'})")
-    pool = (t.max_running or b.max_batch_size) * -(-b.max_seq_len // b.kv_cache.tokens_per_block)
+    pool = target.tenant_pool_blocks(t, b)
+    if pool is None:  # sized as the engine starts: fractions only, whose sum the config can check
+        counted = [i for i, x in enumerate(tenants) if x.kv_blocks is not None]
+        if counted:
+            raise ValueError(f"tenants[{counted[0]}].kv_blocks: the {b.target} target's engine sizes its KV pool as it "
+                             f"starts, so a count of blocks cannot be checked here; give a fraction, kv_share")
+        total = sum(x.kv_share or 0 for x in tenants)
+        if total > 1:
+            parts = ", ".join(f"tenants[{i}].kv_share {x.kv_share} ({x.name})" for i, x in enumerate(tenants))
+            raise ValueError(f"tenants: the kv_share fractions sum to {total:g}, past the whole pool, 1 ({parts}); "
+                             f"lower them")
+        names = [x.name for x in tenants]
+        if len(set(names)) != len(names) or tenancy.DEFAULT_TENANT in names:
+            raise ValueError(f"tenants: names must be unique and not {tenancy.DEFAULT_TENANT!r} (the unassigned "
+                             f"remainder), got {names}")
+        return
     try:
         tenancy.TenantBook(tenancy.specs_from(tenants), pool)
     except InputError as e:

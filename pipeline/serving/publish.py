@@ -67,6 +67,9 @@ from pipeline.targets.base import tenant_parameters
 log = logging.getLogger(__name__)
 
 TRITON_SOURCE = constants.REPO_ROOT / "triton_repo"
+# modules of this project that the Triton models import where it is not installed (vLLM's environment, its images),
+# copied beside every model's code: the tenants' book and gate (triton_repo/tensorrt_llm_vllm imports ``tenancy``)
+SHIPPED_MODULES = (constants.REPO_ROOT / "pipeline" / "tenancy.py",)
 # tokenizer files the Python models load (config.json lets AutoTokenizer find the tokenizer class)
 TOKENIZER_FILES = (*artifacts.TOKENIZER_FILES, "config.json")
 _MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
@@ -508,15 +511,16 @@ class _DestinationLock:
 
 
 def sources_digest() -> str:
-    """sha256 over the serving model code publish copies (triton_repo/*/*.py, names and contents): an input of
-    publish, so a repository published before the code changed is published again."""
-    return digest_of_files({f.relative_to(TRITON_SOURCE).as_posix(): sha256_file(f)
-                            for f in TRITON_SOURCE.glob("*/*.py")})
+    """sha256 over the serving model code publish copies (triton_repo/*/*.py and SHIPPED_MODULES, names and
+    contents): an input of publish, so a repository published before the code changed is published again."""
+    files = {f.relative_to(TRITON_SOURCE).as_posix(): sha256_file(f) for f in TRITON_SOURCE.glob("*/*.py")}
+    return digest_of_files({**files, **{f"shipped/{f.name}": sha256_file(f) for f in SHIPPED_MODULES}})
 
 
 def _copy_sources(model_src: str, version_dir: Path) -> None:
     version_dir.mkdir(parents=True, exist_ok=True)
-    for f in sorted((TRITON_SOURCE / model_src).glob("*.py")) + sorted((TRITON_SOURCE / "common").glob("*.py")):
+    for f in [*sorted((TRITON_SOURCE / model_src).glob("*.py")), *sorted((TRITON_SOURCE / "common").glob("*.py")),
+              *SHIPPED_MODULES]:
         shutil.copy2(f, version_dir / f.name)
 
 

@@ -169,6 +169,13 @@ class Target:
         (the merged YAML before validation, its schema default where unset)."""
         return True
 
+    def tenant_pool_blocks(self, triton: Any, build: Any) -> Optional[int]:
+        """The KV blocks the tenants' shares divide, as the config sets them (the runtime holds ``max_running`` or
+        ``max_batch_size`` sequences of ``max_seq_len``); None where the engine sizes its pool as it starts (vLLM:
+        shares are then fractions, resolved against the pool at load)."""
+        per_sequence = -(-build.max_seq_len // build.kv_cache.tokens_per_block)
+        return int((triton.max_running or build.max_batch_size) * per_sequence)
+
     def serving_setting_note(self, key: str) -> str:
         """Why its runtime has no ``key`` of SERVING_SETTINGS, and what it has instead ("" when nothing to add)."""
         return ""

@@ -43,7 +43,7 @@ class VllmTarget(Target):
     fuses_gate_up = True  # vLLM runs gate/up as one gate_up_proj (its packed_modules_mapping)
     # the gate's KV format; vLLM serves a quantized one as FP8 (vllm.kv_cache_dtype)
     kv_formats = ("int8", "fp8", "none")
-    serving_settings = frozenset({"priority_levels"})
+    serving_settings = frozenset({"priority_levels", "tenants"})
     tunable = False
     untuned_why = "vLLM's own scheduler: vllm.max_num_seqs and its engine arguments"
 
@@ -87,6 +87,9 @@ class VllmTarget(Target):
     def host_kv_cache_gib(self, cfg: "PipelineConfig") -> int:
         return cfg.vllm.cpu_kv_cache_gib  # VLLM_CPU_KVCACHE_SPACE: process memory
 
+    def tenant_pool_blocks(self, triton: Any, build: Any) -> Optional[int]:
+        return None  # vLLM sizes its KV pool as its engine starts (vllm.cpu_kv_cache_gib, or the GPU's free memory)
+
     def serves_format(self, weight_format: str, setting: Callable[[str], Any]) -> bool:
         return setting("vllm.device") in VLLM_SERVABLE.get(weight_format, ())
 
@@ -108,6 +111,9 @@ class VllmTarget(Target):
         unservable = [f"{where}: {f}" for where, f in named if f not in servable and f != HIGH_PRECISION]
         if unservable:
             return [f"{'; '.join(unservable)}: vLLM on {v.device} serves {', '.join(servable)}"]
+        if cfg.tenants and "openai" in v.frontends:
+            return ["tenants: on the vllm target they are admitted by Triton's vLLM model; vLLM's OpenAI server "
+                    "(vllm.frontends: openai) would serve every request from one pool. Set vllm.frontends: [triton]"]
         if b.pipeline_parallel_size != 1:
             return ["build.target: vllm shards with build.tensor_parallel_size; pipeline_parallel_size must be 1"]
         if v.device == "cpu":

@@ -70,6 +70,8 @@ def test_relative_paths_resolve_against_the_declaring_file(tmp_path):
     assert cfg.text.source.paths[0].is_file()
 
 
+# the vllm target served by Triton alone, the frontend that admits tenants
+VLLM_TRITON = "build: {target: vllm}\nvllm: {dtype: bfloat16, frontends: [triton]}"
 # Each bad config: (id, YAML body or extra lines, overrides, substrings the message must contain)
 BAD = [
     ("unknown-key", "build: {max_batchsize: 4}", [], ["build.max_batchsize", "unknown key",
@@ -131,7 +133,18 @@ BAD = [
     ("tenant-level-outside", "tenants: [{name: a, kv_share: 0.5, priority_level: 2}]", [],
      ["tenants[0].priority_level 2: must be one of the levels 1..triton.priority_levels (not set)"]),
     ("tenants-on-tensorrt", "build: {target: tensorrt}\ntenants: [{name: a, kv_share: 0.5}]", [],
-     ["tenants: the cpu runtime partitions its KV pool per tenant; the tensorrt target does not"]),
+     ["tenants: the cpu runtime partitions its KV pool per tenant", "the tensorrt target does neither",
+      "build.target: cpu or vllm"]),
+    ("tenant-blocks-on-vllm", f"{VLLM_TRITON}\ntenants: [{{name: a, kv_blocks: 5}}]", [],
+     ["tenants[0].kv_blocks: the vllm target's engine sizes its KV pool as it starts", "kv_share"]),
+    ("tenant-fractions-past-one-on-vllm", f"{VLLM_TRITON}\ntenants: [{{name: a, kv_share: 0.7}}, "
+     "{name: b, kv_share: 0.4}]", [], ["the kv_share fractions sum to 1.1, past the whole pool",
+                                        "tenants[1].kv_share 0.4 (b)"]),
+    ("tenant-named-default-on-vllm", f"{VLLM_TRITON}\ntenants: [{{name: default, kv_share: 0.5}}]", [],
+     ["names must be unique and not 'default'"]),
+    ("tenants-on-vllms-openai-server", "build: {target: vllm}\nvllm: {dtype: bfloat16}\n"
+     "tenants: [{name: a, kv_share: 0.5}]", [], ["vLLM's OpenAI server (vllm.frontends: openai) would serve every "
+                                                 "request from one pool", "vllm.frontends: [triton]"]),
     ("not-yaml", "build: [unclosed", [], ["not valid YAML"]),
     ("missing-text-files", "text: {source: {kind: files, paths: [gone.txt]}}", [], ["text.source.paths", "gone.txt"]),
 ]

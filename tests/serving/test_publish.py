@@ -308,6 +308,44 @@ def test_a_vllm_repository_serves_one_export_to_triton_and_to_vllms_server(setup
     assert (folder / "model.safetensors").is_file()
 
 
+def test_tenants_on_the_vllm_target_reach_its_model_and_the_gate_ships_beside_it(setup):
+    """tenants on the vllm target (served by Triton alone): every client-facing model and the vLLM model take a
+    tenant input, the vLLM model reads the tenants as a parameter, and pipeline/tenancy.py is copied beside its
+    code. That copy imports in an interpreter without this project (vLLM's environment has none), where its
+    refusals are plain ValueErrors (a 400), and admits by share there."""
+    load, work, run = setup
+    names = pub.model_names("llm")
+    config = load("vllm", "vllm.frontends=[triton]", "tenants=[{name: a, kv_share: 0.5, max_concurrency: 2}]")
+    _, snap = run(config)
+    configs = _configs(snap)
+    for name in (names.ensemble, names.stream, names.unary, names.tensorrt_llm):
+        assert "tenant" in {i.name for i in configs[name].input}, name
+    assert json.loads(_params(configs[names.tensorrt_llm])["tenants"]) == [
+        {"name": "a", "kv_share": 0.5, "max_concurrency": 2}]
+    v1 = snap / names.tensorrt_llm / "1"
+    assert (v1 / "tenancy.py").read_bytes() == (pub.SHIPPED_MODULES[0]).read_bytes()
+    probe = textwrap.dedent("""
+        import os
+        import sys
+        sys.path.insert(0, os.getcwd())  # as model.py puts its folder first
+        from tenancy import InputError, TenantBook, TenantGate, TenantSpec
+        assert "pipeline" not in sys.modules and InputError is ValueError
+        gate = TenantGate(TenantBook([TenantSpec("a", kv_share=0.5)], 10, slots=4), block_tokens=32)
+        started = []
+        for key in range(3):
+            gate.submit("a", key, tokens=64, priority=0, start=lambda key=key: started.append(key))
+        try:
+            gate.submit("zz", 9, tokens=64, priority=0, start=lambda: None)
+        except ValueError as e:
+            print(started, gate.waiting(), e)
+        """)
+    # -I -S: no site-packages, where this project is installed
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", probe], cwd=v1, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("[0, 1] 1 unknown tenant 'zz'"), done.stdout  # 2 + 2 of a's 5 blocks; 1 waits
+
+
 def test_adaptive_batch_reaches_the_cpu_model_as_its_step_target(setup):
     load, work, run = setup
     names = pub.model_names("llm")

@@ -293,6 +293,32 @@ def test_a_hostile_client_leaves_the_server_ready_the_kv_pool_free_and_answers_u
         assert _generate(server.http_url, "llm", max_tokens=8)["output_ids"] == greedy
 
 
+def test_the_tensorrt_targets_bls_streaming_model_streams_the_ensembles_text_over_the_cpu_engine(tiny, monkeypatch):
+    """The tensorrt target's `<m>_stream` is the BLS streaming model (triton_repo/stream: the tensorrtllm backend
+    takes token ids only). The tensorrtllm backend cannot run here, so it is published over the cpu engine model,
+    told to take token ids alone as that backend does (``engine_takes_text`` False, the tensorrt target's answer).
+    Its stream gives the text the cpu target's ensemble stream gives, in the outputs asked for and no others
+    (llm_io.wanted_outputs), and a burst of cancelled streams leaves it serving."""
+    cfg, work_root, work, _ = tiny
+    repo = work / "publish" / "model_repository"
+    with TritonServer(repo) as server:
+        want = _stream_outputs(server.grpc_url, "llm_stream", None)[1]
+    monkeypatch.setattr(pub, "engine_takes_text", lambda target: False)
+    try:
+        _run(cfg, work_root, "publish")
+        assert pub.read_config(repo / "llm_stream" / "config.pbtxt").backend == "python"
+        with TritonServer(repo) as server:
+            names, text = _stream_outputs(server.grpc_url, "llm_stream", None)
+            assert names == {"text_output", "output_ids"} and text == want
+            assert _stream_outputs(server.grpc_url, "llm_stream", ["text_output"]) == ({"text_output"}, want)
+            assert _cancel_grpc_streams(server.grpc_url, "llm_stream", 6) >= 6
+            assert _stream_outputs(server.grpc_url, "llm_stream", None)[1] == want
+    finally:
+        monkeypatch.undo()
+        _run(cfg, work_root, "publish")  # the module's repository as the cpu target publishes it
+    assert pub.read_config(repo / "llm_stream" / "config.pbtxt").platform == "ensemble"
+
+
 def _stream_outputs(url: str, model: str, outputs) -> tuple[set, str]:
     """One greedy gRPC stream of 8 tokens asking for ``outputs`` (None: all): (the output names its responses
     carried, the text they concatenate to)."""

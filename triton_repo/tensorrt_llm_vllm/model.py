@@ -14,6 +14,12 @@ vLLM's own scheduler: a stat logger of vLLM's (``StatLoggerBase``, v1/metrics/lo
 its last step (requests running and waiting, the KV cache's share in use), so the queue the autoscaler reads
 and the KV alerts see vLLM's queue and cache, as its OpenAI server's ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc`` do.
+
+With tenants (parameter ``tenants``, a JSON list of the config's), every request passes a gate before vLLM
+(``tenancy.TenantGate``, a copy of pipeline/tenancy.py that publish puts beside this file): it is handed to vLLM only
+while the blocks of its full length (prompt plus max tokens, in vLLM's block size) fit its tenant's share of vLLM's
+KV pool, and fewer than ``max_num_seqs`` requests run; until then it waits in the gate. vLLM's scheduler runs below,
+unchanged.
 """
 
 import asyncio
@@ -49,6 +55,8 @@ def _utf8_locale():
 class _VllmHandle(Handle):
     def __init__(self, model, request_id, tokens):
         self.model, self.request_id, self.tokens = model, request_id, tokens
+        self.tenant = ""  # the tenant the gate resolved (with tenants)
+        self.cancelled = False
 
     def stream(self):
         while True:
@@ -60,6 +68,11 @@ class _VllmHandle(Handle):
             yield item
 
     def cancel(self):
+        self.cancelled = True  # a request the gate starts after this ends at once
+        gate = self.model.gate
+        if gate is not None and gate.cancel(self.tenant, self.request_id):
+            self.tokens.put(_END)  # it was still waiting in the gate: vLLM never had it
+            return
         self.model.call(self.model.engine.abort(self.request_id))
 
 
@@ -123,8 +136,18 @@ class TritonPythonModel(GenerationModel):
         self._cache = self.engine.vllm_config.cache_config  # sized by now
         self._scheduler = _figures(self._cache)  # the last step's: replaced whole (the metrics thread reads it)
         self._running = 0
-        self._max_seqs = int(args.get("max_num_seqs", 0))
+        self._max_seqs = int(self.engine.vllm_config.scheduler_config.max_num_seqs)
         self._count = threading.Lock()
+        self.gate = self._tenant_gate(json.loads(params.get("tenants") or "[]"))
+
+    def _tenant_gate(self, tenants):
+        """The tenants' admission over vLLM's KV pool as it was sized (None without tenants)."""
+        if not tenants:
+            return None
+        from tenancy import TenantBook, TenantGate, specs_from
+
+        book = TenantBook(specs_from(tenants), int(self._cache.num_gpu_blocks), slots=self._max_seqs)
+        return TenantGate(book, int(self._cache.block_size))
 
     def _on_step(self, figures):
         self._scheduler = figures
@@ -147,17 +170,28 @@ class TritonPythonModel(GenerationModel):
             ignore_eos=job.end_id is not None,
             detokenize=False,
         )
-        request_id = uuid.uuid4().hex
-        tokens = queue.SimpleQueue()
-        asyncio.run_coroutine_threadsafe(self._generate(job.prompt, params, request_id, tokens, job.priority),
-                                         self.loop)
-        return _VllmHandle(self, request_id, tokens)
+        handle = _VllmHandle(self, uuid.uuid4().hex, queue.SimpleQueue())
 
-    async def _generate(self, prompt, params, request_id, tokens, priority):
+        def start():
+            asyncio.run_coroutine_threadsafe(self._generate(job.prompt, params, handle, job.priority), self.loop)
+
+        if self.gate is None:
+            start()
+        else:  # refused here (an InputError, a TenantLimitError) or started now or once its blocks fit
+            handle.tenant = self.gate.submit(job.tenant or None, handle.request_id,
+                                             tokens=len(job.prompt) + job.max_new_tokens, priority=job.priority,
+                                             start=start)
+        return handle
+
+    async def _generate(self, prompt, params, handle, priority):
+        request_id, tokens = handle.request_id, handle.tokens
         with self._count:
             self._running += 1
         sent = 0
         try:
+            if handle.cancelled:  # cancelled between the gate's start and now
+                tokens.put(_END)
+                return
             async for output in self.engine.generate({"prompt_token_ids": prompt}, params, request_id,
                                                      priority=priority):
                 ids = output.outputs[0].token_ids  # cumulative: all tokens generated so far
@@ -170,13 +204,19 @@ class TritonPythonModel(GenerationModel):
         finally:
             with self._count:
                 self._running -= 1
+            if self.gate is not None:
+                self.gate.finish(request_id)  # its blocks back: the gate's next requests start
 
     def stats(self):
         with self._count:
             active = self._running
         # with none in flight, nothing runs: vLLM's last step still counts the requests it ended
         figures = self._scheduler if active else _figures(self._cache)
-        return {**figures, "requests_active": active, "requests_max": self._max_seqs}
+        if self.gate is None:
+            return {**figures, "requests_active": active, "requests_max": self._max_seqs}
+        waiting = self.gate.waiting()  # queued before vLLM's queue: waiting all the same
+        return {**figures, "requests_waiting": figures["requests_waiting"] + waiting,
+                "requests_active": active + waiting, "requests_max": self._max_seqs, "tenants": self.gate.book.stats()}
 
     def close(self):
         self.engine.shutdown()

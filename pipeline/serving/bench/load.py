@@ -123,7 +123,8 @@ def _ended(rec: RequestRecord) -> RequestRecord:
     return rec
 
 
-def _stream_inputs(text: str, max_tokens: int, end_id: Optional[int], priority: Optional[int] = None) -> list:
+def _stream_inputs(text: str, max_tokens: int, end_id: Optional[int], priority: Optional[int] = None,
+                   tenant: Optional[str] = None) -> list:
     import tritonclient.grpc as grpcclient  # optional and heavy (gRPC stubs): only when a load is driven
 
     arrays = [("text_input", np.array([[text.encode()]], dtype=object), "BYTES"),
@@ -132,6 +133,8 @@ def _stream_inputs(text: str, max_tokens: int, end_id: Optional[int], priority: 
         arrays.append(("end_id", np.array([[end_id]], dtype=np.int32), "INT32"))
     if priority is not None:  # the request's class (triton.priority_levels)
         arrays.append(("priority", np.array([[priority]], dtype=np.int32), "INT32"))
+    if tenant is not None:  # the tenant it belongs to (the config's tenants)
+        arrays.append(("tenant", np.array([[tenant.encode()]], dtype=object), "BYTES"))
     out = []
     for name, arr, dt in arrays:
         t = grpcclient.InferInput(name, list(arr.shape), dt)
@@ -141,10 +144,11 @@ def _stream_inputs(text: str, max_tokens: int, end_id: Optional[int], priority: 
 
 
 async def one_request(client, model: str, *, prompt: Prompt, max_tokens: int, end_id: Optional[int],
-                      timeout_s: float, priority: Optional[int] = None) -> RequestRecord:
+                      timeout_s: float, priority: Optional[int] = None, tenant: Optional[str] = None) -> RequestRecord:
     """One request on its own gRPC stream (``client``: tritonclient's asyncio gRPC client); the stream ends
-    after the request's final response. ``priority``: its class, where the repository has request classes."""
-    inputs = _stream_inputs(prompt.text, max_tokens, end_id, priority)
+    after the request's final response. ``priority``: its class, where the repository has request classes;
+    ``tenant``: its tenant, where it has tenants."""
+    inputs = _stream_inputs(prompt.text, max_tokens, end_id, priority, tenant)
 
     async def requests():
         yield {"model_name": model, "inputs": inputs}
@@ -159,6 +163,21 @@ async def one_request(client, model: str, *, prompt: Prompt, max_tokens: int, en
             n = int(ids.size) if ids is not None else 0
             if n:
                 rec.arrivals.append((time.perf_counter(), n))
+    except Exception as e:  # noqa: BLE001 - a failed request is recorded; the level then fails as a whole
+        rec.error = f"{type(e).__name__}: {e}"
+    return _ended(rec)
+
+
+async def unary_request(client, model: str, *, prompt: Prompt, max_tokens: int, end_id: Optional[int],
+                        timeout_s: float) -> RequestRecord:
+    """One request answered whole (gRPC infer on the ensemble ``model``): one arrival, all its tokens."""
+    inputs = _stream_inputs(prompt.text, max_tokens, end_id)
+    rec = RequestRecord(prompt.tokens, time.perf_counter())
+    try:
+        result = await client.infer(model, inputs, client_timeout=timeout_s)
+        ids = result.as_numpy("output_ids")
+        if ids is not None and ids.size:
+            rec.arrivals.append((time.perf_counter(), int(ids.size)))
     except Exception as e:  # noqa: BLE001 - a failed request is recorded; the level then fails as a whole
         rec.error = f"{type(e).__name__}: {e}"
     return _ended(rec)
@@ -180,33 +199,44 @@ async def _closed_loop(send, prompts: list[Prompt], concurrency: int) -> tuple[l
 
 
 async def _drive(grpc_url: str, model: str, *, prompts: list[Prompt], concurrency: int, max_tokens: int,
-                 end_id: Optional[int], timeout_s: float) -> tuple[list[RequestRecord], float]:
+                 end_id: Optional[int], timeout_s: float, stream: bool) -> tuple[list[RequestRecord], float]:
     import tritonclient.grpc.aio as grpcaio  # optional and heavy (gRPC stubs): only when a load is driven
 
     client = grpcaio.InferenceServerClient(grpc_url)
+    request = one_request if stream else unary_request
     try:
-        return await _closed_loop(lambda p: one_request(client, model, prompt=p, max_tokens=max_tokens, end_id=end_id,
-                                                        timeout_s=timeout_s),
+        return await _closed_loop(lambda p: request(client, model, prompt=p, max_tokens=max_tokens, end_id=end_id,
+                                                    timeout_s=timeout_s),
                                   prompts, concurrency)
     finally:
         await client.close()
 
 
 def drive(grpc_url: str, model: str, *, prompts: list[Prompt], concurrency: int, max_tokens: int,
-          end_id: Optional[int] = -1, timeout_s: float = 300.0) -> tuple[list[RequestRecord], float]:
-    """Send every prompt with ``concurrency`` requests in flight; (records in completion order, wall seconds)."""
+          end_id: Optional[int] = -1, timeout_s: float = 300.0,
+          stream: bool = True) -> tuple[list[RequestRecord], float]:
+    """Send every prompt with ``concurrency`` requests in flight; (records in completion order, wall seconds).
+    ``stream`` False: each request answered whole (``model`` the ensemble, not the streaming model)."""
     return asyncio.run(_drive(grpc_url, model, prompts=prompts, concurrency=concurrency, max_tokens=max_tokens,
-                              end_id=end_id, timeout_s=timeout_s))
+                              end_id=end_id, timeout_s=timeout_s, stream=stream))
 
 
-async def _openai_request(client, model: str, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> RequestRecord:
-    """One streamed completion; each chunk's tokens counted from vLLM's ``token_ids`` (``return_token_ids``)."""
+async def _openai_request(client, model: str, *, prompt: Prompt, max_tokens: int, ignore_eos: bool,
+                          stream: bool = True) -> RequestRecord:
+    """One streamed completion; each chunk's tokens counted from vLLM's ``token_ids`` (``return_token_ids``).
+    ``stream`` False: one completion answered whole, its tokens the usage's ``completion_tokens``."""
     rec = RequestRecord(prompt.tokens, time.perf_counter())
     try:
-        stream = await client.completions.create(model=model, prompt=prompt.text, max_tokens=max_tokens,
+        if not stream:
+            whole = await client.completions.create(model=model, prompt=prompt.text, max_tokens=max_tokens,
+                                                    temperature=0.0, extra_body={"ignore_eos": ignore_eos})
+            if whole.usage is not None and whole.usage.completion_tokens:
+                rec.arrivals.append((time.perf_counter(), int(whole.usage.completion_tokens)))
+            return _ended(rec)
+        chunks = await client.completions.create(model=model, prompt=prompt.text, max_tokens=max_tokens,
                                                  temperature=0.0, stream=True,
                                                  extra_body={"ignore_eos": ignore_eos, "return_token_ids": True})
-        async for chunk in stream:
+        async for chunk in chunks:
             for choice in chunk.choices:
                 extra = choice.model_extra or {}
                 n = len(getattr(choice, "token_ids", None) or extra.get("token_ids") or [])
@@ -218,22 +248,25 @@ async def _openai_request(client, model: str, prompt: Prompt, max_tokens: int, i
 
 
 async def _drive_openai(base_url: str, model: str, *, prompts: list[Prompt], concurrency: int, max_tokens: int,
-                        ignore_eos: bool, timeout_s: float) -> tuple[list[RequestRecord], float]:
+                        ignore_eos: bool, timeout_s: float, stream: bool) -> tuple[list[RequestRecord], float]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout_s, max_retries=0)
     try:
-        return await _closed_loop(lambda p: _openai_request(client, model, p, max_tokens, ignore_eos),
+        return await _closed_loop(lambda p: _openai_request(client, model, prompt=p, max_tokens=max_tokens,
+                                                                ignore_eos=ignore_eos, stream=stream),
                                   prompts, concurrency)
     finally:
         await client.close()
 
 
 def drive_openai(base_url: str, model: str, *, prompts: list[Prompt], concurrency: int, max_tokens: int,
-                 ignore_eos: bool = True, timeout_s: float = 300.0) -> tuple[list[RequestRecord], float]:
-    """The same closed loop as ``drive``, against an OpenAI-compatible server (vLLM's): streamed completions."""
+                 ignore_eos: bool = True, timeout_s: float = 300.0,
+                 stream: bool = True) -> tuple[list[RequestRecord], float]:
+    """The same closed loop as ``drive``, against an OpenAI-compatible server (vLLM's): streamed completions
+    (``stream`` False: answered whole)."""
     return asyncio.run(_drive_openai(base_url, model, prompts=prompts, concurrency=concurrency, max_tokens=max_tokens,
-                                     ignore_eos=ignore_eos, timeout_s=timeout_s))
+                                     ignore_eos=ignore_eos, timeout_s=timeout_s, stream=stream))
 
 
 def level_figures(records: list[RequestRecord], wall_s: float, concurrency: int,

@@ -511,6 +511,7 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
 
     _serve_and_stop(default_work_root, light)
     _request_classes_through_triton(default_work_root)
+    _tenants_through_triton(default_work_root)
 
 
 def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
@@ -603,6 +604,89 @@ def _request_classes_through_triton(work_root) -> None:
     assert peaks["waiting"] >= queued / 2, peaks
     assert kv_max == idle_kv > 0 and 0 < peaks["used"] <= kv_max, (peaks, kv_max, idle_kv)
     assert idle == [0, 0, 0], idle
+
+
+def _tenants_through_triton(work_root) -> None:
+    """Tenants on the vllm target (published last: the repository keeps them): Triton's vLLM model hands vLLM a
+    tenant's request only while the blocks of its full length (prompt plus max tokens, in vLLM's 32-token blocks)
+    fit the tenant's share of vLLM's KV pool as vLLM sized it. Tenant a (2 % of the pool) sends 9 requests of 200
+    tokens at once: it never holds more blocks than its share, the requests past it wait in the gate (Triton's
+    waiting gauge counts them), and tenant b's short request, sent after them, is answered while a's still wait.
+    An unknown tenant is a 400; the per-tenant series count it all."""
+    import concurrent.futures
+    import math
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from pipeline.serving.serve import server_for_target
+
+    proc = run_invoke("publish", "--config", str(VLLM_CONFIG), "--work-root", str(work_root), "--set",
+                      "vllm.frontends=[triton]", "--set", "tenants=[{name: a, kv_share: 0.02}, {name: b, "
+                      "kv_share: 0.02}]", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done: dict[str, float] = {}
+
+    def ask(http_url: str, tenant: str, name: str, max_tokens: int) -> tuple[int, str]:
+        inputs = [("text_input", "BYTES", f"Tenant {tenant}, story {name}:"), ("max_tokens", "INT32", max_tokens),
+                  ("end_id", "INT32", -1), ("tenant", "BYTES", tenant)]
+        body = {"inputs": [{"name": n, "shape": [1, 1], "datatype": t, "data": [v]} for n, t, v in inputs]}
+        req = urllib.request.Request(f"http://{http_url}/v2/models/smollm2/infer", method="POST",
+                                     data=json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                ids = next(o["data"] for o in json.loads(r.read())["outputs"] if o["name"] == "output_ids")
+                done[name] = time.perf_counter()
+                return 200, str(len(ids))
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    peaks = {"usage": 0.0, "waiting": 0.0}
+    with server_for_target("vllm", work_root / NAME / "publish" / "model_repository", frontend="triton") as server:
+        def series(family: str, label: str, value: str) -> float:
+            return metric(server.metrics_url, family, label, value)
+
+        pool = series("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "max")
+        limit = series("tenant_quota_limit", "tenant", "a")
+        assert limit == math.floor(0.02 * pool) > 0
+        assert series("tenant_quota_limit", "tenant", "default") == pool - 2 * limit
+        status, text = ask(server.http_url, "zz", "unknown", 4)
+        assert status == 400 and "unknown tenant 'zz': this deployment serves a, b" in text, text
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                peaks["usage"] = max(peaks["usage"], series("tenant_quota_usage", "tenant", "a"))
+                peaks["waiting"] = max(peaks["waiting"], series("nv_trt_llm_request_metrics", "request_type",
+                                                                "waiting"))
+                time.sleep(0.1)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(10) as workers:
+                floods = [workers.submit(ask, server.http_url, "a", f"a{i}", 200) for i in range(9)]
+                deadline = time.monotonic() + 120
+                while peaks["waiting"] < 1 and time.monotonic() < deadline:  # a's share full, the rest in the gate
+                    time.sleep(0.1)
+                quick = workers.submit(ask, server.http_url, "b", "b", 8)
+                outcomes = [f.result() for f in floods] + [quick.result()]
+        finally:
+            stop.set()
+            sampler.join(timeout=30)
+        assert all(s == 200 for s, _ in outcomes), outcomes
+        assert [n for _, n in outcomes] == ["200"] * 9 + ["8"], outcomes
+        # a held to its share, and its share full while the rest of its requests waited (each holds 7 or 8
+        # blocks: its prompt, in the model's chat template or not, and 200 tokens)
+        assert limit / 2 < peaks["usage"] <= limit, (peaks, limit)
+        assert peaks["waiting"] >= 1, peaks
+        assert done["b"] < max(done[f"a{i}"] for i in range(9)), done  # b went past a's gate queue
+        time.sleep(1.5)  # the gauges are refreshed every 0.5 s
+        assert series("tenant_quota_usage", "tenant", "a") == 0
+        assert series("tenant_requests_total", "tenant", "a") == 9
+        assert series("tenant_requests_total", "tenant", "b") == 1
+        assert series("nv_trt_llm_request_metrics", "request_type", "waiting") == 0
 
 
 def _serve_and_stop(work_root, light) -> None:
