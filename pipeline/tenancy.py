@@ -95,6 +95,14 @@ def resolve_blocks(specs: Sequence[TenantSpec], pool_blocks: int) -> dict[str, i
     return out
 
 
+def check_names(specs: Sequence[TenantSpec]) -> None:
+    """Each tenant named once, none ``default`` (the unassigned remainder); an InputError otherwise."""
+    names = [s.name for s in specs]
+    if DEFAULT_TENANT in names or len(set(names)) != len(names):
+        raise InputError(f"tenants: names must be unique and not {DEFAULT_TENANT!r} (the unassigned remainder), "
+                         f"got {names}")
+
+
 class TenantLimitError(Exception):
     """A tenant at its concurrency or token-rate limit: retry after ``retry_after_s`` (HTTP's Retry-After)."""
 
@@ -123,10 +131,7 @@ class TenantBook:
 
     def __init__(self, specs: Sequence[TenantSpec], pool_blocks: int, *, slots: Optional[int] = None,
                  clock: Callable[[], float] = time.monotonic):
-        names = [s.name for s in specs]
-        if DEFAULT_TENANT in names or len(set(names)) != len(names):
-            raise InputError(f"tenants: names must be unique and not {DEFAULT_TENANT!r} (the unassigned remainder), "
-                             f"got {names}")
+        check_names(specs)
         blocks = resolve_blocks(specs, pool_blocks)
         self.clock, self.pool_blocks, self.slots = clock, pool_blocks, slots
         self._lock = threading.Lock()
@@ -238,8 +243,8 @@ class TenantGate:
     a tenant below its slot share first (``TenantBook.slot_share``), then by request class, then by arrival; and a
     tenant at its slot share takes a slot only while another stays free, so that a tenant below its share finds one
     at once. Nothing is paused: a started request runs to its end (the cpu runtime pauses one instead, and keeps no
-    slot free). ``finish`` when a started request ends, ``cancel`` for one that
-    may still wait. ``block_tokens``: the engine's tokens per KV block."""
+    slot free). ``finish`` when a started request ends, ``cancel`` for one that may still wait.
+    ``block_tokens``: the engine's tokens per KV block."""
 
     def __init__(self, book: TenantBook, block_tokens: int):
         self.book, self.block_tokens = book, block_tokens

@@ -145,12 +145,10 @@ def _check_tenants(tenants: list[TenantSection], t: TritonSection, b: BuildSecti
             parts = ", ".join(f"tenants[{i}].kv_share {x.kv_share} ({x.name})" for i, x in enumerate(tenants))
             raise ValueError(f"tenants: the kv_share fractions sum to {total:g}, past the whole pool, 1 ({parts}); "
                              f"lower them")
-        names = [x.name for x in tenants]
-        if len(set(names)) != len(names) or tenancy.DEFAULT_TENANT in names:
-            raise ValueError(f"tenants: names must be unique and not {tenancy.DEFAULT_TENANT!r} (the unassigned "
-                             f"remainder), got {names}")
-        return
     try:
-        tenancy.TenantBook(tenancy.specs_from(tenants), pool)
+        if pool is None:  # the names only: the shares are resolved against vLLM's pool at load
+            tenancy.check_names(tenancy.specs_from(tenants))
+        else:
+            tenancy.TenantBook(tenancy.specs_from(tenants), pool)
     except InputError as e:
         raise ValueError(str(e)) from None
