@@ -1,10 +1,11 @@
 """`invoke optimize` on the default model, its choice against the seed-rule plan and against all-INT8 side by side
 in one run (issue #40's benchmark).
 
-    .venv/bin/python scripts/bench_optimize.py [--work-root DIR] [--sla-e2e-ms 20000] [--requests 16]
-                                               [--concurrency 16] [--rounds 1] [--no-serving-search]
+    .venv/bin/python scripts/bench_optimize.py [--config FILE] [--work-root DIR] [--sla-e2e-ms 20000]
+                                               [--requests 16] [--concurrency 16] [--rounds 1] [--no-serving-search]
 
-It runs `invoke optimize` on the default config (the cpu fallback on a CPU without AVX-512) with the derived
+It runs `invoke optimize` on the default config (the one `invoke all` runs: the vllm target, or the cpu fallback on
+a CPU without AVX-512; ``--config`` another) with the derived
 candidates (seed, the threshold halved and doubled, every layer INT8) and ``optimize.compare_with: [seed,
 all-<format>]``: after the search, the choice, the seed-rule plan and all-INT8 are served at once and measured
 ``--rounds`` times, the order rotated each round (pipeline/optimize.py). It prints every candidate's outcome and
@@ -26,12 +27,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline import artifacts, constants  # noqa: E402
+from pipeline import artifacts  # noqa: E402
+from pipeline.commands import default_config  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=None, help="default: the one `invoke all` runs here")
     ap.add_argument("--work-root", type=Path, default=REPO / "build" / "bench-optimize")
     ap.add_argument("--sla-e2e-ms", type=float, default=20000.0, help="P99 end-to-end bound (ms)")
     ap.add_argument("--requests", type=int, default=16, help="tune.requests: the last halving round's requests")
@@ -40,7 +43,7 @@ def main() -> int:
     ap.add_argument("--no-serving-search", action="store_true", help="optimize.serving_search: false")
     args = ap.parse_args()
 
-    config = constants.CPU_DEFAULT_CONFIG
+    config = args.config or default_config()
     base = load_config(config).config.quantization.weight_format
     sets = [f"sla.p99_e2e_ms={args.sla_e2e_ms:g}", f"tune.requests={args.requests}",
             f"tune.concurrency={args.concurrency}", f"tune.ab_rounds={args.rounds}",

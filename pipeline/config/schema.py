@@ -97,8 +97,8 @@ def _check_serving_keys(t: TritonSection, b: BuildSection, sla: SlaSection) -> N
                          + target.serving_setting_note("adaptive_batch"))
     if t.max_running is not None and ("max_running" not in reads or t.max_running > b.max_batch_size):
         raise ValueError(
-            f"triton.max_running {t.max_running}: the runtime's limit on sequences run at once (cpu and pytorch "
-            f"targets), at most build.max_batch_size ({b.max_batch_size}); " + (
+            f"triton.max_running {t.max_running}: the runtime's limit on sequences run at once (cpu, pytorch and "
+            f"vllm targets), at most build.max_batch_size ({b.max_batch_size}); " + (
                 (target.serving_setting_note("max_running")
                  or f"the {b.target} target's limit is build.max_batch_size itself")
                 if "max_running" not in reads else "lower it, or raise build.max_batch_size (a rebuild)"))

@@ -50,7 +50,8 @@ class TritonSection(Strict):
     adaptive_batch: bool = False
     # At most this many sequences run at once (None: build.max_batch_size, the most it can be). cpu target: the
     # runtime's KV pool is sized for them; pytorch target: the LLM API's max_batch_size (CUDA graphs captured up
-    # to it). The tensorrt engine's limit is build.max_batch_size itself. `invoke tune` measures it.
+    # to it); vllm target: vLLM's max_num_seqs as served (publish writes it into the served engine record, for
+    # both frontends). The tensorrt engine's limit is build.max_batch_size itself. `invoke tune` measures it.
     max_running: Optional[int] = Field(None, ge=1)
     # cpu target: prompt tokens the runtime prefills per scheduler step, between decode steps (chunked prefill,
     # as TensorRT-LLM's chunked context): a running sequence waits for one chunk between two of its tokens, not
@@ -152,8 +153,8 @@ class BenchSection(Strict):
     grpc_url: Optional[str] = None
     metrics_url: Optional[str] = None
     # comparison mode: a second published repository (absolute; e.g. an unquantized baseline's
-    # <work root>/<name>/publish/model_repository, or that work dir), swept in the same run, level by
-    # level, alternating with this build; the results carry this/baseline ratios
+    # <work root>/<name>/publish/model_repository, or that work dir), swept in the same run as this build
+    # (bench.servers says how the two take turns); the results carry this/baseline ratios
     compare_repository: Optional[Path] = None
     # open-loop load after the sweep (pipeline/serving/bench/openloop.py): requests arriving at each of these
     # rates (requests/s, Poisson arrivals; requests_per_level each), driven by NVIDIA's aiperf from
@@ -162,6 +163,12 @@ class BenchSection(Strict):
     # the sweep measured this many times (rounds, each walking every level); a level reports the median over
     # rounds of each figure, with the spread of throughput and P99 end-to-end latency (noise made visible)
     repeats: int = Field(1, ge=1)
+    # how the servers of a run with more than one target (a vllm build's two frontends, a compare_repository) are
+    # up: "alone", one at a time (each round of the sweep starts each target's server in turn, the order reversed
+    # from round to round), so no target's figures carry another's idle engine on the same cores or GPU;
+    # "together", all up for the whole run and the levels interleaved (drift between levels hits all alike, but
+    # the servers share the host: on 2 CPU cores an idle vLLM engine beside Triton made its TTFT 4-7x)
+    servers: Literal["alone", "together"] = "alone"
     # one of the concurrency levels: after the sweep, aiperf drives the same closed loop at it on every target,
     # and the results set its figures beside our client's (a cross-check of the client). None: no cross-check
     cross_check_concurrency: Optional[int] = None

@@ -2,7 +2,9 @@
 
 What is searched on the ``cpu`` target: ``triton.max_running``, how many sequences the runtime runs at once
 (its KV pool is sized for them), and, with ``sla.p99_itl_ms`` set, ``triton.adaptive_batch`` (the runtime's
-EWMA controller) and ``triton.prefill_chunk_tokens`` (chunked prefill). On the GPU targets (``gpu_plan``): the
+EWMA controller) and ``triton.prefill_chunk_tokens`` (chunked prefill). On the ``vllm`` target: ``max_running``
+alone, vLLM's ``max_num_seqs`` as served (its scheduler has no other such setting), measured on the first of
+``vllm.frontends`` (the server `invoke serve` and the image run). On the GPU targets (``gpu_plan``): the
 executor's ``scheduler_policy``, a larger ``kv_cache_free_gpu_memory_fraction``, and on the pytorch target
 ``max_running`` halved twice and ``adaptive_batch`` (TensorRT-LLM's dynamic batch tuning); each point is measured where
 the image's ``tritonserver`` is (a GPU machine). Elsewhere ``invoke tune`` writes those points to ``tune_plan.yaml``,
@@ -236,11 +238,13 @@ class Servers:
                          build_dir=self.build_dir,
                          model_dir=artifacts.stage_dir(self.work_dir, "model") / artifacts.MODEL_DIR, repo=repo)
         repo, prov = read_repository(repo)
-        server = server_for_target(self.settings.target, repo, log_path=folder / artifacts.SERVER_LOG_FILE,
-                                   extra_args=METRICS_ARGS)
+        frontend = targets.get(self.settings.target).frontends(self.config)[0]  # what `invoke serve` and the image run
+        extra = {} if frontend == "openai" else {"extra_args": METRICS_ARGS}  # vLLM's metrics are always on
+        server = server_for_target(self.settings.target, repo, frontend=frontend,
+                                   log_path=folder / artifacts.SERVER_LOG_FILE, **extra)
         server.start()
-        target = Target(label, repo, prov, self.settings, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
-                        server=server)
+        target = Target(label, repo, prov, self.settings, frontend=frontend, grpc_url=server.grpc_url,
+                        http_url=server.http_url, metrics_url=server.metrics_url, server=server)
         self.running[label] = (server, folder)
         try:
             warm_up(target, warm, min(len(warm), concurrency), self.config.bench)
@@ -322,8 +326,10 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
     try:
         measure = measure_fn(servers, warm, measured, concurrency, sla)
         if not targets.get(config.build.target).gpu_only:  # a server starts in seconds: search step by step
-            points = search(measure, servers.settings.max_batch_size, config.sla.p99_itl_ms is not None,
-                            cfg.min_gain, cfg.prefill_chunk_tokens)
+            reads = targets.get(config.build.target).serving_settings  # vllm: max_running alone
+            points = search(measure, servers.settings.max_batch_size,
+                            config.sla.p99_itl_ms is not None and "adaptive_batch" in reads, cfg.min_gain,
+                            cfg.prefill_chunk_tokens if "prefill_chunk_tokens" in reads else None)
         else:  # the plan's points, each measured: a GPU server's start is minutes, so no step-by-step search
             points = [{"settings": st, "label": label_of(st), "level": measure(st)} for st in gpu_plan(config)]
         chosen, why = choose(points, cfg.min_gain)

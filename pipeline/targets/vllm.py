@@ -43,9 +43,9 @@ class VllmTarget(Target):
     fuses_gate_up = True  # vLLM runs gate/up as one gate_up_proj (its packed_modules_mapping)
     # the gate's KV format; vLLM serves a quantized one as FP8 (vllm.kv_cache_dtype)
     kv_formats = ("int8", "fp8", "none")
-    serving_settings = frozenset({"priority_levels", "tenants"})
-    tunable = False
-    untuned_why = "vLLM's own scheduler: vllm.max_num_seqs and its engine arguments"
+    # max_running: vLLM's max_num_seqs as served (publish writes it into the served engine record), at most
+    # build.max_batch_size, the build's (and its vLLM check's) max_num_seqs
+    serving_settings = frozenset({"max_running", "priority_levels", "tenants"})
 
     default_frontends = FRONTENDS
 
@@ -80,6 +80,17 @@ class VllmTarget(Target):
                   version: int, adaptive_target_ms: Optional[float]) -> tuple[dict[str, Any], int, str]:
         params = {"model_dir": self.artifact_dir, **priority_parameters(triton), **watchdog_parameters(triton)}
         return params, 1, "KIND_MODEL"  # one engine batches every request and places itself on its devices
+
+    def apply_serving_settings(self, triton: Any, served: Path) -> None:
+        """The served export's engine record with the triton section's max_running as vLLM's max_num_seqs: both
+        frontends start vLLM from that record (Triton's vLLM model and ``pipeline.serving.launch vllm``)."""
+        self.call("pipeline.engines.vllm.engine_args:apply_served", triton, served / artifacts.VLLM_ENGINE_FILE)
+
+    def serving_setting_note(self, key: str) -> str:
+        return {
+            "adaptive_batch": " (vLLM's scheduler fills its batch up to triton.max_running itself)",
+            "prefill_chunk_tokens": " (vLLM always chunks prefills within build.max_num_tokens a step)",
+        }.get(key, "")
 
     def kv_offloading_gib(self, cfg: "PipelineConfig") -> Optional[float]:
         return cfg.vllm.kv_offloading_gib  # --kv-offloading-size: the total over tensor-parallel ranks

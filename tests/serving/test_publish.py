@@ -346,6 +346,32 @@ def test_tenants_on_the_vllm_target_reach_its_model_and_the_gate_ships_beside_it
     assert done.stdout.startswith("[0, 1] 1 unknown tenant 'zz'"), done.stdout  # 2 + 2 of a's 5 blocks; 1 waits
 
 
+def test_max_running_on_the_vllm_target_is_the_served_engine_records_max_num_seqs(setup):
+    """triton.max_running on the vllm target: the repository's engine record (what Triton's vLLM model and
+    `launch vllm` start vLLM from) carries it as max_num_seqs, in the engine arguments and the server's flags; the
+    build's record, linked into the repository otherwise, is left as the build wrote it. Unset: the build's."""
+    from pipeline.serving import launch
+
+    load, work, run = setup
+    names = pub.model_names("llm")
+    built = work / "build" / artifacts.VLLM_MODEL_DIR / artifacts.VLLM_ENGINE_FILE
+    _, snap = run(load("vllm"))
+    served = snap / names.tensorrt_llm / "1" / artifacts.VLLM_MODEL_DIR / artifacts.VLLM_ENGINE_FILE
+    assert served.read_bytes() == built.read_bytes()
+    before = built.read_bytes()
+    _, snap = run(load("vllm", "triton.max_running=2"))
+    version = json.loads((snap / artifacts.PROVENANCE_FILE).read_text())["version"]  # 2: another content
+    served = snap / names.tensorrt_llm / str(version) / artifacts.VLLM_MODEL_DIR / artifacts.VLLM_ENGINE_FILE
+    record = json.loads(served.read_text())
+    assert record["engine_args"]["max_num_seqs"] == 2 and record["engine_args"]["served_model_name"] == "llm"
+    assert record["server_flags"] == ["--max-num-seqs", "2", "--served-model-name", "llm"]
+    assert built.read_bytes() == before and json.loads(before)["engine_args"]["max_num_seqs"] == 4
+    argv = launch.vllm_argv("python3", snap, "127.0.0.1", 8000)
+    assert argv[argv.index("--max-num-seqs") + 1] == "2"
+    with pytest.raises(ConfigError, match="adaptive_batch.*vLLM's scheduler fills its batch"):
+        load("vllm", "triton.adaptive_batch=true")
+
+
 def test_adaptive_batch_reaches_the_cpu_model_as_its_step_target(setup):
     load, work, run = setup
     names = pub.model_names("llm")

@@ -29,6 +29,8 @@ from pipeline.serving.tune import (
 )
 from pipeline.serving.tuned import PLAN_FILE, TUNE_DIR, TUNED_FILE, apply_tuned, tuned_fingerprint, with_triton
 
+VLLM_CONFIG = REPO / "engine_configs" / "smollm2-135m-vllm.yaml"
+
 pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server start
 
 ITL = {"itl_ms": 250.0}
@@ -140,19 +142,25 @@ def test_the_ab_confirms_a_choice_only_when_its_medians_keep_the_sla():
     assert default["settings"] == {} and why.startswith("the default stays")
 
 
-def test_tune_refuses_the_vllm_target_and_a_missing_sla():
+def test_tune_refuses_the_edge_target_and_a_missing_sla_and_takes_the_vllm_target():
     with pytest.raises(InputError, match="set at least one of sla.p99_e2e_ms"):
         check_tunable(load_config(DEFAULT_CPU_CONFIG).config)
-    vllm = load_config(REPO / "engine_configs" / "smollm2-135m-vllm.yaml", ["sla.p99_itl_ms=200"]).config
-    with pytest.raises(InputError, match="the vllm target's .*are not tuned by it"):
-        check_tunable(vllm)
+    edge = load_config(REPO / "engine_configs" / "smollm2-135m-edge.yaml", ["sla.p99_itl_ms=200"]).config
+    with pytest.raises(InputError, match="the edge target's .*are not tuned by it"):
+        check_tunable(edge)
+    check_tunable(load_config(VLLM_CONFIG, ["sla.p99_itl_ms=200"]).config)  # its max_running: vLLM's max_num_seqs
 
 
 def test_max_running_is_checked_against_the_build_and_the_target():
     with pytest.raises(ConfigError, match=r"triton.max_running 16: .*at most build.max_batch_size \(8\)"):
         load_config(DEFAULT_CPU_CONFIG, ["triton.max_running=16"])
-    with pytest.raises(ConfigError, match="the vllm target's limit is build.max_batch_size itself"):
-        load_config(REPO / "engine_configs" / "smollm2-135m-vllm.yaml", ["triton.max_running=2"])
+    with pytest.raises(ConfigError, match=r"triton.max_running 32: .*at most build.max_batch_size \(16\)"):
+        load_config(VLLM_CONFIG, ["triton.max_running=32"])
+    assert load_config(VLLM_CONFIG, ["triton.max_running=2"]).config.triton.max_running == 2
+    with pytest.raises(ConfigError, match="the tensorrt target's limit is build.max_batch_size itself"):
+        load_config(REPO / "engine_configs" / "llama-3.1-8b-h100-fp8.yaml", ["triton.max_running=2"])
+    with pytest.raises(ConfigError, match="adaptive_batch.*vLLM's scheduler fills its batch"):
+        load_config(VLLM_CONFIG, ["triton.adaptive_batch=true", "sla.p99_itl_ms=200"])
     with pytest.raises(ConfigError, match="tune.min_gain"):
         load_config(DEFAULT_CPU_CONFIG, ["tune.min_gain=2"])
 

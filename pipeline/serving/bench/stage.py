@@ -17,12 +17,14 @@ the medians over its rounds with their spread (``stats.median_rounds``), and the
 on the medians. Cross-check (``bench.cross_check_concurrency``): after the sweep, aiperf drives the same closed
 loop at that level on every target, its figures beside our client's median ones (``openloop.cross_check``).
 
-Comparison mode (``bench.compare_repository``): a second published repository gets its own server, and
-the two are swept level by level, alternating which goes first (from level to level, and at each level from
-round to round), so drifting machine load hits both alike;
-the results carry this build / baseline ratios. A vllm build is swept once per ``vllm.frontends`` entry
-(vLLM's OpenAI server, Triton through the vLLM Python-backend model) the same way, with triton / openai
-ratios.
+Comparison mode (``bench.compare_repository``): a second published repository gets its own server and the
+same sweep; the results carry this build / baseline ratios. A vllm build is swept once per ``vllm.frontends``
+entry (vLLM's OpenAI server, Triton through the vLLM Python-backend model) the same way, with triton / openai
+ratios. With ``bench.servers: alone`` (the default) one server is up at a time: each round starts each
+target's server in turn, the order reversed from round to round, so an idle engine beside the measured one
+takes nothing from it. With ``together`` all are up for the whole run and swept level by level, alternating
+which goes first (from level to level, and at each level from round to round), so drifting machine load hits
+both alike.
 
 Outputs: ``bench_results.json``, ``throughput_vs_concurrency.png``, ``latency_vs_concurrency.png`` and the
 servers' logs.
@@ -71,6 +73,12 @@ log = logging.getLogger(__name__)
 BASELINE_SERVER_LOG = "tritonserver_baseline.log"
 AIPERF_DIR = "aiperf"  # aiperf's runs: one artifact folder per target and rate (and the cross-check's per target)
 THIS, BASELINE = "this build", "baseline"  # target labels
+SERVERS_SAID = {  # bench.servers, as the results define it (where there is more than one target)
+    "alone": "one server up at a time: each round started each target's server in turn (the order reversed from "
+             "round to round), warmed it up, measured every level and stopped it",
+    "together": "every target's server up for the whole run, the levels interleaved (the target going first "
+                "alternating from level to level and from round to round); the servers shared the host",
+}
 
 
 def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, build_dir: Optional[Path],
@@ -82,13 +90,7 @@ def run_bench(config: PipelineConfig, publish_dir: Path, samples_file: Path, bui
     exe = aiperf_executable() if cfg.uses_aiperf else ""  # missing: stop before any server starts
 
     t_start = time.perf_counter()
-    checked: dict[str, dict] = {}
-    with _servers(targets, cfg, out_dir):
-        _sweep(targets, warm, measured, cfg, sla)
-        if cfg.cross_check_concurrency is not None:
-            checked = _cross_check(exe, targets, cfg.cross_check_concurrency, cfg, out_dir / AIPERF_DIR)
-        if cfg.request_rates:
-            _open_loop(exe, targets, cfg, sla, out_dir / AIPERF_DIR)
+    checked = _sweep(targets, warm=warm, measured=measured, cfg=cfg, sla=sla, exe=exe, out_dir=out_dir)
     bench_s = time.perf_counter() - t_start
 
     knees = _find_knees(targets, cfg)
@@ -163,17 +165,18 @@ DEATH_CHECK_S = 2.0  # after a failed level, how long a server may take to be se
 
 
 @contextlib.contextmanager
-def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterator[None]:
-    """A server for each target while the block runs: bench.grpc_url's for this build where set (checked first),
-    otherwise one started here on the target's repository, its log in ``out_dir``, stopped on leaving."""
+def _servers(group: list[Target], main: Target, cfg: BenchSection, out_dir: Path) -> Iterator[None]:
+    """A server for each target of ``group`` while the block runs: for ``main`` (this build), bench.grpc_url's
+    where set (checked first), otherwise one started here on the target's repository, its log in ``out_dir``
+    (appended to where the target's server starts again), stopped on leaving."""
     started = []
     try:
-        for i, t in enumerate(targets):
-            if i == 0 and cfg.grpc_url is not None:
+        for t in group:
+            if t is main and cfg.grpc_url is not None:
                 t.grpc_url, t.metrics_url = cfg.grpc_url, cfg.metrics_url
                 check_served(t)
                 continue
-            log_name = (artifacts.SERVER_LOG_FILE if i == 0 else BASELINE_SERVER_LOG if t.label == BASELINE
+            log_name = (artifacts.SERVER_LOG_FILE if t is main else BASELINE_SERVER_LOG if t.label == BASELINE
                         else f"server_{t.frontend}.log")
             extra = {} if t.openai else {"extra_args": METRICS_ARGS}  # vLLM's metrics are always on
             server = server_for_target(t.provenance.build.target, t.repository, frontend=t.frontend,
@@ -203,28 +206,59 @@ def _servers(targets: list[Target], cfg: BenchSection, out_dir: Path) -> Iterato
             server.stop()
 
 
-def _sweep(targets: list[Target], warm: list[Prompt], measured: list[Prompt], cfg: BenchSection,
-           sla: dict[str, float]) -> None:
-    """Warm each server up, then ``bench.repeats`` rounds of every level on every target (each level of each round
-    on prompts of its own), alternating which target goes first from level to level and from round to round;
-    each level's figures are then the medians over its rounds."""
+def _sweep(targets: list[Target], *, warm: list[Prompt], measured: list[Prompt], cfg: BenchSection,
+           sla: dict[str, float], exe: str, out_dir: Path) -> dict[str, dict]:
+    """``bench.repeats`` rounds of every level on every target (each level of each round on prompts of its own),
+    each server warmed up when it starts; each level's figures are then the medians over its rounds. Then, on
+    the servers of the last round, the cross-check and the open-loop rates; their cross-check, by label.
+
+    ``bench.servers`` "together": every server up for the whole run, the target going first alternating from
+    level to level and from round to round. "alone" (or one target): one server up at a time, each round
+    starting each target's server in turn, the order reversed from round to round."""
     levels, n = list(cfg.concurrency), cfg.requests_per_level
-    for t in targets:
-        warm_up(t, warm, min(len(warm), levels[-1]), cfg)
     rounds: dict[str, list[list[dict]]] = {t.label: [[] for _ in levels] for t in targets}
+    checked: dict[str, dict] = {}
+
+    def level(t: Target, r: int, k: int) -> None:
+        i = r * len(levels) + k
+        rounds[t.label][k].append(run_level(t, measured[i * n:(i + 1) * n], levels[k], cfg, sla))
+        progress.advance()
+
+    def after(group: list[Target]) -> None:  # on the last round's servers
+        if cfg.cross_check_concurrency is not None:
+            checked.update(_cross_check(exe, group, cfg.cross_check_concurrency, cfg, out_dir / AIPERF_DIR))
+        if cfg.request_rates:
+            _open_loop(exe, group, cfg, sla, out_dir / AIPERF_DIR)
+
+    def either_way(group: list[Target], first: int) -> list[Target]:
+        return group if first % 2 == 0 else list(reversed(group))
+
+    main = targets[0]
     with console.step("bench: concurrency levels", total=cfg.repeats * len(levels) * len(targets)) as progress:
-        for r in range(cfg.repeats):
-            for k, c in enumerate(levels):
-                i = r * len(levels) + k
-                order = targets if (k + r) % 2 == 0 else list(reversed(targets))  # alternate who goes first
-                for t in order:
-                    rounds[t.label][k].append(run_level(t, measured[i * n:(i + 1) * n], c, cfg, sla))
-                    progress.advance()
+        if cfg.servers == "together" or len(targets) == 1:
+            with _servers(targets, main, cfg, out_dir):
+                for t in targets:
+                    warm_up(t, warm, min(len(warm), levels[-1]), cfg)
+                for r in range(cfg.repeats):
+                    for k in range(len(levels)):
+                        for t in either_way(targets, k + r):
+                            level(t, r, k)
+                after(targets)
+        else:
+            for r in range(cfg.repeats):
+                for t in either_way(targets, r):
+                    with _servers([t], main, cfg, out_dir):
+                        warm_up(t, warm, min(len(warm), levels[-1]), cfg)
+                        for k in range(len(levels)):
+                            level(t, r, k)
+                        if r == cfg.repeats - 1:
+                            after([t])
     for t in targets:
         t.levels = [median_rounds(per_level, sla) for per_level in rounds[t.label]]
         if cfg.repeats > 1:
-            for level in t.levels:
-                log.info("%s %s", t.label, spread_sentence(level))
+            for lv in t.levels:
+                log.info("%s %s", t.label, spread_sentence(lv))
+    return checked
 
 
 def _cross_check(exe: str, targets: list[Target], c: int, cfg: BenchSection, out_dir: Path) -> dict[str, dict]:
@@ -305,6 +339,7 @@ def _results(cfg: BenchSection, sla: dict[str, float], *, targets: list[Target],
                      "aiperf's completed requests / run time; goodput is aiperf's, against the same SLA bounds",
             "sustainable_rate": "the highest rate with no failed request whose P99s kept the SLA (rates judged in "
                                 "ascending order; the first that fails ends the search; none without an SLA)",
+            **({"servers": SERVERS_SAID[cfg.servers]} if len(targets) > 1 else {}),
             **({"repeats": f"the sweep ran {cfg.repeats} rounds, each on prompts of its own: every figure of a "
                            "level is the median over its rounds of that figure as each round measured it (a P99 is "
                            "the median of the rounds' P99s, not the P99 of all their requests); the SLA is judged, "

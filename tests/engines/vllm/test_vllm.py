@@ -511,6 +511,7 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
 
     _serve_and_stop(default_work_root, light)
     _request_classes_through_triton(default_work_root)
+    _tune_measures_max_running_on_vllms_server(default_work_root)
     _tenants_through_triton(default_work_root)
 
 
@@ -604,6 +605,30 @@ def _request_classes_through_triton(work_root) -> None:
     assert peaks["waiting"] >= queued / 2, peaks
     assert kv_max == idle_kv > 0 and 0 < peaks["used"] <= kv_max, (peaks, kv_max, idle_kv)
     assert idle == [0, 0, 0], idle
+
+
+def _tune_measures_max_running_on_vllms_server(work_root) -> None:
+    """`invoke tune` on the vllm target: each point is published with its max_running as the served engine
+    record's max_num_seqs and measured on a real server of the first frontend (vLLM's OpenAI server), which starts
+    with it (vLLM logs its non-default arguments). Four clients: a limit of 8 gains nothing over 16, so the
+    default is kept and the tuned file applies nothing."""
+    import yaml
+
+    proc = run_invoke("tune", "--config", str(VLLM_CONFIG), "--work-root", str(work_root), "--set",
+                      "sla.p99_e2e_ms=120000", "--set", "tune.concurrency=4", "--set", "tune.requests=8",
+                      timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tune = work_root / NAME / "tune"
+    results = json.loads((tune / "tune_results.json").read_text())
+    assert results["target"] == "vllm" and results["build_max_batch_size"] == 16
+    points = {p["label"]: p for p in results["points"]}
+    assert list(points)[:2] == ["default", "max_running=8"]
+    assert all(p["sla_met"] for p in points.values()), points
+    for label, seqs in (("default", 16), ("max_running=8", 8)):
+        log = (tune / "settings" / label.replace("=", "-") / "tritonserver.log").read_text(errors="replace")
+        assert f"'max_num_seqs': {seqs}" in log, log[-2000:]
+    tuned = yaml.safe_load((tune / "tuned_settings.yaml").read_text())
+    assert tuned["sla"] == {"e2e_ms": 120000.0} and set(tuned["triton"]) <= {"max_running"}
 
 
 def _tenants_through_triton(work_root) -> None:

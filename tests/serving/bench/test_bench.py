@@ -8,6 +8,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -484,9 +485,44 @@ def test_bench_drives_an_existing_server(published_tiny):
             Runner(loaded, STAGES, runner.work_dir.parent).run(["bench"], echo=lambda s: None)
 
 
+class _ServersUp:
+    """Counts, every 50 ms while the block runs, the servers this test process started (its descendants: other
+    workers' servers are not counted), one per repository (a tritonserver's forked children carry its name and
+    command line); ``most``: the most seen up at once."""
+
+    def __init__(self):
+        self.most, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self):
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.wait(0.05):
+            up = set()
+            for child in me.children(recursive=True):
+                try:
+                    if child.name() == "tritonserver" and child.status() != psutil.STATUS_ZOMBIE:
+                        up |= {a for a in child.cmdline() if a.startswith("--model-repository=")}
+                except psutil.Error:
+                    continue
+            self.most = max(self.most, len(up))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 @pytest.mark.e2e
-def test_comparison_mode_alternates_two_servers(published_tiny, tmp_path):
-    """A second build (unquantized KV cache: another repository digest) as the baseline, in the same run."""
+@pytest.mark.parametrize("servers,repeats,most_up", [("alone", 2, 1), ("together", 1, 2)])
+def test_comparison_mode_sweeps_two_servers_one_at_a_time_or_together(published_tiny, tmp_path, servers, repeats,
+                                                                        most_up):
+    """A second build (unquantized KV cache: another repository digest) as the baseline, in the same run:
+    ``alone`` (the default) never has both servers up, each round starting each in turn; ``together`` has."""
     from pipeline.config import load_config
     from pipeline.runner import Runner
     from pipeline.stages import STAGES
@@ -496,12 +532,20 @@ def test_comparison_mode_alternates_two_servers(published_tiny, tmp_path):
     base = Runner(load_config(cfg, overrides + ["quantization.kv_cache=none"]), STAGES, base_root)
     base.run(["publish"], echo=lambda s: None)
     repo = base.work_dir / "publish" / "model_repository"
+    mode = [] if servers == "alone" else [f"bench.servers={servers}"]  # alone: the default
     cmp = Runner(load_config(cfg, overrides + ["bench.concurrency=[1,2]", "bench.requests_per_level=3",
+                                               f"bench.repeats={repeats}", *mode,
                                                f"bench.compare_repository={base.work_dir}"]), STAGES,
                  runner.work_dir.parent)
-    cmp.run(["bench"], echo=lambda s: None)
+    with _ServersUp() as up:
+        cmp.run(["bench"], echo=lambda s: None)
+    assert up.most == most_up
     results = json.loads((cmp.work_dir / "bench" / artifacts.BENCH_RESULTS_FILE).read_text())
+    assert results["settings"]["servers"] == servers
     this, baseline = results["targets"]
+    for t in (this, baseline):  # every round of every level measured, each on a server of its own round
+        assert all(len(l.get("spread", {}).get("per_round", [None])) == repeats for l in t["levels"])
+        assert all(l["errors"] == 0 and l["requests"] == 3 for l in t["levels"])
     assert baseline["repository"] == str(repo) and baseline["label"] == "baseline"
     assert this["repository_digest"] != baseline["repository_digest"]
     ratios = results["comparison"]["levels"]
