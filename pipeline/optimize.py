@@ -22,7 +22,8 @@ The search, cheapest evidence first:
 4. **The choice**, among the measured (plan, settings) points that keep the SLA: with ``goal: goodput`` the most
    good requests/s, and ``seed`` unless another beats it by ``tune.min_gain`` (noise is not a gain); with ``goal:
    memory`` the fewest weight bytes among those with at least ``min_goodput_rps``. Then the choice and
-   ``optimize.compare_with`` side by side: every server up, ``tune.ab_rounds`` rounds, the order rotated; where
+   ``optimize.compare_with`` side by side: ``tune.ab_rounds`` rounds, the order rotated, one server up at a time
+   (each started for its turn; ``bench.servers: together`` keeps them all up); where
    ``seed``'s medians keep the SLA with at least the choice's goodput, ``seed`` stays (``confirm``).
 5. **Published:** the chosen serving settings are written to the candidate's ``tune/tuned_settings.yaml`` and its
    publish stage runs. No candidate meets the objective: nothing is published, and the error names the closest
@@ -31,7 +32,8 @@ The search, cheapest evidence first:
 Cost, for C candidates of which S pass the gate: C quantize-and-build runs (less those up to date: a rerun costs
 only the measurements); ceil(log2(S / finalists)) halving rounds, each about S x tune.requests / 2^(rounds - 1)
 requests and one server start per candidate measured; each finalist's serving search, as `invoke tune` (up to
-log2(build.max_batch_size) + 4 servers); then len(compare_with) + 1 servers for the side-by-side rounds. The
+log2(build.max_batch_size) + 4 servers); then (len(compare_with) + 1) x tune.ab_rounds server starts for the
+side-by-side rounds (len(compare_with) + 1 with bench.servers "together"). The
 quantize stage dominates (the gate evaluates both models; a refusal is remembered with the gate's inputs, so a
 rerun does not evaluate that candidate again): cost grows linearly in C; bound it with fewer
 candidates, ``text.evaluation.num_samples``, or ``optimize.serving_search: false``.
@@ -66,7 +68,7 @@ from pipeline.runner import Runner
 from pipeline.serving import tune as tuning
 from pipeline.serving.bench.stats import SLA_NAMES
 from pipeline.serving.serve import gpu_server_binary
-from pipeline.serving.tuned import FORMAT_VERSION, TUNE_DIR, TUNED_FILE, build_digest
+from pipeline.serving.tuned import FORMAT_VERSION, TUNE_DIR, TUNED_FILE, build_digest, servers_said
 
 log = logging.getLogger(__name__)
 
@@ -436,7 +438,8 @@ def _search(config: PipelineConfig, config_name: str, *, cands: list[Candidate],
             t3 = time.monotonic()
             side = _side_by_side(chosen, cands, config=config, config_name=config_name, root=staging / "side_by_side",
                                  prompts=(warm, measured))
-            servers_started += len(side["sides"]) if side else 0
+            servers_started += (len(side["sides"]) * (1 if side["servers"] == "together" else side["rounds"])
+                                if side else 0)
             if side is not None:
                 chosen, verdict = confirm(chosen, side, points)
                 why = f"{why}; {verdict}"
@@ -564,8 +567,8 @@ def side_key(candidate: str, settings: dict) -> str:
 
 def _side_by_side(chosen: dict, cands: list[Candidate], *, config: PipelineConfig, config_name: str,
                   root: Path, prompts: tuple[list, list]) -> Optional[dict]:
-    """The choice and optimize.compare_with, every server up, tune.ab_rounds rounds with the order rotated:
-    medians per side."""
+    """The choice and optimize.compare_with, tune.ab_rounds rounds with the order rotated, the servers up as
+    bench.servers says (one at a time by default): medians per side."""
     by_name = {c.name: c for c in cands}
     sides = [(chosen["candidate"], chosen["settings"])]
     for name in config.optimize.compare_with:
@@ -576,21 +579,18 @@ def _side_by_side(chosen: dict, cands: list[Candidate], *, config: PipelineConfi
     keys = [side_key(n, st) for n, st in sides]
     warm, measured = prompts  # the halving rounds' (chosen is only ever a measured candidate's point)
     load, bounds = tuning.load_for(config), config.sla.bounds()
-    running: dict[str, tuple] = {}
-    rounds: list[dict] = []
-    try:
-        for k, (key, (name, settings)) in enumerate(zip(keys, sides, strict=True)):
-            c = by_name[name]
-            servers = tuning.Servers(c.runner.loaded.config, config_name, c.work_dir, root / f"{k}-{name}")
-            running[key] = (servers, servers.start(settings, warm, load["concurrency"]))
-        for k in range(config.tune.ab_rounds):
-            order = keys[k % len(keys):] + keys[:k % len(keys)]
-            rounds.append({key: tuning.point_figures(tuning.run_level(running[key][1], measured[:load["requests"]],
-                                                          load["concurrency"], config.bench, bounds))
-                           for key in order})
-    finally:
-        for servers, _ in running.values():
-            servers.stop_all()
+
+    def side(k: int, name: str, settings: dict) -> tuning.Side:
+        c = by_name[name]
+        servers = tuning.Servers(c.runner.loaded.config, config_name, c.work_dir, root / f"{k}-{name}")
+        return (lambda: servers.start(settings, warm, load["concurrency"])), (lambda t: servers.stop(t.label))
+
+    together = config.bench.servers == "together"
+    rounds = tuning.rotated_rounds(
+        {key: side(k, name, settings) for k, (key, (name, settings)) in enumerate(zip(keys, sides, strict=True))},
+        config.tune.ab_rounds, together=together,
+        measure=lambda t: tuning.point_figures(tuning.run_level(t, measured[:load["requests"]], load["concurrency"],
+                                                                config.bench, bounds)))
     med = {}
     for key in keys:
         p99 = {m: statistics.median(r[key]["p99_ms"][m] for r in rounds) for m in bounds}
@@ -602,7 +602,8 @@ def _side_by_side(chosen: dict, cands: list[Candidate], *, config: PipelineConfi
     ratios = {key: {"goodput": top["goodput_rps"] / med[key]["goodput_rps"] if med[key]["goodput_rps"] > 0 else None,
                     "output_tokens_per_s": top["output_tokens_per_s"] / med[key]["output_tokens_per_s"]}
               for key in keys[1:]}
-    return {"rounds": len(rounds), "sides": [{"key": key, "candidate": n, "settings": st}
+    return {"rounds": len(rounds), "servers": "together" if together else "alone",
+            "sides": [{"key": key, "candidate": n, "settings": st}
                                              for key, (n, st) in zip(keys, sides, strict=True)],
             "medians": med, "chosen_over": ratios, "per_round": rounds}
 
@@ -666,7 +667,8 @@ def table_markdown(results: dict) -> str:
     if side:
         chosen = side["sides"][0]["key"]
         med = side["medians"]
-        lines += ["", f"Side by side, {side['rounds']} round(s), every server up, the order rotated (medians):", "",
+        lines += ["", f"Side by side, {side['rounds']} round(s), {servers_said(side)}, the order rotated "
+                      "(medians):", "",
                   "| candidate | goodput req/s | output tok/s | SLA kept (rounds) | chosen's goodput / this | "
                   "chosen's tok/s / this |", "|---|---|---|---|---|---|"]
         for s in side["sides"]:

@@ -186,7 +186,8 @@ def test_invoke_optimize_gates_measures_chooses_and_publishes_and_a_rerun_builds
     assert out["front"] and out["cost"]["measured"] == 2
     # stages run, read from the manifests: plan, quantize, build; int4's sensitivity and plan (its gate refused it)
     assert [c["stages_run"] for c in out["candidates"]] == [3, 3, 2, 0] and out["cost"]["built"] == 3
-    if out["side_by_side"]:  # the search's choice beside seed, both servers up; seed stays unless it is confirmed
+    if out["side_by_side"]:  # the search's choice beside seed, one server up at a time; seed stays unless confirmed
+        assert out["side_by_side"]["servers"] == "alone" and "one server up at a time, the order rotated" in table
         # a side is a candidate at settings: the search's choice may be seed itself at other serving settings
         first, other = (s["key"] for s in out["side_by_side"]["sides"])
         picked = side_key(chosen["candidate"], chosen["settings"])

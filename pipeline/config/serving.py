@@ -167,7 +167,8 @@ class BenchSection(Strict):
     # up: "alone", one at a time (each round of the sweep starts each target's server in turn, the order reversed
     # from round to round), so no target's figures carry another's idle engine on the same cores or GPU;
     # "together", all up for the whole run and the levels interleaved (drift between levels hits all alike, but
-    # the servers share the host: on 2 CPU cores an idle vLLM engine beside Triton made its TTFT 4-7x)
+    # the servers share the host: on 2 CPU cores an idle vLLM engine beside Triton made its TTFT 4-7x). The same
+    # for invoke tune's A/B and invoke optimize's side-by-side rounds
     servers: Literal["alone", "together"] = "alone"
     # one of the concurrency levels: after the sweep, aiperf drives the same closed loop at it on every target,
     # and the results set its figures beside our client's (a cross-check of the client). None: no cross-check
@@ -241,8 +242,8 @@ class TuneSection(Strict):
     # a smaller limit is measured next only while the last one raised goodput by at least this fraction, and
     # a setting replaces the default only if it beats the default's goodput by it (noise is not a gain)
     min_gain: float = Field(0.05, ge=0, lt=1)
-    # tuned vs default after the search, both servers up, alternating which goes first; the medians over the
-    # rounds must confirm the choice (pipeline/serving/tune.py: confirm)
+    # tuned vs default after the search, alternating which goes first, the servers up as bench.servers says (one
+    # at a time by default); the medians over the rounds must confirm the choice (pipeline/serving/tune.py: confirm)
     ab_rounds: int = Field(3, ge=1, le=10)
     # cpu target, with sla.p99_itl_ms set: the chunked prefill (triton.prefill_chunk_tokens) the search tries,
     # alone and with the adaptive limit (null: not tried). 8 held SmolLM2's inter-token P99 within its bound

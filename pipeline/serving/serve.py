@@ -53,6 +53,16 @@ def server_for_target(target: str, repository: Path, frontend: Optional[str] = N
                         tensorrt_llm_model=build.tensorrt_llm_model, **{"ready_timeout_s": 1800.0, **kwargs})
 
 
+def measured_server_for_target(target: str, repository: Path, *, frontend: Optional[str], log_path: Path):
+    """``server_for_target`` for bench and tune, which read the server's metrics: a Triton server gets its
+    latency histograms (METRICS_ARGS); vLLM's OpenAI server has its metrics always on."""
+    from pipeline.serving.bench.metrics import METRICS_ARGS
+
+    openai = targets.get(target).server(frontend) == targets.SERVER_VLLM_OPENAI
+    extra = {} if openai else {"extra_args": METRICS_ARGS}
+    return server_for_target(target, repository, frontend=frontend, log_path=log_path, **extra)
+
+
 # ---------------------------------------------------------------- invoke serve
 
 

@@ -52,7 +52,8 @@ from pipeline.tenancy import TENANT_HEADER_ARGS
 log = logging.getLogger(__name__)
 
 STUB_NAME = "triton_python_backend_stub"
-READY_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 300.0  # the CPU repository: ~7 s alone on 2 cores; over 120 s seen in CI, beside a second test
+# worker and a vLLM engine on those 2 cores
 VLLM_READY_TIMEOUT_S = 600.0  # vLLM's import and engine start: 40-90 s on 2 busy cores
 LOG_TAIL_LINES = 40
 STACKS_SIGNAL = "SIGUSR1"  # the signal the Triton models dump their threads' stacks on (llm_io.STACKS_SIGNAL)
@@ -374,6 +375,8 @@ class TritonServer(ServerProcess):
                     log.info("a chosen port was taken meanwhile; retrying with new ports")
                     self._terminate()
                     continue
+                if self.process is not None and self.process.poll() is None:
+                    self.dump_python_stacks()  # still loading: where each model stood goes into the log's tail
                 raise StageFailed(self._failure_message(self.log_path))
         except BaseException:
             self.stop()

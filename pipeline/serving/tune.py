@@ -23,8 +23,9 @@ keep the SLA; the chosen one is the eligible setting with the most goodput, the 
 ``tune.min_gain`` (noise is not a gain). No eligible setting: nothing is written to apply, and the error names
 the best point and what bounds it.
 
-Then an A/B: the default and the chosen setting, both servers up, ``tune.ab_rounds`` rounds alternating
-which goes first. It must confirm the choice (``confirm``): the chosen setting's median P99s keep the SLA
+Then an A/B: the default and the chosen setting, ``tune.ab_rounds`` rounds alternating which goes first, one
+server up at a time (each started for its turn; ``bench.servers: together`` keeps both up). It must confirm
+the choice (``confirm``): the chosen setting's median P99s keep the SLA
 (else nothing is applied: the machine's noise is larger than the setting's margin), and where the default's
 medians keep it too with as much goodput, the default stays. Written (the folder replaced only when the
 tune succeeds; a failed tune's evidence goes to ``tune.failed/``): ``tune_results.json``,
@@ -49,7 +50,6 @@ from pipeline.config import PipelineConfig
 from pipeline.errors import InputError, StageFailed
 from pipeline.fsutil import atomic_write_text, remove_tree, replace_dir
 from pipeline.serving.bench.load import Prompt, make_prompts
-from pipeline.serving.bench.metrics import METRICS_ARGS
 from pipeline.serving.bench.stats import SLA_NAMES
 from pipeline.serving.bench.target import (
     Target,
@@ -60,7 +60,7 @@ from pipeline.serving.bench.target import (
     warm_up,
 )
 from pipeline.serving.publish import write_repository
-from pipeline.serving.serve import server_for_target
+from pipeline.serving.serve import measured_server_for_target
 from pipeline.serving.tuned import (
     FAILED_DIR,
     FORMAT_VERSION,
@@ -72,6 +72,7 @@ from pipeline.serving.tuned import (
     TUNE_DIR,
     TUNED_FILE,
     build_digest,
+    servers_said,
     with_triton,
 )
 
@@ -239,9 +240,8 @@ class Servers:
                          model_dir=artifacts.stage_dir(self.work_dir, "model") / artifacts.MODEL_DIR, repo=repo)
         repo, prov = read_repository(repo)
         frontend = targets.get(self.settings.target).frontends(self.config)[0]  # what `invoke serve` and the image run
-        extra = {} if frontend == "openai" else {"extra_args": METRICS_ARGS}  # vLLM's metrics are always on
-        server = server_for_target(self.settings.target, repo, frontend=frontend,
-                                   log_path=folder / artifacts.SERVER_LOG_FILE, **extra)
+        server = measured_server_for_target(self.settings.target, repo, frontend=frontend,
+                                            log_path=folder / artifacts.SERVER_LOG_FILE)
         server.start()
         target = Target(label, repo, prov, self.settings, frontend=frontend, grpc_url=server.grpc_url,
                         http_url=server.http_url, metrics_url=server.metrics_url, server=server)
@@ -278,17 +278,48 @@ def measure_fn(servers: Servers, warm: list[Prompt], measured: list[Prompt], con
     return measure
 
 
+Side = tuple[Callable[[], Target], Callable[[Target], None]]  # (start its server, warmed up; stop it)
+
+
+def rotated_rounds(sides: dict[str, Side], rounds: int, measure: Callable[[Target], dict], *,
+                   together: bool) -> list[dict]:
+    """``rounds`` rounds of ``measure`` on every side ({side: figures} each), the order rotated from round to
+    round. ``together`` (bench.servers "together"): every side's server up for the whole run. Otherwise
+    ("alone"): one server up at a time, each side's started for its turn in a round and stopped after it, so no
+    idle engine takes from the measured one. Every server started here is stopped on leaving."""
+    keys, up = list(sides), {}
+    try:
+        if together:
+            for key in keys:
+                up[key] = sides[key][0]()
+        out = []
+        for k in range(rounds):
+            row = {}
+            for key in keys[k % len(keys):] + keys[:k % len(keys)]:
+                if not together:
+                    up[key] = sides[key][0]()
+                row[key] = measure(up[key])
+                if not together:
+                    sides[key][1](up.pop(key))
+            out.append(row)
+        return out
+    finally:
+        for key, target in up.items():
+            sides[key][1](target)
+
+
 def _ab(servers: Servers, chosen: dict, *, warm: list[Prompt], measured: list[Prompt], concurrency: int,
         sla: dict[str, float], rounds: int) -> list[dict]:
-    """Default and chosen, both up, ``rounds`` rounds alternating which goes first."""
-    sides = {"default": servers.start({}, warm, concurrency), "tuned": servers.start(chosen["settings"], warm,
-                                                                                     concurrency)}
-    out = []
-    for k in range(rounds):
-        order = ["default", "tuned"] if k % 2 == 0 else ["tuned", "default"]
-        out.append({side: run_level(sides[side], measured, concurrency, servers.config.bench, sla) for side in order})
+    """Default and chosen, ``rounds`` rounds alternating which goes first, the servers up as bench.servers says."""
+    def side(settings: dict) -> Side:
+        return (lambda: servers.start(settings, warm, concurrency)), (lambda t: servers.stop(t.label))
+
+    out = rotated_rounds({"default": side({}), "tuned": side(chosen["settings"])}, rounds,
+                         lambda t: run_level(t, measured, concurrency, servers.config.bench, sla),
+                         together=servers.config.bench.servers == "together")
+    for k, row in enumerate(out):
         log.info("tune A/B round %d: goodput default %.2f, tuned %.2f req/s", k + 1,
-                 out[-1]["default"]["sla"]["goodput_rps"], out[-1]["tuned"]["sla"]["goodput_rps"])
+                 row["default"]["sla"]["goodput_rps"], row["tuned"]["sla"]["goodput_rps"])
     return out
 
 
@@ -344,7 +375,7 @@ def run_tune(config: PipelineConfig, config_name: str, work_dir: Path) -> dict:
         raise
     finally:
         servers.stop_all()
-    ab = ab_summary(rounds, sla) if rounds else None
+    ab = {**ab_summary(rounds, sla), "servers": config.bench.servers} if rounds else None
     if ab is not None and chosen is not None:
         chosen, verdict = confirm(chosen, ab, sla)
         why = f"{why}; {verdict}" if verdict else f"{why}; confirmed by the A/B"
@@ -538,7 +569,7 @@ def table_markdown(results: dict) -> str:
     ab = results.get("ab")
     if ab:
         ratio = f"{ab['goodput_ratio']:.2f}x" if ab["goodput_ratio"] is not None else "the default had none good"
-        lines.append(f"A/B over {ab['rounds']} alternating round(s), medians: goodput default "
+        lines.append(f"A/B over {ab['rounds']} alternating round(s), {servers_said(ab)}, medians: goodput default "
                      f"{ab['default']['goodput_rps']:.2f}, tuned {ab['tuned']['goodput_rps']:.2f} req/s ({ratio}); "
                      f"output tok/s {ab['output_tokens_per_s_ratio']:.2f}x.")
     return "\n".join(lines) + "\n"

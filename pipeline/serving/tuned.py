@@ -126,3 +126,9 @@ def apply_tuned(config: PipelineConfig, work_dir: Path) -> tuple[PipelineConfig,
     log.info("publish: tuned settings applied from %s: %s", where, applied or (
         "none (the config sets them itself)" if config_wins else "none: tune kept the defaults"))
     return tuned, {"file": where, "applied": applied, "config_wins": config_wins}
+
+
+def servers_said(rounds: dict) -> str:
+    """How rotated_rounds' servers shared the host, from its results (``servers``; results without it are
+    from before one-at-a-time rounds, when every server was up)."""
+    return ("one server up at a time" if rounds.get("servers") == "alone" else "every server up")

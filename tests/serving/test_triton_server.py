@@ -152,6 +152,31 @@ def test_a_model_that_fails_to_load_shows_the_log_and_leaves_nothing(tmp_path, n
     assert server.process is None and server._tmp is None
 
 
+HANGS = '''
+import faulthandler, signal, sys, threading
+
+class TritonPythonModel:
+    def initialize(self, args):  # as the pipeline's models do first (llm_io.stacks_on_signal), then never returns
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+        threading.Event().wait()
+'''
+
+
+def test_a_model_still_loading_at_the_timeout_shows_where_it_stood(tmp_path, no_leftovers):
+    """Not ready in time while alive: before the server is stopped, its models' stubs dump their Python stacks
+    into its log, so the failure says where loading stood."""
+    repo = tmp_path / "repo"
+    _model(repo, "hangs", HANGS)
+    server = TritonServer(repo, log_path=tmp_path / "server.log", ready_timeout_s=8.0)
+    no_leftovers.append(server)
+    with pytest.raises(StageFailed) as info:
+        server.start()
+    msg = str(info.value)
+    assert "was not ready after 8 s" in msg
+    assert "the Python threads of model hangs" in msg and "in initialize" in msg
+    assert server.process is None and server._tmp is None
+
+
 def test_explicit_model_control_loads_on_request_and_survives_a_broken_model(tmp_path, no_leftovers):
     repo = tmp_path / "repo"
     _model(repo, "echo")

@@ -24,6 +24,7 @@ from pipeline.serving.tune import (
     confirm,
     gpu_plan,
     plot_points,
+    rotated_rounds,
     search,
     table_markdown,
 )
@@ -140,6 +141,37 @@ def test_the_ab_confirms_a_choice_only_when_its_medians_keep_the_sla():
     assert none is None and "median P99 inter-token 300 ms > 250 ms" in why and "tune.ab_rounds" in why
     default, why = confirm(chosen, ab([200, 200, 200], [240, 240, 240], default_good=0.6), ITL)
     assert default["settings"] == {} and why.startswith("the default stays")
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_rotated_rounds_keep_one_server_up_at_a_time_or_all_and_stop_every_one(together):
+    """tune's A/B and optimize's side by side: the order rotated from round to round; "alone" starts each side's
+    server for its turn and stops it after (never two up), "together" starts each once; none left up, even when
+    a measurement fails. (The sides here are counters, not servers: what is checked is the order of starts,
+    measurements and stops; tests/serving/bench/test_bench.py runs tune on real servers.)"""
+    up: list[str] = []
+    events: list[tuple[str, str, int]] = []
+
+    def side(name):
+        def start():
+            up.append(name)
+            events.append(("start", name, len(up)))
+            return name
+        return start, (lambda t: (up.remove(t), events.append(("stop", t, len(up)))))
+
+    sides = {k: side(k) for k in ("a", "b", "c")}
+    rows = rotated_rounds(sides, 3, lambda t: {"measured": t, "up": len(up)}, together=together)
+    assert [list(r) for r in rows] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert {r[k]["up"] for r in rows for k in r} == ({3} if together else {1})
+    assert sum(e[0] == "start" for e in events) == (3 if together else 9) and up == []
+
+    def fails(t):
+        if t == "b":
+            raise RuntimeError("the engine died")
+        return {}
+    with pytest.raises(RuntimeError):
+        rotated_rounds(sides, 2, fails, together=together)
+    assert up == []
 
 
 def test_tune_refuses_the_edge_target_and_a_missing_sla_and_takes_the_vllm_target():

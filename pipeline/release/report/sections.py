@@ -32,7 +32,7 @@ from pipeline.release.report.workdir import (
     published_model_config,
 )
 from pipeline.serving.bench.plots import LATENCY_PNG, THROUGHPUT_PNG
-from pipeline.serving.tuned import PLAN_FILE, PLOT_FILE, RESULTS_FILE, TABLE_FILE, TUNE_DIR
+from pipeline.serving.tuned import PLAN_FILE, PLOT_FILE, RESULTS_FILE, TABLE_FILE, TUNE_DIR, servers_said
 
 IMG_DIR = "img"
 TOP_LAYERS = 15  # rows of the sensitivity table on the page (the full table is linked)
@@ -543,7 +543,7 @@ def _section_serving_settings(doc: Doc, work_dir: Path, out_dir: Path, publish: 
     doc.p(f"**Chosen**: {r['why']}.")
     ab = r.get("ab")
     if ab:
-        doc.p(f"**A/B** (tuned vs default, {ab['rounds']} alternating round(s), medians): goodput "
+        doc.p(f"**A/B** (tuned vs default, {ab['rounds']} alternating round(s), {servers_said(ab)}, medians): goodput "
               f"{fmt(ab['tuned']['goodput_rps'])} vs {fmt(ab['default']['goodput_rps'])} req/s "
               f"(ratio {fmt(ab['goodput_ratio'])}); output tokens/s ratio {fmt(ab['output_tokens_per_s_ratio'])}.")
     tuned = dig(publish or {}, "summary", "tuned_settings") or {}
@@ -581,7 +581,7 @@ def _section_optimize(doc: Doc, work_dir: Path, out_dir: Path) -> None:
     side = r.get("side_by_side")
     if side:
         chosen = side["sides"][0]["key"]
-        doc.p(f"**Side by side** ({side['rounds']} round(s), every server up, medians): " + "; ".join(
+        doc.p(f"**Side by side** ({side['rounds']} round(s), {servers_said(side)}, medians): " + "; ".join(
             f"{chosen} vs {k}: goodput {fmt(v['goodput'])}x, output tokens/s {fmt(v['output_tokens_per_s'])}x"
             for k, v in side["chosen_over"].items()) + ".")
     cost = r["cost"]

@@ -43,7 +43,6 @@ from pipeline import targets as registry
 from pipeline.config import BenchSection, PipelineConfig
 from pipeline.errors import InputError, StageFailed
 from pipeline.serving.bench.load import Prompt, make_prompts
-from pipeline.serving.bench.metrics import METRICS_ARGS
 from pipeline.serving.bench.openloop import (
     CROSS_CHECK_TOLERANCE,
     aiperf_executable,
@@ -64,7 +63,7 @@ from pipeline.serving.bench.target import (
     run_level,
     warm_up,
 )
-from pipeline.serving.serve import server_for_target
+from pipeline.serving.serve import measured_server_for_target
 from pipeline.serving.server import TritonServer, log_tail
 from pipeline.summaries import BenchSummary
 
@@ -178,9 +177,8 @@ def _servers(group: list[Target], main: Target, cfg: BenchSection, out_dir: Path
                 continue
             log_name = (artifacts.SERVER_LOG_FILE if t is main else BASELINE_SERVER_LOG if t.label == BASELINE
                         else f"server_{t.frontend}.log")
-            extra = {} if t.openai else {"extra_args": METRICS_ARGS}  # vLLM's metrics are always on
-            server = server_for_target(t.provenance.build.target, t.repository, frontend=t.frontend,
-                                       log_path=out_dir / log_name, **extra)
+            server = measured_server_for_target(t.provenance.build.target, t.repository, frontend=t.frontend,
+                                                log_path=out_dir / log_name)
             server.start()
             started.append(server)
             t.server, t.grpc_url, t.metrics_url = server, server.grpc_url, server.metrics_url
@@ -219,12 +217,16 @@ def _sweep(targets: list[Target], *, warm: list[Prompt], measured: list[Prompt],
     rounds: dict[str, list[list[dict]]] = {t.label: [[] for _ in levels] for t in targets}
     checked: dict[str, dict] = {}
 
-    def level(t: Target, r: int, k: int) -> None:
+    def level(t: Target, r: int, k: int, progress: console.Step) -> None:
         i = r * len(levels) + k
         rounds[t.label][k].append(run_level(t, measured[i * n:(i + 1) * n], levels[k], cfg, sla))
         progress.advance()
 
-    def after(group: list[Target]) -> None:  # on the last round's servers
+    def after(group: list[Target]) -> None:  # on the last round's servers, every round of theirs measured
+        for t in group:
+            t.levels = [median_rounds(per_level, sla) for per_level in rounds[t.label]]
+            for lv in t.levels if cfg.repeats > 1 else ():
+                log.info("%s %s", t.label, spread_sentence(lv))
         if cfg.cross_check_concurrency is not None:
             checked.update(_cross_check(exe, group, cfg.cross_check_concurrency, cfg, out_dir / AIPERF_DIR))
         if cfg.request_rates:
@@ -242,7 +244,7 @@ def _sweep(targets: list[Target], *, warm: list[Prompt], measured: list[Prompt],
                 for r in range(cfg.repeats):
                     for k in range(len(levels)):
                         for t in either_way(targets, k + r):
-                            level(t, r, k)
+                            level(t, r, k, progress)
                 after(targets)
         else:
             for r in range(cfg.repeats):
@@ -250,14 +252,9 @@ def _sweep(targets: list[Target], *, warm: list[Prompt], measured: list[Prompt],
                     with _servers([t], main, cfg, out_dir):
                         warm_up(t, warm, min(len(warm), levels[-1]), cfg)
                         for k in range(len(levels)):
-                            level(t, r, k)
+                            level(t, r, k, progress)
                         if r == cfg.repeats - 1:
                             after([t])
-    for t in targets:
-        t.levels = [median_rounds(per_level, sla) for per_level in rounds[t.label]]
-        if cfg.repeats > 1:
-            for lv in t.levels:
-                log.info("%s %s", t.label, spread_sentence(lv))
     return checked
 
 
