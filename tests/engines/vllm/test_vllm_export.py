@@ -749,10 +749,17 @@ def test_the_calibrated_kv_cache_scales_are_the_ones_vllm_serves_with(tiny_token
         pytest.skip(f"vLLM's serving environment is not installed here ({e})")
     if not runtime.cpu_runs_vllm():
         pytest.skip("vLLM's CPU build keeps no FP8 KV cache without AVX-512 or AMX")
-    if runtime.cpu_features().amx:  # found on a 2-core AMX machine, not yet explained; the e2e vLLM test serves
-        # SmolLM2 with its calibrated FP8 KV cache on the same machine
-        pytest.skip("on an AMX CPU vLLM 0.32's worker dies of SIGILL (exit -4) at this tiny Llama's first step, "
-                    "at head sizes 32 and 64 alike")
+    if runtime.cpu_features().amx:  # seen on a 2-core AMX machine (head sizes 32 and 64 alike). The diagnosis,
+        # read from vLLM 0.32's _C.abi3.so and a gdb run with the AMX dispatch forced on a CPU without AMX (not run
+        # on an AMX CPU): Linux lets a process run AMX tile instructions only after it asked for the tile state
+        # (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), else SIGILL; only oneDNN asks, when it first
+        # creates a matmul, which vLLM does for linears of 1 MiB or more. This model's are all smaller (the
+        # lm_head, 512 x 128 bf16, is 128 KiB), so vLLM's AMX attention kernel (cpu_attention's TileGemm
+        # init_tile_config, taken for bf16 at blocks of 32) is the first AMX user, unasked. Real models' lm_heads
+        # are far over 1 MiB (SmolLM2's 56 MB: the e2e test serves its calibrated FP8 KV cache on AMX)
+        pytest.skip("on an AMX CPU vLLM 0.32's worker dies of SIGILL (exit -4) at this tiny Llama's first step: "
+                    "its AMX attention kernel runs before anything in the process asked Linux for AMX's tile "
+                    "state, which oneDNN does only for linears of 1 MiB or more (this model has none)")
     torch.manual_seed(0)  # heads 32 wide: vLLM's CPU attention keeps an FP8 KV cache for those
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
