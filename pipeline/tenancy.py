@@ -298,6 +298,14 @@ class TenantGate:
         with self._lock:
             return len(self._waiting)
 
+    def waiting_by_tenant(self) -> dict[str, int]:
+        """{tenant: its requests waiting in the gate}, the tenants with none left out."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for w in self._waiting:
+                counts[w.tenant] = counts.get(w.tenant, 0) + 1
+            return counts
+
     def _owed_a_slot(self, tenant: str) -> bool:
         """Whether ``tenant`` has fewer started requests than its slot share (always, without slots)."""
         share = self.book.slot_share(tenant)

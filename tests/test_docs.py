@@ -20,7 +20,9 @@ pytestmark = pytest.mark.unit  # `invoke test --unit`: no model run, no server s
 
 PAGES = sorted((REPO / "docs").rglob("*.md"))
 # names in the docs that end like an error class but are upstream's, not this project's
-UPSTREAM_NAMES = {"HttpCodeFromError"}  # Triton's http_server.cc
+# Triton's http_server.cc; OpenAI's error types (the openai client's exception names), which vLLM's server and the
+# tenant middleware put in an error answer's "type"
+UPSTREAM_NAMES = {"HttpCodeFromError", "BadRequestError", "RateLimitError"}
 FILE_SUFFIXES = ("json", "yaml", "yml", "md", "py", "png", "html", "txt", "jsonl", "safetensors", "gguf", "log",
                  "pbtxt", "sh", "csv")
 

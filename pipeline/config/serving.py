@@ -97,9 +97,10 @@ class TenantSection(Strict):
     """One tenant of a shared deployment (the top-level ``tenants:`` list; pipeline/tenancy.py,
     docs/serving/tenants.md). cpu and vllm targets: its requests are admitted only while their KV blocks (prompt
     and max tokens, at full length) fit its share of the runtime's pool (the cpu runtime's, or vLLM's as it sized it,
-    admitted by Triton's vLLM model); the tenant ``default`` (requests naming none) takes the blocks no tenant has."""
+    admitted by Triton's vLLM model or the tenant middleware on vLLM's OpenAI server); the tenant ``default``
+    (requests naming none) takes the blocks no tenant has."""
 
-    name: SafeName  # as requests name it (their tenant input)
+    name: SafeName  # as requests name it (their tenant input, the x-tenant header, or OpenAI's user field)
     kv_share: Optional[float] = Field(None, gt=0, le=1)  # a fraction of the KV pool's blocks
     kv_blocks: Optional[int] = Field(None, ge=1)  # or a count of them (cpu target: vLLM sizes its pool at start)
     priority_level: Optional[int] = Field(None, ge=1)  # its request class (triton.priority_levels), when it sends none

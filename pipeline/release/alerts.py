@@ -10,7 +10,8 @@ Every expression reads a series a real exporter writes, named where it is define
   models' quality-of-service gauges over the last minute's requests (triton_repo/common/llm_serving.py; cpu and
   pytorch targets: the tensorrt target's C++ backend exports none, so those two rules stay silent there);
 - the per-tenant series of ``TENANT_SERIES`` (``tenant_quota_usage`` / ``tenant_quota_limit``: KV-cache blocks
-  reserved and the tenant's share, per pod), which the cpu target's serving model exports only on a deployment
+  reserved and the tenant's share, per pod), which the cpu and vllm targets' serving models (and on vLLM's OpenAI
+  server its tenant middleware, triton_repo/tensorrt_llm_vllm/tenant_admission.py) export only on a deployment
   whose config has a ``tenants:`` section: elsewhere ``TenantQuotaNearlyFull`` reads nothing and stays silent;
 - ``up`` (Prometheus itself: 0 when a scrape fails; the PodMonitor scrapes every ``SCRAPE_INTERVAL_S``);
 - ``kube_pod_container_status_restarts_total`` (kube-state-metrics);
@@ -52,8 +53,10 @@ def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[
     """The alerting rules for the release ``name`` (its pods are ``<name>-...``), thresholds from ``section``
     (a config AlertsSection): on Triton's series, or with ``engine="vllm"`` on vLLM's; the GPU rules only with
     ``gpu``."""
-    if engine == "vllm":
-        return _vllm_rules(section, name) + (_pod_rules(section, name, "Vllm") + (_gpu_rules(section) if gpu else []))
+    if engine == "vllm":  # the tenants' series: tenant_admission.py's, on the same /metrics
+        tenants = [_tenant_rule(section, f'pod=~"{name}-.*"', _duration(section.for_minutes * 60))]
+        return (_vllm_rules(section, name) + tenants + _pod_rules(section, name, "Vllm")
+                + (_gpu_rules(section) if gpu else []))
     pods = f'pod=~"{name}-.*"'
     hold = _duration(section.for_minutes * 60)
     waiting = (f'sum by (namespace, pod) ({{__name__=~"nv_inference_pending_request_count|nv_trt_llm_request_metrics",'

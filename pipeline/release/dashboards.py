@@ -193,6 +193,7 @@ def _vllm_rows(name: str, gpu: bool) -> dict:
          "percentunit", "The share of API requests answered 5xx (the VllmErrorRate alert)"),
         *_pod_panels(pods),
     ]
+    rows["Tenants"] = _tenant_panels(pods)  # the tenant middleware's series (a deployment with tenants)
     return rows
 
 

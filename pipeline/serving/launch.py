@@ -11,7 +11,8 @@ works for rank 0. Each rank gets its own Python-backend shared-memory prefix. Or
 
 ``launch vllm`` starts vLLM's OpenAI server on a published vllm repository, with the flags the build recorded
 beside the export (``vllm_engine.json``, in the engine model's version folder, which Triton serves too): the
-vLLM image's entrypoint, and ``VllmServer`` for verify and bench.
+vLLM image's entrypoint, and ``VllmServer`` for verify and bench. Where that record has tenants, the server's
+flags load their admission (``--middleware``) from the version folder, which ``vllm_env`` puts on its PYTHONPATH.
 
 Used by the GPU image's entrypoint (``python3 -m pipeline.serving.launch tritonserver <flags>``: the world
 size and the engine model's name come from the repository's provenance.json) and by ``server.TritonServer``
@@ -25,7 +26,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 MPIRUN = "mpirun"
 SHM_PREFIX_FLAG = "--backend-config=python,shm-region-prefix-name="
@@ -109,6 +110,17 @@ def vllm_argv(python: str, repository: Path, host: str, port: int) -> list[str]:
             *engine["server_flags"], "--disable-uvicorn-access-log"]
 
 
+def vllm_env(repository: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """The OpenAI server's environment: ``env``, and where the served record has tenants, the vLLM model's code
+    folder (the version folder holding ``tenant_admission.py`` and ``tenancy.py``) first on PYTHONPATH, for the
+    ``--middleware`` the record's flags name."""
+    folder, engine = vllm_model(repository)
+    out = dict(env)
+    if engine.get("tenants"):
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder.parent), env.get("PYTHONPATH", "")) if p)
+    return out
+
+
 def main(argv: Sequence[str]) -> int:
     """``launch tritonserver --model-repository=/models <flags>``: exec the right command for the repository."""
     if not argv:
@@ -118,10 +130,10 @@ def main(argv: Sequence[str]) -> int:
         opts = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--") and "=" in a)
         if "model-repository" not in opts:
             raise SystemExit(f"launch: give {REPOSITORY_FLAG}DIR")
-        cmd = vllm_argv(sys.executable, Path(opts["model-repository"]), opts.get("host", "0.0.0.0"),
-                        int(opts.get("port", "8000")))
+        repository = Path(opts["model-repository"])
+        cmd = vllm_argv(sys.executable, repository, opts.get("host", "0.0.0.0"), int(opts.get("port", "8000")))
         print(f"launch: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        os.execv(cmd[0], cmd)
+        os.execve(cmd[0], cmd, vllm_env(repository, os.environ))
     tritonserver, flags = argv[0], list(argv[1:])
     repos = [a[len(REPOSITORY_FLAG):] for a in flags if a.startswith(REPOSITORY_FLAG)]
     if len(repos) != 1:

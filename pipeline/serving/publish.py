@@ -558,7 +558,7 @@ def assemble(config, settings: records.BuildSettings, *, artifact: Path, tokeniz
         _link_tree(artifact / artifacts.LLM_API_CHECKPOINT_DIR, llm_dir / artifacts.LLM_API_CHECKPOINT_DIR)
     else:  # the build's folder whole (the vllm export: Triton's model loads it, and so does vLLM's OpenAI server)
         _link_tree(artifact, llm_dir / engine.artifact_dir)
-        engine.apply_serving_settings(config.triton, llm_dir / engine.artifact_dir)
+        engine.apply_serving_settings(config.triton, llm_dir / engine.artifact_dir, config.tenants)
     if names.stream in configs and configs[names.stream].platform == "ensemble":
         (repo / names.stream / str(version)).mkdir(parents=True)
     elif names.stream in configs:

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 STUB_NAME = "triton_python_backend_stub"
 READY_TIMEOUT_S = 300.0  # the CPU repository: ~7 s alone on 2 cores; over 120 s seen in CI, beside a second test
 # worker and a vLLM engine on those 2 cores
+METRICS_BIND_S = 30.0  # the least wait for the metrics port once /v2/health/ready has answered
 VLLM_READY_TIMEOUT_S = 600.0  # vLLM's import and engine start: 40-90 s on 2 busy cores
 LOG_TAIL_LINES = 40
 STACKS_SIGNAL = "SIGUSR1"  # the signal the Triton models dump their threads' stacks on (llm_io.STACKS_SIGNAL)
@@ -398,7 +399,15 @@ class TritonServer(ServerProcess):
                                    env=env, cwd=str(self._tmp))
 
     def _wait_ready(self) -> bool:
-        return self.wait_ready(f"http://{self.host}:{self.http_port}/v2/health/ready", self.ready_timeout_s)
+        """Ready, with every endpoint bound. tritonserver loads its models, then starts gRPC, HTTP and last the
+        metrics service (src/main.cc, StartEndpoints): /v2/health/ready answers before the metrics port is bound,
+        and a metrics port taken meanwhile ends the server after it was ready."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        if not self.wait_ready(f"http://{self.host}:{self.http_port}/v2/health/ready", self.ready_timeout_s):
+            return False
+        if "--allow-metrics=false" in self.extra_args:
+            return True
+        return self.wait_ready(self.metrics_url, max(deadline - time.monotonic(), METRICS_BIND_S))
 
     def _failure_message(self, log_path: Path) -> str:
         code = self.process.poll() if self.process else None

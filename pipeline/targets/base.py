@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence
 
 from pipeline.errors import InputError
 
@@ -180,10 +180,11 @@ class Target:
         """Why its runtime has no ``key`` of SERVING_SETTINGS, and what it has instead ("" when nothing to add)."""
         return ""
 
-    def apply_serving_settings(self, triton: Any, served: Path) -> None:
+    def apply_serving_settings(self, triton: Any, served: Path, tenants: Sequence[Any] = ()) -> None:
         """Publish, after linking the build's artifact folder into the repository as ``served``: apply the triton
-        section's serving settings to what the server reads there (the vllm target's engine record); a file changed
-        is replaced by one of its own, never written through the link into the build."""
+        section's serving settings, and the config's ``tenants`` where a server outside Triton reads them, to what
+        the server reads there (the vllm target's engine record); a file changed is replaced by one of its own,
+        never written through the link into the build."""
 
     def missing_artifacts(self, artifact: Path) -> list[str]:
         """What a build folder of this target lacks (publish refuses it)."""

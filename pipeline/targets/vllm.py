@@ -5,7 +5,7 @@ triton_repo/tensorrt_llm_vllm). vLLM's CPU build serves it here; its CUDA build 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from pipeline import artifacts
 from pipeline.formats import HIGH_PRECISION, NO_QUANT, VLLM_CPU_BLOCK_MULTIPLE, VLLM_CPU_MLA_BLOCK, VLLM_SERVABLE
@@ -81,10 +81,13 @@ class VllmTarget(Target):
         params = {"model_dir": self.artifact_dir, **priority_parameters(triton), **watchdog_parameters(triton)}
         return params, 1, "KIND_MODEL"  # one engine batches every request and places itself on its devices
 
-    def apply_serving_settings(self, triton: Any, served: Path) -> None:
+    def apply_serving_settings(self, triton: Any, served: Path, tenants: Sequence[Any] = ()) -> None:
         """The served export's engine record with the triton section's max_running as vLLM's max_num_seqs: both
-        frontends start vLLM from that record (Triton's vLLM model and ``pipeline.serving.launch vllm``)."""
-        self.call("pipeline.engines.vllm.engine_args:apply_served", triton, served / artifacts.VLLM_ENGINE_FILE)
+        frontends start vLLM from that record (Triton's vLLM model and ``pipeline.serving.launch vllm``). With
+        tenants, the record carries them and the OpenAI server's flags load their admission (Triton's vLLM model
+        reads them from its own parameter)."""
+        self.call("pipeline.engines.vllm.engine_args:apply_served", triton, served / artifacts.VLLM_ENGINE_FILE,
+                  [t.model_dump(exclude_none=True) for t in tenants])
 
     def serving_setting_note(self, key: str) -> str:
         return {
@@ -122,9 +125,6 @@ class VllmTarget(Target):
         unservable = [f"{where}: {f}" for where, f in named if f not in servable and f != HIGH_PRECISION]
         if unservable:
             return [f"{'; '.join(unservable)}: vLLM on {v.device} serves {', '.join(servable)}"]
-        if cfg.tenants and "openai" in v.frontends:
-            return ["tenants: on the vllm target they are admitted by Triton's vLLM model; vLLM's OpenAI server "
-                    "(vllm.frontends: openai) would serve every request from one pool. Set vllm.frontends: [triton]"]
         if b.pipeline_parallel_size != 1:
             return ["build.target: vllm shards with build.tensor_parallel_size; pipeline_parallel_size must be 1"]
         if v.device == "cpu":

@@ -142,9 +142,6 @@ BAD = [
                                         "tenants[1].kv_share 0.4 (b)"]),
     ("tenant-named-default-on-vllm", f"{VLLM_TRITON}\ntenants: [{{name: default, kv_share: 0.5}}]", [],
      ["names must be unique and not 'default'"]),
-    ("tenants-on-vllms-openai-server", "build: {target: vllm}\nvllm: {dtype: bfloat16}\n"
-     "tenants: [{name: a, kv_share: 0.5}]", [], ["vLLM's OpenAI server (vllm.frontends: openai) would serve every "
-                                                 "request from one pool", "vllm.frontends: [triton]"]),
     ("not-yaml", "build: [unclosed", [], ["not valid YAML"]),
     ("missing-text-files", "text: {source: {kind: files, paths: [gone.txt]}}", [], ["text.source.paths", "gone.txt"]),
 ]

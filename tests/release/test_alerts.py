@@ -128,6 +128,7 @@ VLLM_CASES = {
          (f'http_requests_total{{namespace="ns",pod="{GOOD}",handler="/v1/completions",method="POST",status="2xx"}}',
           "0+10x200")],
         "15s", "5m", "7m", {"namespace": "ns", "pod": BAD}, ""),
+    "TenantQuotaNearlyFull": CASES["TenantQuotaNearlyFull"],  # the OpenAI server's tenant middleware's series
     "VllmTargetDown": CASES["TritonTargetDown"],
     "VllmPodRestarting": CASES["TritonPodRestarting"],
 }
@@ -189,7 +190,9 @@ def test_the_vllm_rules_read_only_series_verify_finds_on_vllms_real_server():
     exprs = [r["expr"] for r in alerts.rules(AlertsSection(), NAME, "vllm", gpu=False) if r["alert"] in VLLM_CASES
              and r["alert"] not in ("VllmTargetDown", "VllmPodRestarting")]
     read = {m for e in exprs for m in re.findall(r"([a-z_:]+)\{", e)}
-    assert read and read <= set(METRIC_SERIES), read - set(METRIC_SERIES)
+    tenant = {m for m in read if m.startswith("tenant_")}  # a tenanted deployment's only: alerts.TENANT_SERIES
+    assert tenant == {"tenant_quota_usage", "tenant_quota_limit"} and tenant <= set(alerts.TENANT_SERIES)
+    assert read - tenant and read - tenant <= set(METRIC_SERIES), read - tenant - set(METRIC_SERIES)
 
 
 def test_the_triton_rules_read_only_series_verify_finds_on_a_real_triton_server():
@@ -242,7 +245,7 @@ def test_each_frontends_dashboard_shows_every_series_its_alerts_read_and_only_wh
     series a panel reads from the server is one verify's metrics check requires on the real server
     (engine_args.METRIC_SERIES), so the dashboard is held to the alerts and both to the exporter. Triton's reads
     more of Triton's own families than verify requires: the watchdog test (tests/test_verify.py) finds each on
-    a real server's endpoint. Triton's also has a tenants row on every series of alerts.TENANT_SERIES, which only
+    a real server's endpoint. Both have a tenants row on every series of alerts.TENANT_SERIES, which only
     a deployment with a ``tenants:`` section exports (so verify cannot require them of every build; the tenanted
     real-server check is in tests/serving): every tenant series a panel or rule reads is on that list."""
     from pipeline.engines.vllm.engine_args import METRIC_SERIES
@@ -256,7 +259,7 @@ def test_each_frontends_dashboard_shows_every_series_its_alerts_read_and_only_wh
     assert _series([r["expr"] for r in _rules(engine)]) <= shown
     served = set(METRIC_SERIES) if kind == "vllm" else {family for family, _, _ in metric_series("cpu")}
     tenant = {s for s in shown | _series([r["expr"] for r in _rules(engine)]) if s.startswith("tenant_")}
-    assert tenant == (set(alerts.TENANT_SERIES) if kind == "triton" else set()), tenant
+    assert tenant == set(alerts.TENANT_SERIES), tenant
     from_server = {s for s in shown - EXTERNAL - tenant if not s.startswith("DCGM_")}
     assert from_server and (kind != "vllm" or from_server <= served), from_server - served
     assert _series([r["expr"] for r in _rules(engine)]) - EXTERNAL - tenant - \
@@ -264,5 +267,5 @@ def test_each_frontends_dashboard_shows_every_series_its_alerts_read_and_only_wh
     assert any(s.startswith("DCGM_") for s in shown) == gpu
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert rows == (["Hardware"] if gpu else []) + (["Engine"] if kind == "vllm" else ["Inference pipeline"]) + [
-        "Quality of service"] + (["Tenants"] if kind == "triton" else [])
+        "Quality of service", "Tenants"]
     assert board["tags"] == ["trtllm-pipeline", kind]

@@ -325,7 +325,7 @@ def test_rendered_vllm_manifests_serve_one_port_and_scale_on_vllms_queue(tmp_pat
     board = json.loads(next(iter(cm["data"].values())))
     assert board == json.loads((out / deploy.DASHBOARD_FILE).read_text()) and board["tags"][-1] == "vllm"
     assert [p["title"] for p in board["panels"] if p["type"] == "row"] == \
-        ["Hardware"] * (device == "cuda") + ["Engine", "Quality of service"]
+        ["Hardware"] * (device == "cuda") + ["Engine", "Quality of service", "Tenants"]
     assert f"dashboard: {out / deploy.DASHBOARD_RESOURCE}" in done.stdout
     _promtool_parses(dashboard_exprs(board), tmp_path)
 

@@ -236,12 +236,15 @@ def test_log_tail_puts_errors_first_and_drops_tables(tmp_path):
     assert "|" not in tail and "CudaDriverHelper" not in tail
 
 
-@pytest.mark.parametrize("lost", ["http taken", "grpc taken", "grpc and metrics on one port"])
+@pytest.mark.parametrize("lost", ["http taken", "grpc taken", "metrics taken", "grpc and metrics on one port"])
 def test_a_server_whose_chosen_port_was_lost_starts_again_on_new_ports(tmp_path, no_leftovers, monkeypatch, lost):
     """The real tritonserver, started on ports of which one was taken between choosing and binding it (or, as
     once happened when ports were chosen one at a time, two that came out equal): it fails, the launcher sees why
-    in its log and starts it again on new ports, and it becomes ready there."""
+    in its log and starts it again on new ports, and it becomes ready there. The metrics port is bound after
+    /v2/health/ready answers (tritonserver starts that service last), so a taken one ends a server that was ready:
+    start() waits for the metrics port too, and a server it returns answers there."""
     import socket
+    import urllib.request
 
     from pipeline.serving import server as server_module
     from pipeline.serving.ports import fill_ports, free_ports
@@ -250,6 +253,7 @@ def test_a_server_whose_chosen_port_was_lost_starts_again_on_new_ports(tmp_path,
     _model(repo, "echo")
     http, grpc, metrics = free_ports(3)
     first = {"http taken": [http, grpc, metrics], "grpc taken": [http, grpc, metrics],
+             "metrics taken": [http, grpc, metrics],
              "grpc and metrics on one port": [http, grpc, grpc]}[lost]
     chosen: list[list[int]] = []
 
@@ -263,15 +267,19 @@ def test_a_server_whose_chosen_port_was_lost_starts_again_on_new_ports(tmp_path,
     monkeypatch.setattr(server_module, "fill_ports", first_choice_lost)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         if lost != "grpc and metrics on one port":
-            holder.bind(("127.0.0.1", http if lost == "http taken" else grpc))
+            holder.bind(("127.0.0.1", {"http taken": http, "grpc taken": grpc, "metrics taken": metrics}[lost]))
             holder.listen()
         server = TritonServer(repo, log_path=tmp_path / "server.log")
         no_leftovers.append(server)
         with server:
             assert len(chosen) == 2 and [server.http_port, server.grpc_port, server.metrics_port] == chosen[1]
             assert len(set(chosen[1])) == 3 and server.model_ready("echo")
+            with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+                assert r.status == 200 and b"nv_inference_count" in r.read()
     said = (tmp_path / "server.log").read_text()
     assert {"http taken": "failed to start HTTP service: Unavailable - Socket '127.0.0.1:%d' already in use" % http,
             "grpc taken": "failed to start GRPC service: Unavailable - Socket '127.0.0.1:%d' already in use" % grpc,
+            "metrics taken": "failed to start Metrics service: Unavailable - Socket '127.0.0.1:%d' already in use"
+                             % metrics,
             "grpc and metrics on one port": "The server cannot listen to GRPC requests and metrics requests at the "
                                             "same address and port 127.0.0.1:%d" % grpc}[lost] in said

