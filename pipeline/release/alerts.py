@@ -53,12 +53,11 @@ def rules(section, name: str, engine: str = "triton", gpu: bool = True) -> list[
     """The alerting rules for the release ``name`` (its pods are ``<name>-...``), thresholds from ``section``
     (a config AlertsSection): on Triton's series, or with ``engine="vllm"`` on vLLM's; the GPU rules only with
     ``gpu``."""
-    if engine == "vllm":  # the tenants' series: tenant_admission.py's, on the same /metrics
-        tenants = [_tenant_rule(section, f'pod=~"{name}-.*"', _duration(section.for_minutes * 60))]
-        return (_vllm_rules(section, name) + tenants + _pod_rules(section, name, "Vllm")
-                + (_gpu_rules(section) if gpu else []))
     pods = f'pod=~"{name}-.*"'
     hold = _duration(section.for_minutes * 60)
+    if engine == "vllm":  # the tenants' series: tenant_admission.py's, on the same /metrics
+        return (_vllm_rules(section, name) + [_tenant_rule(section, pods, hold)] + _pod_rules(section, name, "Vllm")
+                + (_gpu_rules(section) if gpu else []))
     waiting = (f'sum by (namespace, pod) ({{__name__=~"nv_inference_pending_request_count|nv_trt_llm_request_metrics",'
                f'request_type=~"|waiting",{pods}}})')
     kv = 'nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="{}",' + pods + '}}'

@@ -110,11 +110,10 @@ def vllm_argv(python: str, repository: Path, host: str, port: int) -> list[str]:
             *engine["server_flags"], "--disable-uvicorn-access-log"]
 
 
-def vllm_env(repository: Path, env: Mapping[str, str]) -> dict[str, str]:
-    """The OpenAI server's environment: ``env``, and where the served record has tenants, the vLLM model's code
-    folder (the version folder holding ``tenant_admission.py`` and ``tenancy.py``) first on PYTHONPATH, for the
-    ``--middleware`` the record's flags name."""
-    folder, engine = vllm_model(repository)
+def vllm_env(folder: Path, engine: dict, env: Mapping[str, str]) -> dict[str, str]:
+    """The OpenAI server's environment for the export ``folder`` and its engine record (``vllm_model``): ``env``,
+    and where the record has tenants, the vLLM model's code folder (the version folder holding
+    ``tenant_admission.py`` and ``tenancy.py``) first on PYTHONPATH, for the ``--middleware`` its flags name."""
     out = dict(env)
     if engine.get("tenants"):
         out["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder.parent), env.get("PYTHONPATH", "")) if p)
@@ -133,7 +132,7 @@ def main(argv: Sequence[str]) -> int:
         repository = Path(opts["model-repository"])
         cmd = vllm_argv(sys.executable, repository, opts.get("host", "0.0.0.0"), int(opts.get("port", "8000")))
         print(f"launch: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        os.execve(cmd[0], cmd, vllm_env(repository, os.environ))
+        os.execve(cmd[0], cmd, vllm_env(*vllm_model(repository), os.environ))
     tritonserver, flags = argv[0], list(argv[1:])
     repos = [a[len(REPOSITORY_FLAG):] for a in flags if a.startswith(REPOSITORY_FLAG)]
     if len(repos) != 1:

@@ -97,8 +97,7 @@ class VllmServer(ServerProcess):
         try:
             for attempt in range(START_TRIES):  # a free port can be taken between choosing it and binding it
                 self.http_port = want or free_port(self.host)
-                self._spawn(python, launch.vllm_env(self.model_repository,
-                                                    runtime.child_env(self.engine.get("env", {}))))
+                self._spawn(python, launch.vllm_env(folder, self.engine, runtime.child_env(self.engine.get("env", {}))))
                 if self._wait_ready():
                     break
                 if attempt < START_TRIES - 1 and not want and lost_port_race(log_tail(self.log_path)):

@@ -152,7 +152,7 @@ class TenantAdmission:
         if self._tokenizer is not None:
             try:
                 ids = self._tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-                return len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+                return len(ids["input_ids"] if hasattr(ids, "keys") else ids)  # ids, or a BatchEncoding
             except Exception:  # noqa: BLE001 - content vLLM renders but the template here does not: bound it below
                 pass
         # every token is at least one byte of the messages' text (and their roles)

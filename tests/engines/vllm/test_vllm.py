@@ -566,8 +566,8 @@ def test_tenants_are_served_by_the_openai_server_through_its_middleware(tmp_path
         "model_name": "m", "version": 3, "build": {"target": "vllm", "tensorrt_llm_model": "m_tensorrt_llm"}}))
     for rec, path in ((served, f"{version}{os.pathsep}/x"), (record, "/x")):
         (version / "vllm_model" / "vllm_engine.json").write_text(json.dumps(rec))
-        assert launch.vllm_env(tmp_path / "repo", {"PYTHONPATH": "/x", "A": "1"}) == {"PYTHONPATH": path, "A": "1"}
-
+        env = launch.vllm_env(*launch.vllm_model(tmp_path / "repo"), {"PYTHONPATH": "/x", "A": "1"})
+        assert env == {"PYTHONPATH": path, "A": "1"}
 
 
 def _request_classes_through_triton(work_root) -> None:
